@@ -1,0 +1,87 @@
+"""The millpond error tree, grouped by what the caller should do.
+
+- retry: ``ConflictError`` (a CAS was lost), ``StorageError`` (transient store failure),
+  ``BackpressureError`` (the buffer stayed full past the timeout);
+- stop: ``FencedError`` (another consumer took over), ``ClosedError``;
+- fix the input or the data: ``FormatError``, ``InvalidInputError``, ``ConfigError``,
+  ``NotFoundError``.
+
+``CommitStateUnknownError`` separates "the write did not land" from "we cannot tell whether it
+landed": only the first lets a caller throw away what it uploaded.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackpressureError",
+    "ClosedError",
+    "CommitStateUnknownError",
+    "ConfigError",
+    "ConflictError",
+    "FencedError",
+    "FormatError",
+    "InvalidInputError",
+    "MillpondError",
+    "NotFoundError",
+    "StorageError",
+]
+
+
+class MillpondError(Exception):
+    """Root of every error millpond raises on purpose."""
+
+
+class ConflictError(MillpondError):
+    """A compare-and-swap lost against a concurrent writer; re-read and retry."""
+
+
+class FencedError(MillpondError):
+    """The manifest epoch moved past this consumer's: another consumer took over. Stop."""
+
+    def __init__(self, message: str, *, expected_epoch: int, found_epoch: int) -> None:
+        super().__init__(message)
+        self.expected_epoch = expected_epoch
+        self.found_epoch = found_epoch
+
+
+class FormatError(MillpondError):
+    """Corrupt, truncated or unsupported bytes. Names the object, field and byte offset."""
+
+    def __init__(
+        self, message: str, *, field: str | None = None, offset: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.offset = offset
+
+
+class StorageError(MillpondError):
+    """A transient object-store failure (network, throttling, 5xx); safe to retry."""
+
+
+class CommitStateUnknownError(StorageError):
+    """A write failed in a way that leaves unknown whether it landed (for example a timeout)."""
+
+
+class NotFoundError(MillpondError, FileNotFoundError):
+    """The object does not exist. Also a ``FileNotFoundError`` so plain ``except`` clauses work."""
+
+
+class BackpressureError(MillpondError):
+    """The producer's buffer or WAL stayed full past the caller's timeout."""
+
+
+class ClosedError(MillpondError):
+    """The producer, consumer or collector was already closed."""
+
+
+class InvalidInputError(MillpondError, ValueError):
+    """An argument that can never succeed (empty entry list, out-of-order ack, ...)."""
+
+
+class ConfigError(MillpondError, ValueError):
+    """A bad configuration value. ``key`` names the offending setting."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key

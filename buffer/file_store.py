@@ -1,0 +1,203 @@
+"""A local-directory object store with a real compare-and-swap.
+
+obstore's ``LocalStore`` cannot do a conditional update, so ``file://`` stores are served
+here. A conditional write takes an exclusive ``flock`` on a per-object lock file, compares the
+current content's ETag, writes a temp file, fsyncs it, renames it over the target and fsyncs
+the directory. ``flock`` is shared by every process on the host, so several producers on one
+machine can append to the same manifest safely. Reads need no lock: ``rename`` is atomic, so a
+reader sees either the old or the new object, never a mix.
+
+The ETag is a hash of the content. Two different states of a manifest never have the same
+bytes (``next_sequence`` and ``epoch`` only grow), so an ETag match means the state is the one
+that was read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from millpond.errors import ConfigError, ConflictError, NotFoundError, StorageError
+from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
+
+__all__ = ["FileStore"]
+
+# Lock and temp files start with a dot and are never listed as objects.
+_HIDDEN = "."
+
+
+class FileStore(ObjectStore):
+    """An :class:`ObjectStore` rooted at a local directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self._root = Path(root).resolve()
+        self._root.mkdir(parents=True, exist_ok=True)
+        self.url = self._root.as_uri()
+
+    @classmethod
+    def from_url(cls, url: str) -> FileStore:
+        """Open ``file:///absolute/path``.
+
+        Raises:
+            ConfigError: a relative or malformed URL.
+        """
+        parts = urlsplit(url)
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            raise ConfigError("store", f"expected file:///absolute/path, found {url!r}")
+        return cls(path)
+
+    def get(self, path: str) -> GetResult:
+        data = self._read(path)
+        return GetResult(data=data, etag=_etag(data))
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        result = self.get(path)
+        return None if etag is not None and result.etag == etag else result
+
+    def head(self, path: str) -> ObjectInfo:
+        target = self._path(path)
+        try:
+            stat = target.stat()
+        except FileNotFoundError as err:
+            raise NotFoundError(f"{path}: not found") from err
+        return ObjectInfo(path=path, size=stat.st_size, last_modified=_mtime(stat.st_mtime))
+
+    def put(self, path: str, data: bytes) -> str | None:
+        target = self._path(path)
+        with self._locked(target):
+            self._replace(target, data)
+        return _etag(data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        target = self._path(path)
+        with self._locked(target):
+            if target.exists():
+                raise ConflictError(f"{path}: already exists")
+            self._replace(target, data)
+        return _etag(data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        target = self._path(path)
+        with self._locked(target):
+            try:
+                current = target.read_bytes()
+            except FileNotFoundError as err:
+                raise ConflictError(f"{path}: vanished since ETag {etag} was read") from err
+            if _etag(current) != etag:
+                raise ConflictError(f"{path}: changed since ETag {etag} was read")
+            self._replace(target, data)
+        return _etag(data)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+        base = self._path(prefix) if prefix.strip("/") else self._root
+        if not base.is_dir():
+            return []
+        found: list[ObjectInfo] = []
+        for directory, names in self._walk(base, recursive):
+            for name in names:
+                full = directory / name
+                try:
+                    stat = full.stat()
+                except FileNotFoundError:
+                    continue  # deleted while we listed
+                relative = full.relative_to(self._root).as_posix()
+                found.append(
+                    ObjectInfo(path=relative, size=stat.st_size, last_modified=_mtime(stat.st_mtime))
+                )
+        return found
+
+    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+        failures: list[DeleteFailure] = []
+        touched: set[Path] = set()
+        for path in paths:
+            try:
+                target = self._path(path)
+                target.unlink(missing_ok=True)
+                touched.add(target.parent)
+            except (OSError, ConfigError) as err:
+                failures.append(DeleteFailure(path=path, reason=str(err)))
+        for directory in touched:
+            _fsync_dir(directory)
+        return failures
+
+    def _read(self, path: str) -> bytes:
+        try:
+            return self._path(path).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
+            raise NotFoundError(f"{path}: not found") from err
+        except OSError as err:
+            raise StorageError(f"{path}: {err}") from err
+
+    def _path(self, path: str) -> Path:
+        clean = path.strip("/")
+        parts = clean.split("/")
+        if not clean or any(p in ("", ".", "..") or p.startswith(_HIDDEN) for p in parts):
+            raise ConfigError("path", f"expected a relative object path, found {path!r}")
+        return self._root.joinpath(*parts)
+
+    def _walk(self, base: Path, recursive: bool) -> Iterator[tuple[Path, list[str]]]:
+        if not recursive:
+            with os.scandir(base) as entries:
+                names = [e.name for e in entries if e.is_file() and not e.name.startswith(_HIDDEN)]
+            yield base, names
+            return
+        for directory, dirs, files in os.walk(base):
+            dirs[:] = [d for d in dirs if not d.startswith(_HIDDEN)]
+            yield Path(directory), [f for f in files if not f.startswith(_HIDDEN)]
+
+    @contextlib.contextmanager
+    def _locked(self, target: Path) -> Iterator[None]:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = target.parent / f"{_HIDDEN}{target.name}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    @staticmethod
+    def _replace(target: Path, data: bytes) -> None:
+        temp = target.parent / f"{_HIDDEN}{target.name}.{uuid.uuid4().hex}.tmp"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                # The data must be on disk before the rename publishes it.
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, target)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise StorageError(f"{target}: write failed: {err}") from err
+        # fsync the directory too, or the rename can be lost on power failure.
+        _fsync_dir(target.parent)
+
+
+def _etag(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _mtime(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,406 @@
+"""The queue manifest wire format, version 1 (OpenData RFC 0001, "Manifest Format").
+
+Pure functions over bytes: no IO, no clock. Layout, little-endian::
+
+    entry*  := entry_len u32 | sequence u64 | location_len u16 | location |
+               metadata_count u32 | (start_index u32 | ingestion_time_ms i64 |
+                                     payload_len u32 | payload)*
+    footer  := entry_count u32 | next_sequence u64 | epoch u64 | version u16   (22 bytes)
+
+``entry_len`` counts the bytes after itself. Appending strips the footer, adds encoded entries
+and writes a new footer; existing entries are never decoded on that path.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from millpond.errors import FormatError, InvalidInputError
+
+__all__ = [
+    "FOOTER_SIZE",
+    "MANIFEST_VERSION",
+    "Footer",
+    "Manifest",
+    "ManifestEntry",
+    "Metadata",
+    "PendingEntry",
+    "append_entries",
+    "decode_footer",
+    "decode_manifest",
+    "empty_manifest",
+    "encode_entry",
+    "find_locations",
+    "remove_through",
+    "with_epoch",
+]
+
+MANIFEST_VERSION = 1
+_FOOTER = struct.Struct("<IQQH")
+_ENTRY_HEAD = struct.Struct("<IQH")  # entry_len, sequence, location_len
+_SEQ_LOC = struct.Struct("<QH")  # the same fields after entry_len
+_U32 = struct.Struct("<I")
+_META_HEAD = struct.Struct("<Iq")  # start_index, ingestion_time_ms
+FOOTER_SIZE = _FOOTER.size  # 22
+_LEN_SIZE = 4
+# Bytes of an entry after entry_len with an empty location and no metadata.
+_MIN_ENTRY_LEN = 8 + 2 + 4
+_META_FIXED = 4 + 8 + 4
+
+_U16_MAX = 0xFFFF
+_U32_MAX = 0xFFFF_FFFF
+_U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """One metadata item: the records from ``start_index`` up to the next item share it."""
+
+    start_index: int
+    """Index in the batch of the first record this item covers."""
+    ingestion_time_ms: int
+    """Wall-clock milliseconds since the Unix epoch when the records were produced."""
+    payload: bytes = b""
+    """Opaque, application-defined bytes from ``produce(..., metadata=...)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEntry:
+    """An entry about to be appended; the manifest assigns its sequence."""
+
+    location: str
+    metadata: tuple[Metadata, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """An entry as stored: a batch location with its sequence and metadata items."""
+
+    sequence: int
+    location: str
+    metadata: tuple[Metadata, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Footer:
+    """The fixed 22-byte trailer."""
+
+    entry_count: int
+    next_sequence: int
+    epoch: int
+    version: int = MANIFEST_VERSION
+
+    def encode(self) -> bytes:
+        return _FOOTER.pack(self.entry_count, self.next_sequence, self.epoch, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A fully decoded and validated manifest."""
+
+    footer: Footer
+    entries: tuple[ManifestEntry, ...]
+
+    @property
+    def epoch(self) -> int:
+        return self.footer.epoch
+
+    @property
+    def next_sequence(self) -> int:
+        return self.footer.next_sequence
+
+    @property
+    def first_sequence(self) -> int | None:
+        """Sequence of the oldest entry, or ``None`` when the queue is empty."""
+        return self.entries[0].sequence if self.entries else None
+
+
+def empty_manifest(*, epoch: int = 0, next_sequence: int = 0) -> bytes:
+    """The footer alone: a manifest with no entries."""
+    return Footer(entry_count=0, next_sequence=next_sequence, epoch=epoch).encode()
+
+
+def encode_entry(sequence: int, entry: PendingEntry) -> bytes:
+    """Encode one entry, validating every field against its wire width.
+
+    Raises:
+        InvalidInputError: a location over u16 bytes, a payload over u32 bytes, or an
+            integer outside its field's range.
+    """
+    location = entry.location.encode("utf-8")
+    if not location:
+        raise InvalidInputError("location: expected a non-empty path, found ''")
+    if len(location) > _U16_MAX:
+        raise InvalidInputError(
+            f"location: expected at most {_U16_MAX} bytes, found {len(location)}"
+        )
+    _check_range("sequence", sequence, 0, _U64_MAX)
+    _check_range("metadata_count", len(entry.metadata), 0, _U32_MAX)
+    parts = [b"", _SEQ_LOC.pack(sequence, len(location)), location, _U32.pack(len(entry.metadata))]
+    for item in entry.metadata:
+        _check_range("start_index", item.start_index, 0, _U32_MAX)
+        _check_range("ingestion_time_ms", item.ingestion_time_ms, _I64_MIN, _I64_MAX)
+        payload = bytes(item.payload)
+        _check_range("payload_len", len(payload), 0, _U32_MAX)
+        parts.append(_META_HEAD.pack(item.start_index, item.ingestion_time_ms))
+        parts.append(_U32.pack(len(payload)))
+        parts.append(payload)
+    body_len = sum(len(p) for p in parts)
+    _check_range("entry_len", body_len, 0, _U32_MAX)
+    parts[0] = _U32.pack(body_len)
+    return b"".join(parts)
+
+
+def decode_footer(raw: bytes | memoryview, *, name: str = "manifest") -> Footer:
+    """Read and validate the footer only (size, version, counts that bytes can hold).
+
+    Raises:
+        FormatError: too short for a footer, or an unknown version.
+    """
+    if len(raw) < FOOTER_SIZE:
+        raise FormatError(
+            f"{name}: footer at byte 0: expected at least {FOOTER_SIZE} bytes, found {len(raw)}",
+            field="footer",
+            offset=0,
+        )
+    start = len(raw) - FOOTER_SIZE
+    entry_count, next_sequence, epoch, version = _FOOTER.unpack_from(raw, start)
+    if version != MANIFEST_VERSION:
+        raise FormatError(
+            f"{name}: version at byte {start + 20}: expected {MANIFEST_VERSION}, found {version}",
+            field="version",
+            offset=start + 20,
+        )
+    # Every entry takes at least 4 + _MIN_ENTRY_LEN bytes; a count the body cannot hold is
+    # corrupt, and checking it here keeps later loops bounded by the bytes present.
+    if entry_count * (_LEN_SIZE + _MIN_ENTRY_LEN) > start:
+        raise FormatError(
+            f"{name}: entry_count at byte {start}: {entry_count} entries cannot fit in "
+            f"{start} bytes",
+            field="entry_count",
+            offset=start,
+        )
+    return Footer(entry_count=entry_count, next_sequence=next_sequence, epoch=epoch)
+
+
+def append_entries(raw: bytes, entries: Sequence[PendingEntry]) -> tuple[bytes, range]:
+    """Append ``entries`` to an encoded manifest without decoding the existing ones.
+
+    Returns:
+        The new manifest bytes and the sequences assigned, in order.
+
+    Raises:
+        FormatError: the existing footer is invalid.
+        InvalidInputError: an entry does not fit the wire format.
+    """
+    footer = decode_footer(raw)
+    first = footer.next_sequence
+    _check_range("next_sequence", first + len(entries), 0, _U64_MAX)
+    encoded = [encode_entry(first + i, entry) for i, entry in enumerate(entries)]
+    new_footer = Footer(
+        entry_count=footer.entry_count + len(entries),
+        next_sequence=first + len(entries),
+        epoch=footer.epoch,
+    )
+    _check_range("entry_count", new_footer.entry_count, 0, _U32_MAX)
+    body = memoryview(raw)[: len(raw) - FOOTER_SIZE]
+    return b"".join([body, *encoded, new_footer.encode()]), range(first, first + len(entries))
+
+
+def with_epoch(raw: bytes, epoch: int) -> bytes:
+    """The same manifest with a new epoch in its footer.
+
+    Raises:
+        FormatError: the existing footer is invalid.
+    """
+    footer = decode_footer(raw)
+    _check_range("epoch", epoch, 0, _U64_MAX)
+    new_footer = Footer(
+        entry_count=footer.entry_count, next_sequence=footer.next_sequence, epoch=epoch
+    )
+    return raw[: len(raw) - FOOTER_SIZE] + new_footer.encode()
+
+
+def remove_through(raw: bytes, through: int) -> tuple[bytes, int]:
+    """Drop every entry with ``sequence <= through``, walking entries by ``entry_len``.
+
+    Returns:
+        The new manifest bytes and how many entries were removed (0 means unchanged).
+
+    Raises:
+        FormatError: the entry framing is inconsistent.
+    """
+    footer = decode_footer(raw)
+    cut = 0
+    removed = 0
+    for _start, end, sequence in _entry_spans(raw, footer, name="manifest"):
+        if sequence > through:
+            break
+        cut = end
+        removed += 1
+    if removed == 0:
+        return raw, 0
+    new_footer = Footer(
+        entry_count=footer.entry_count - removed,
+        next_sequence=footer.next_sequence,
+        epoch=footer.epoch,
+    )
+    return raw[cut : len(raw) - FOOTER_SIZE] + new_footer.encode(), removed
+
+
+def find_locations(
+    raw: bytes, locations: set[str], *, from_sequence: int = 0
+) -> dict[str, int]:
+    """Map each of ``locations`` found at ``sequence >= from_sequence`` to its sequence.
+
+    Used after an ambiguous write to learn whether our own append already landed; only the
+    location field of candidate entries is decoded.
+
+    Raises:
+        FormatError: the entry framing is inconsistent.
+    """
+    footer = decode_footer(raw)
+    found: dict[str, int] = {}
+    view = memoryview(raw)
+    for start, _end, sequence in _entry_spans(raw, footer, name="manifest"):
+        if sequence < from_sequence:
+            continue
+        location_len = _ENTRY_HEAD.unpack_from(view, start)[2]
+        begin = start + _ENTRY_HEAD.size
+        location = bytes(view[begin : begin + location_len]).decode("utf-8", "replace")
+        if location in locations:
+            found[location] = sequence
+    return found
+
+
+def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manifest:
+    """Decode and validate a whole manifest.
+
+    Checks the version, every ``entry_len`` against its fields, that sequences are
+    contiguous and end at ``next_sequence - 1``, and ``entry_count`` against the entries found.
+
+    Raises:
+        FormatError: naming the field and byte offset of the first inconsistency.
+    """
+    footer = decode_footer(raw, name=name)
+    view = memoryview(raw)
+    entries: list[ManifestEntry] = []
+    previous: int | None = None
+    for start, end, sequence in _entry_spans(view, footer, name=name):
+        if previous is not None and sequence != previous + 1:
+            raise FormatError(
+                f"{name}: sequence at byte {start + 4}: expected {previous + 1} "
+                f"(contiguous), found {sequence}",
+                field="sequence",
+                offset=start + 4,
+            )
+        previous = sequence
+        entries.append(_decode_entry(view, start, end, sequence, name))
+    if previous is not None and previous + 1 != footer.next_sequence:
+        offset = len(raw) - FOOTER_SIZE + 4
+        raise FormatError(
+            f"{name}: next_sequence at byte {offset}: expected {previous + 1} "
+            f"(one past the last entry), found {footer.next_sequence}",
+            field="next_sequence",
+            offset=offset,
+        )
+    return Manifest(footer=footer, entries=tuple(entries))
+
+
+def _entry_spans(
+    raw: bytes | memoryview, footer: Footer, *, name: str
+) -> Iterator[tuple[int, int, int]]:
+    """Yield ``(start, end, sequence)`` of each entry, validating the framing only."""
+    body_end = len(raw) - FOOTER_SIZE
+    offset = 0
+    count = 0
+    while offset < body_end:
+        if body_end - offset < _LEN_SIZE + _MIN_ENTRY_LEN:
+            raise FormatError(
+                f"{name}: entry_len at byte {offset}: expected an entry of at least "
+                f"{_LEN_SIZE + _MIN_ENTRY_LEN} bytes, found {body_end - offset} bytes left",
+                field="entry_len",
+                offset=offset,
+            )
+        entry_len, sequence, location_len = _ENTRY_HEAD.unpack_from(raw, offset)
+        end = offset + _LEN_SIZE + entry_len
+        if entry_len < _MIN_ENTRY_LEN + location_len or end > body_end:
+            raise FormatError(
+                f"{name}: entry_len at byte {offset}: {entry_len} does not fit "
+                f"(location_len {location_len}, {body_end - offset - _LEN_SIZE} bytes left)",
+                field="entry_len",
+                offset=offset,
+            )
+        count += 1
+        yield offset, end, sequence
+        offset = end
+    if count != footer.entry_count:
+        raise FormatError(
+            f"{name}: entry_count at byte {body_end}: expected {count} (entries found), "
+            f"found {footer.entry_count}",
+            field="entry_count",
+            offset=body_end,
+        )
+
+
+def _decode_entry(
+    view: memoryview, start: int, end: int, sequence: int, name: str
+) -> ManifestEntry:
+    location_len = _ENTRY_HEAD.unpack_from(view, start)[2]
+    pos = start + _ENTRY_HEAD.size
+    try:
+        location = str(view[pos : pos + location_len], "utf-8")
+    except UnicodeDecodeError as err:
+        raise FormatError(
+            f"{name}: location at byte {pos}: not valid UTF-8 ({err.reason})",
+            field="location",
+            offset=pos,
+        ) from err
+    pos += location_len
+    (metadata_count,) = _U32.unpack_from(view, pos)
+    if metadata_count * _META_FIXED > end - pos - 4:
+        raise FormatError(
+            f"{name}: metadata_count at byte {pos}: {metadata_count} items cannot fit in "
+            f"{end - pos - 4} bytes of entry {sequence}",
+            field="metadata_count",
+            offset=pos,
+        )
+    pos += 4
+    items: list[Metadata] = []
+    for _ in range(metadata_count):
+        start_index, ingestion_time_ms = _META_HEAD.unpack_from(view, pos)
+        (payload_len,) = _U32.unpack_from(view, pos + _META_HEAD.size)
+        payload_start = pos + _META_FIXED
+        if payload_start + payload_len > end:
+            raise FormatError(
+                f"{name}: payload_len at byte {pos + _META_HEAD.size}: {payload_len} runs past "
+                f"the end of entry {sequence} (byte {end})",
+                field="payload_len",
+                offset=pos + _META_HEAD.size,
+            )
+        payload = bytes(view[payload_start : payload_start + payload_len])
+        items.append(Metadata(start_index, ingestion_time_ms, payload))
+        pos = payload_start + payload_len
+        if pos + (_META_FIXED if len(items) < metadata_count else 0) > end:
+            raise FormatError(
+                f"{name}: metadata_count at byte {pos}: entry {sequence} ends before its "
+                f"{metadata_count} metadata items",
+                field="metadata_count",
+                offset=pos,
+            )
+    if pos != end:
+        raise FormatError(
+            f"{name}: entry_len at byte {start}: fields end at byte {pos}, entry_len says {end}",
+            field="entry_len",
+            offset=start,
+        )
+    return ManifestEntry(sequence=sequence, location=location, metadata=tuple(items))
+
+
+def _check_range(field: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidInputError(f"{field}: expected {low}..{high}, found {value}")

@@ -1,0 +1,359 @@
+"""The queue manifest in object storage: the RFC's queue producer and queue consumer.
+
+Every write is a compare-and-swap: the first a create-if-absent, every later one a put
+conditional on the ETag that was read. A lost race re-reads and retries with capped, jittered
+exponential backoff (``RetryPolicy``). Producers append a group of entries in one CAS and carry
+the epoch forward unchanged; the consumer bumps the epoch in ``initialize()`` and checks it on
+every read and dequeue, so an older consumer gets ``FencedError``.
+
+Ambiguous writes. A write that failed on the wire, or a precondition failure on a request
+obstore retried, may mean our own write landed. Before appending again, the producer looks for
+its locations among the entries at or after the sequence it tried to write; only if they are
+absent does it append. One window remains: if the write landed and the consumer dequeued those
+entries before the re-read, the producer cannot see them and appends them again. The consumer
+closes that window by recording each batch location with its rows and skipping a location it
+has already written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from millpond.clock import Clock, SystemClock
+from millpond.errors import (
+    CommitStateUnknownError,
+    ConflictError,
+    FencedError,
+    InvalidInputError,
+    MillpondError,
+    NotFoundError,
+    StorageError,
+)
+from millpond.manifest_format import (
+    Manifest,
+    PendingEntry,
+    append_entries,
+    decode_footer,
+    decode_manifest,
+    empty_manifest,
+    find_locations,
+    remove_through,
+    with_epoch,
+)
+from millpond.metrics import Counters
+from millpond.retry import Backoff, RetryPolicy
+from millpond.store import ObjectStore
+
+__all__ = ["ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestSnapshot:
+    """A decoded manifest with the ETag and size it was read at."""
+
+    manifest: Manifest
+    etag: str | None
+    size: int
+
+
+@dataclass(slots=True)
+class _Raw:
+    data: bytes
+    etag: str | None
+
+
+def read_manifest(store: ObjectStore, path: str) -> ManifestSnapshot:
+    """Read and decode the manifest without any epoch check (for GC, status, inspect).
+
+    Raises:
+        NotFoundError: no manifest yet.
+        FormatError: the manifest is corrupt.
+        StorageError: the store failed.
+    """
+    got = store.get(path)
+    return ManifestSnapshot(decode_manifest(got.data, name=path), got.etag, len(got.data))
+
+
+class _CasLoop:
+    """Shared machinery: read, transform, conditional write, back off on a lost race."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str,
+        *,
+        retry: RetryPolicy | None,
+        clock: Clock | None,
+        counters: Counters | None,
+    ) -> None:
+        self.store = store
+        self.path = manifest_path
+        self.retry = retry or RetryPolicy()
+        self.clock = clock or SystemClock()
+        self.counters = counters or Counters(
+            "manifest_reads", "manifest_writes", "cas_conflicts", "cas_retries"
+        )
+
+    def read(self) -> _Raw | None:
+        self.counters.add("manifest_reads")
+        try:
+            got = self.store.get(self.path)
+        except NotFoundError:
+            return None
+        return _Raw(got.data, got.etag)
+
+    def write(self, current: _Raw | None, data: bytes) -> str | None:
+        """One CAS attempt. Raises ConflictError, CommitStateUnknownError, StorageError."""
+        self.counters.add("manifest_writes")
+        if current is None:
+            return self.store.put_if_absent(self.path, data)
+        if current.etag is None:
+            raise StorageError(f"{self.path}: the store returned no ETag; cannot compare-and-swap")
+        return self.store.put_if_match(self.path, data, current.etag)
+
+    def backoff(self, backoff: Backoff, what: str, err: Exception) -> None:
+        if isinstance(err, ConflictError):
+            self.counters.add("cas_conflicts")
+        self.counters.add("cas_retries")
+        if not backoff.sleep():
+            raise StorageError(
+                f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
+            ) from err
+        logger.debug("%s on %s: attempt %s after %s", what, self.path, backoff.attempt, err)
+
+
+class QueueProducer:
+    """Appends batch locations to the manifest (the RFC's queue producer)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str = "ingest/manifest",
+        *,
+        retry: RetryPolicy | None = None,
+        clock: Clock | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self._cas = _CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
+        # The manifest as we last wrote it: tried first, so an uncontended append costs one
+        # request instead of a read plus a write.
+        self._cached: _Raw | None = None
+
+    @property
+    def counters(self) -> Counters:
+        return self._cas.counters
+
+    def append(self, entries: Sequence[PendingEntry]) -> range:
+        """Append ``entries`` in one CAS; returns the sequences they were given.
+
+        Raises:
+            InvalidInputError: an entry that does not fit the wire format (nothing written).
+            FormatError: the stored manifest is corrupt.
+            StorageError: the retry budget ran out; nothing or everything may have landed, and
+                a later ``append`` of the same entries checks which.
+        """
+        if not entries:
+            raise InvalidInputError("entries: expected at least one entry, found none")
+        locations = {entry.location for entry in entries}
+        if len(locations) != len(entries):
+            raise InvalidInputError("entries: expected distinct locations, found duplicates")
+        cas = self._cas
+        backoff = cas.retry.start(cas.clock)
+        current = self._cached
+        # Lowest sequence an attempt of ours could have landed at; set once a write may have.
+        maybe_landed_from: int | None = None
+        while True:
+            if current is None or maybe_landed_from is not None:
+                try:
+                    current = cas.read()
+                except StorageError as err:
+                    cas.backoff(backoff, "manifest read", err)
+                    continue
+                if maybe_landed_from is not None and current is not None:
+                    landed = self._landed(current, locations, maybe_landed_from)
+                    if landed is not None:
+                        self._cached = current
+                        return landed
+            base = current.data if current is not None else empty_manifest()
+            data, sequences = append_entries(base, entries)
+            attempt_from = sequences.start
+            try:
+                etag = cas.write(current, data)
+            except (ConflictError, CommitStateUnknownError) as err:
+                # Either way our write may be in the manifest (a retried request can fail its
+                # precondition on our own landed write): look before appending again.
+                maybe_landed_from = min(attempt_from, maybe_landed_from or attempt_from)
+                self._cached = None
+                cas.backoff(backoff, "manifest append", err)
+                continue
+            except StorageError as err:
+                self._cached = None
+                current = None
+                cas.backoff(backoff, "manifest append", err)
+                continue
+            self._cached = _Raw(data, etag) if etag is not None else None
+            return sequences
+
+    def _landed(self, current: _Raw, locations: set[str], from_sequence: int) -> range | None:
+        found = find_locations(current.data, locations, from_sequence=from_sequence)
+        if not found:
+            return None
+        if len(found) != len(locations):
+            raise MillpondError(
+                f"{self._cas.path}: only {len(found)} of {len(locations)} locations of one "
+                "append are present; the manifest was written by something else"
+            )
+        first = min(found.values())
+        logger.info("append to %s had landed already at sequence %s", self._cas.path, first)
+        return range(first, first + len(found))
+
+
+class QueueConsumer:
+    """Reads and dequeues the manifest under epoch fencing (the RFC's queue consumer)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str = "ingest/manifest",
+        *,
+        retry: RetryPolicy | None = None,
+        clock: Clock | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self._cas = _CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
+        self._epoch: int | None = None
+        self._last: ManifestSnapshot | None = None
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this consumer holds, or ``None`` before ``initialize()``."""
+        return self._epoch
+
+    @property
+    def counters(self) -> Counters:
+        return self._cas.counters
+
+    def initialize(self) -> int:
+        """Increment the manifest epoch (creating an empty manifest if none exists).
+
+        An ambiguous write is never taken as ours: another consumer may have written the same
+        epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
+
+        Returns:
+            The new epoch, which this consumer now holds.
+
+        Raises:
+            FormatError: the stored manifest is corrupt.
+            StorageError: the retry budget ran out.
+        """
+        cas = self._cas
+        backoff = cas.retry.start(cas.clock)
+        while True:
+            try:
+                current = cas.read()
+                base = current.data if current is not None else empty_manifest()
+                epoch = decode_footer(base, name=cas.path).epoch + 1
+                cas.write(current, with_epoch(base, epoch))
+            except StorageError as err:
+                cas.backoff(backoff, "epoch bump", err)
+                continue
+            except ConflictError as err:
+                cas.backoff(backoff, "epoch bump", err)
+                continue
+            self._epoch = epoch
+            self._last = None
+            logger.info("consumer holds epoch %s of %s", epoch, cas.path)
+            return epoch
+
+    def read(self) -> ManifestSnapshot:
+        """Read and decode the manifest, checking the epoch.
+
+        Raises:
+            FencedError: another consumer initialized after this one.
+            FormatError: the manifest is corrupt.
+            NotFoundError: the manifest is gone.
+            StorageError: the store failed.
+        """
+        got = self._cas.store.get(self._cas.path)
+        self._cas.counters.add("manifest_reads")
+        return self._accept(got.data, got.etag)
+
+    def read_if_changed(self) -> ManifestSnapshot | None:
+        """Like :meth:`read`, but ``None`` when the manifest is unchanged since the last read.
+
+        An unchanged manifest carries the epoch that was checked when it was read, so the
+        conditional GET keeps the fencing guarantee.
+
+        Raises:
+            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read`.
+        """
+        etag = self._last.etag if self._last is not None else None
+        got = self._cas.store.get_if_changed(self._cas.path, etag)
+        self._cas.counters.add("manifest_reads")
+        if got is None:
+            return None
+        return self._accept(got.data, got.etag)
+
+    def dequeue(self, through: int) -> int:
+        """Remove every entry with ``sequence <= through``; returns how many went.
+
+        Writes nothing when nothing would be removed.
+
+        Raises:
+            InvalidInputError: ``through`` is not below ``next_sequence``.
+            FencedError: another consumer initialized after this one.
+            FormatError: the manifest is corrupt.
+            StorageError: the retry budget ran out.
+        """
+        cas = self._cas
+        backoff = cas.retry.start(cas.clock)
+        removed_before = 0
+        while True:
+            try:
+                current = cas.read()
+            except StorageError as err:
+                cas.backoff(backoff, "manifest read", err)
+                continue
+            if current is None:
+                raise NotFoundError(f"{cas.path}: manifest not found")
+            footer = decode_footer(current.data, name=cas.path)
+            self._check_epoch(footer.epoch)
+            if through >= footer.next_sequence:
+                raise InvalidInputError(
+                    f"through: expected < next_sequence {footer.next_sequence}, found {through}"
+                )
+            data, removed = remove_through(current.data, through)
+            if removed == 0:
+                return removed_before
+            try:
+                cas.write(current, data)
+            except CommitStateUnknownError as err:
+                # If it landed, the re-read finds nothing left to remove.
+                removed_before = max(removed_before, removed)
+                cas.backoff(backoff, "dequeue", err)
+                continue
+            except (ConflictError, StorageError) as err:
+                cas.backoff(backoff, "dequeue", err)
+                continue
+            return removed
+
+    def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
+        snapshot = ManifestSnapshot(decode_manifest(data, name=self._cas.path), etag, len(data))
+        self._check_epoch(snapshot.manifest.epoch)
+        self._last = snapshot
+        return snapshot
+
+    def _check_epoch(self, found: int) -> None:
+        if self._epoch is None:
+            raise MillpondError("consumer is not initialized: call initialize() first")
+        if found != self._epoch:
+            raise FencedError(
+                f"{self._cas.path}: fenced: this consumer holds epoch {self._epoch}, the "
+                f"manifest has epoch {found}; another consumer took over",
+                expected_epoch=self._epoch,
+                found_epoch=found,
+            )

@@ -1,0 +1,213 @@
+"""The object-store interface millpond needs, and how a store is opened from a URL.
+
+Everything millpond does to storage goes through :class:`ObjectStore`: plain and conditional
+puts, gets with the ETag, listing and multi-delete. Two implementations exist: one over obstore
+(S3, memory, anything obstore opens; ``obstore_store.py``, the only module importing obstore)
+and one over the local file system with a compare-and-swap of its own (``file_store.py``),
+because obstore's ``LocalStore`` cannot do a conditional update.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from millpond.errors import ConfigError
+
+__all__ = [
+    "DeleteFailure",
+    "GetResult",
+    "ObjectInfo",
+    "ObjectStore",
+    "open_store",
+    "s3_options_from_env",
+]
+
+# Standard AWS variables and the obstore S3 config keys they feed.
+_AWS_ENV = {
+    "AWS_ENDPOINT_URL": "aws_endpoint",
+    "AWS_ENDPOINT_URL_S3": "aws_endpoint",
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+    "AWS_REGION": "aws_region",
+    "AWS_DEFAULT_REGION": "aws_region",
+    "AWS_ALLOW_HTTP": "aws_allow_http",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """An object's bytes with the ETag they were read at."""
+
+    data: bytes
+    etag: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object. ``path`` is relative to the store root."""
+
+    path: str
+    size: int
+    last_modified: datetime | None = None
+    etag: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteFailure:
+    """An object a multi-delete could not remove, and why."""
+
+    path: str
+    reason: str
+
+
+class ObjectStore(ABC):
+    """A bucket (or directory) with the operations the queue, producer and GC need.
+
+    Implementations are thread-safe. Paths are ``/``-separated and relative to the root.
+    """
+
+    url: str
+    """Where the store points, without credentials."""
+
+    @abstractmethod
+    def get(self, path: str) -> GetResult:
+        """Read a whole object.
+
+        Raises:
+            NotFoundError: no object at ``path``.
+            StorageError: the store failed.
+        """
+
+    @abstractmethod
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        """Read an object unless its ETag is still ``etag``; ``None`` means unchanged.
+
+        Raises:
+            NotFoundError: no object at ``path``.
+            StorageError: the store failed.
+        """
+
+    @abstractmethod
+    def head(self, path: str) -> ObjectInfo:
+        """Size, time and ETag of one object.
+
+        Raises:
+            NotFoundError: no object at ``path``.
+            StorageError: the store failed.
+        """
+
+    @abstractmethod
+    def put(self, path: str, data: bytes) -> str | None:
+        """Write an object unconditionally; returns its ETag.
+
+        Raises:
+            StorageError: the store failed; the write may or may not have landed.
+        """
+
+    @abstractmethod
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        """Create an object only if nothing is at ``path``; returns its ETag.
+
+        Raises:
+            ConflictError: an object already exists (possibly our own write, if a retried
+                request is what found it).
+            CommitStateUnknownError: the request failed after it may have landed.
+            StorageError: the store failed before sending.
+        """
+
+    @abstractmethod
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        """Replace an object only if its ETag is still ``etag``; returns the new ETag.
+
+        Raises:
+            ConflictError: the object changed (or vanished) since ``etag`` was read.
+            CommitStateUnknownError: the request failed after it may have landed.
+        """
+
+    @abstractmethod
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+        """Objects under ``prefix`` (a path segment, not a string prefix).
+
+        With ``recursive=False`` only objects directly under ``prefix`` are returned.
+
+        Raises:
+            StorageError: the store failed.
+        """
+
+    @abstractmethod
+    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+        """Delete objects in bulk; a missing object counts as deleted.
+
+        Returns:
+            The objects that could not be deleted, each with the reason; an empty list
+            when all went.
+        """
+
+    @property
+    def supports_conditional_update(self) -> bool:
+        """Whether ``put_if_match`` is a true compare-and-swap on this store."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """obstore S3 options from the standard AWS variables (``AWS_ENDPOINT_URL``, ...)."""
+    env = os.environ if environ is None else environ
+    options: dict[str, str] = {}
+    for variable, key in _AWS_ENV.items():
+        value = env.get(variable)
+        if value and key not in options:
+            options[key] = value
+    endpoint = options.get("aws_endpoint", "")
+    if endpoint.startswith("http://"):
+        options.setdefault("aws_allow_http", "true")
+    return options
+
+
+def open_store(store: str | ObjectStore | Any, options: Mapping[str, str] | None = None) -> ObjectStore:
+    """An :class:`ObjectStore` from a URL, an existing store, or an obstore store object.
+
+    URLs: ``s3://bucket[/root]``, ``file:///path``, ``memory://``. S3 options not given in
+    ``options`` come from the standard AWS variables.
+
+    Raises:
+        ConfigError: an unsupported URL scheme or a bad option.
+    """
+    if isinstance(store, ObjectStore):
+        return store
+    if isinstance(store, str):
+        scheme = urlsplit(store).scheme
+        if scheme == "file":
+            from millpond.file_store import FileStore
+
+            return FileStore.from_url(store)
+        if scheme in ("s3", "s3a", "memory"):
+            from millpond.obstore_store import ObstoreStore
+
+            merged = dict(options or {})
+            if scheme != "memory":
+                merged = {**s3_options_from_env(), **merged}
+            return ObstoreStore.from_url(store, merged)
+        raise ConfigError(
+            "store", f"expected a s3://, file:// or memory:// URL, found {_redact(store)!r}"
+        )
+    from millpond.obstore_store import ObstoreStore
+
+    return ObstoreStore.wrap(store)
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password or parts.username:
+        netloc = parts.hostname or ""
+        return parts._replace(netloc=netloc).geturl()
+    return url

@@ -1,0 +1,57 @@
+"""ULID batch names: minted monotonically, parsed strictly.
+
+A batch object is ``{data_path_prefix}/{ULID}.batch``. GC reads the ULID's millisecond time,
+so a name that is not exactly 26 Crockford base32 characters plus ``.batch`` is not a batch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from ulid import ULID
+
+from millpond.clock import Clock, SystemClock
+
+__all__ = ["BATCH_SUFFIX", "UlidMinter", "batch_location", "parse_batch_name", "ulid_time_ms"]
+
+BATCH_SUFFIX = ".batch"
+_BATCH_NAME = re.compile(r"^([0-7][0-9A-HJKMNP-TV-Z]{25})\.batch$")
+_RANDOM_BITS = 80
+_RANDOM_MASK = (1 << _RANDOM_BITS) - 1
+
+
+class UlidMinter:
+    """Mints strictly increasing ULIDs in this process (monotonic within a millisecond)."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def mint(self) -> str:
+        with self._lock:
+            now = self._clock.now_ms() << _RANDOM_BITS
+            candidate = now | int.from_bytes(os.urandom(10), "big")
+            # Never go back, even if the wall clock does: names minted later sort later.
+            value = max(candidate, self._last + 1)
+            self._last = value
+        return str(ULID.from_int(value))
+
+
+def batch_location(prefix: str, ulid: str) -> str:
+    """``{prefix}/{ULID}.batch`` (just the name when ``prefix`` is empty)."""
+    prefix = prefix.strip("/")
+    return f"{prefix}/{ulid}{BATCH_SUFFIX}" if prefix else f"{ulid}{BATCH_SUFFIX}"
+
+
+def parse_batch_name(name: str) -> str | None:
+    """The ULID of ``{ULID}.batch``, or ``None`` for any other name."""
+    match = _BATCH_NAME.match(name)
+    return match.group(1) if match else None
+
+
+def ulid_time_ms(ulid: str) -> int:
+    """The millisecond timestamp in a ULID."""
+    return int(ULID.from_str(ulid).milliseconds)
