@@ -1,0 +1,64 @@
+"""``millpond inspect STORE_URL``: the manifest's footer and oldest entry at a glance."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from millpond.cli_common import add_store_arguments, emit, open_store_from_args
+from millpond.clock import SystemClock
+from millpond.queue import read_manifest
+from millpond.ulids import parse_batch_name, ulid_time_ms
+
+__all__ = ["add_arguments", "describe", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+
+
+def describe(store_url_or_store: Any, manifest_path: str, now_ms: int) -> dict[str, Any]:
+    """The inspect record for a manifest.
+
+    Raises:
+        NotFoundError: no manifest.
+        FormatError: the manifest is corrupt.
+        StorageError: the store failed.
+    """
+    snapshot = read_manifest(store_url_or_store, manifest_path)
+    manifest = snapshot.manifest
+    oldest = manifest.entries[0] if manifest.entries else None
+    age: float | None = None
+    if oldest is not None:
+        ulid = parse_batch_name(oldest.location.rsplit("/", 1)[-1])
+        if ulid is not None:
+            age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
+        elif oldest.metadata:
+            age = max(0.0, (now_ms - oldest.metadata[0].ingestion_time_ms) / 1000)
+    return {
+        "epoch": manifest.epoch,
+        "next_sequence": manifest.next_sequence,
+        "entry_count": manifest.footer.entry_count,
+        "first_sequence": manifest.first_sequence,
+        "manifest_bytes": snapshot.size,
+        "oldest_location": oldest.location if oldest else None,
+        "oldest_age_seconds": age,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    store = open_store_from_args(args)
+    record = describe(store, args.manifest_path, SystemClock().now_ms())
+    age = record["oldest_age_seconds"]
+    text = [
+        f"manifest        {store.url}/{args.manifest_path}",
+        f"epoch           {record['epoch']}",
+        f"next_sequence   {record['next_sequence']}",
+        f"entry_count     {record['entry_count']}",
+        f"first_sequence  {record['first_sequence'] if record['first_sequence'] is not None else '-'}",
+        f"oldest entry    {record['oldest_location'] or '-'}"
+        + (f" ({age:.1f} s old)" if age is not None else ""),
+        f"manifest_bytes  {record['manifest_bytes']}",
+    ]
+    emit(args, record, text)
+    return 0
