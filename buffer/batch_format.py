@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from enum import IntEnum
 
 import zstandard
-
 from millpond.errors import FormatError, InvalidInputError
 
 __all__ = [

@@ -17,8 +17,12 @@ __all__ = ["add_store_arguments", "emit", "open_store_from_args", "parse_options
 def add_store_arguments(parser: argparse.ArgumentParser, *, output: bool = True) -> None:
     """STORE_URL, --manifest-path, --data-prefix, --store-option and (optionally) --output."""
     parser.add_argument("store", metavar="STORE_URL", help="s3://bucket[/root], file:///path")
-    parser.add_argument("--manifest-path", default="ingest/manifest", help="default ingest/manifest")
-    parser.add_argument("--data-prefix", default="ingest", help="batch object prefix (default ingest)")
+    parser.add_argument(
+        "--manifest-path", default="ingest/manifest", help="default ingest/manifest"
+    )
+    parser.add_argument(
+        "--data-prefix", default="ingest", help="batch object prefix (default ingest)"
+    )
     parser.add_argument(
         "--store-option",
         action="append",

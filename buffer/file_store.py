@@ -14,6 +14,7 @@ that was read.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -96,11 +97,11 @@ class FileStore(ObjectStore):
             self._replace(target, data)
         return _etag(data)
 
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         base = self._path(prefix) if prefix.strip("/") else self._root
         if not base.is_dir():
             return []
-        found: list[ObjectInfo] = []
+        found: builtins.list[ObjectInfo] = []
         for directory, names in self._walk(base, recursive):
             for name in names:
                 full = directory / name
@@ -110,12 +111,14 @@ class FileStore(ObjectStore):
                     continue  # deleted while we listed
                 relative = full.relative_to(self._root).as_posix()
                 found.append(
-                    ObjectInfo(path=relative, size=stat.st_size, last_modified=_mtime(stat.st_mtime))
+                    ObjectInfo(
+                        path=relative, size=stat.st_size, last_modified=_mtime(stat.st_mtime)
+                    )
                 )
         return found
 
-    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
-        failures: list[DeleteFailure] = []
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        failures: builtins.list[DeleteFailure] = []
         touched: set[Path] = set()
         for path in paths:
             try:
@@ -143,7 +146,7 @@ class FileStore(ObjectStore):
             raise ConfigError("path", f"expected a relative object path, found {path!r}")
         return self._root.joinpath(*parts)
 
-    def _walk(self, base: Path, recursive: bool) -> Iterator[tuple[Path, list[str]]]:
+    def _walk(self, base: Path, recursive: bool) -> Iterator[tuple[Path, builtins.list[str]]]:
         if not recursive:
             with os.scandir(base) as entries:
                 names = [e.name for e in entries if e.is_file() and not e.name.startswith(_HIDDEN)]

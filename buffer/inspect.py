@@ -8,6 +8,7 @@ from typing import Any
 from millpond.cli_common import add_store_arguments, emit, open_store_from_args
 from millpond.clock import SystemClock
 from millpond.queue import read_manifest
+from millpond.store import ObjectStore
 from millpond.ulids import parse_batch_name, ulid_time_ms
 
 __all__ = ["add_arguments", "describe", "run"]
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
 
 
-def describe(store_url_or_store: Any, manifest_path: str, now_ms: int) -> dict[str, Any]:
+def describe(store: ObjectStore, manifest_path: str, now_ms: int) -> dict[str, Any]:
     """The inspect record for a manifest.
 
     Raises:
@@ -25,7 +26,7 @@ def describe(store_url_or_store: Any, manifest_path: str, now_ms: int) -> dict[s
         FormatError: the manifest is corrupt.
         StorageError: the store failed.
     """
-    snapshot = read_manifest(store_url_or_store, manifest_path)
+    snapshot = read_manifest(store, manifest_path)
     manifest = snapshot.manifest
     oldest = manifest.entries[0] if manifest.entries else None
     age: float | None = None
@@ -50,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
     record = describe(store, args.manifest_path, SystemClock().now_ms())
     age = record["oldest_age_seconds"]
+    first = record["first_sequence"]
     text = [
         f"manifest        {store.url}/{args.manifest_path}",
         f"epoch           {record['epoch']}",
         f"next_sequence   {record['next_sequence']}",
         f"entry_count     {record['entry_count']}",
-        f"first_sequence  {record['first_sequence'] if record['first_sequence'] is not None else '-'}",
+        f"first_sequence  {first if first is not None else '-'}",
         f"oldest entry    {record['oldest_location'] or '-'}"
         + (f" ({age:.1f} s old)" if age is not None else ""),
         f"manifest_bytes  {record['manifest_bytes']}",

@@ -252,9 +252,7 @@ def remove_through(raw: bytes, through: int) -> tuple[bytes, int]:
     return raw[cut : len(raw) - FOOTER_SIZE] + new_footer.encode(), removed
 
 
-def find_locations(
-    raw: bytes, locations: set[str], *, from_sequence: int = 0
-) -> dict[str, int]:
+def find_locations(raw: bytes, locations: set[str], *, from_sequence: int = 0) -> dict[str, int]:
     """Map each of ``locations`` found at ``sequence >= from_sequence`` to its sequence.
 
     Used after an ambiguous write to learn whether our own append already landed; only the

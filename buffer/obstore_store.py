@@ -7,17 +7,15 @@ Conditional writes map onto obstore's put modes: ``"create"`` for create-if-abse
 
 from __future__ import annotations
 
+import builtins
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import obstore
-from obstore import exceptions as obx
-from obstore.store import MemoryStore, S3Store
-
 from millpond.errors import (
     CommitStateUnknownError,
     ConfigError,
@@ -26,6 +24,8 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
+from obstore import exceptions as obx
+from obstore.store import MemoryStore, S3Store
 
 __all__ = ["ObstoreStore"]
 
@@ -70,15 +70,24 @@ class ObstoreStore(ObjectStore):
         parts = urlsplit(url)
         if parts.scheme == "memory":
             return cls(MemoryStore(), "memory://")
-        config = {k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS}
-        client = {**_DEFAULT_CLIENT, **{k: v for k, v in (options or {}).items() if k in _CLIENT_KEYS}}
+        config: dict[str, Any] = {
+            k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS
+        }
+        client: dict[str, Any] = {
+            **_DEFAULT_CLIENT,
+            **{k: v for k, v in (options or {}).items() if k in _CLIENT_KEYS},
+        }
         # Conditional updates on S3 are ETag based; without this obstore refuses them.
         config.setdefault("aws_conditional_put", "etag")
         if config.get("aws_endpoint", "").startswith("http://"):
             client.setdefault("allow_http", True)
         try:
+            # obstore types these as TypedDicts; ours are validated by obstore itself.
             store = S3Store.from_url(
-                url, config=config, client_options=client, retry_config=_DEFAULT_RETRY
+                url,
+                config=cast("Any", config),
+                client_options=cast("Any", client),
+                retry_config=cast("Any", _DEFAULT_RETRY),
             )
         except obx.BaseError as err:
             raise ConfigError("store", f"cannot open {url!r}: {_first_line(err)}") from err
@@ -134,9 +143,7 @@ class ObstoreStore(ObjectStore):
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         try:
-            result = obstore.put(
-                self._store, path, data, mode={"e_tag": etag}, use_multipart=False
-            )
+            result = obstore.put(self._store, path, data, mode={"e_tag": etag}, use_multipart=False)
         except (
             obx.PreconditionError,
             obx.NotFoundError,
@@ -148,7 +155,7 @@ class ObstoreStore(ObjectStore):
             _translate_write(path, err)
         return result.get("e_tag")
 
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         clean = prefix.strip("/") or None
         if recursive:
             chunks = _call(prefix, lambda: list(obstore.list(self._store, clean, chunk_size=1000)))
@@ -156,20 +163,23 @@ class ObstoreStore(ObjectStore):
         listing = _call(prefix, lambda: obstore.list_with_delimiter(self._store, clean))
         return [_info(meta) for meta in listing["objects"]]
 
-    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
-        failures: list[DeleteFailure] = []
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        failures: builtins.list[DeleteFailure] = []
         for chunk in _chunks(paths, _DELETE_CHUNK):
             try:
                 obstore.delete(self._store, chunk)
             except _STORE_ERRORS as err:
                 # A bulk request reports only its first failure: retry one by one to learn
                 # exactly which objects are left, so GC can log and retry only those.
-                logger.warning("bulk delete of %s objects failed (%s); deleting one by one",
-                               len(chunk), _first_line(err))
+                logger.warning(
+                    "bulk delete of %s objects failed (%s); deleting one by one",
+                    len(chunk),
+                    _first_line(err),
+                )
                 failures.extend(self._delete_each(chunk))
         return failures
 
-    def _delete_each(self, paths: list[str]) -> list[DeleteFailure]:
+    def _delete_each(self, paths: builtins.list[str]) -> builtins.list[DeleteFailure]:
         def one(path: str) -> DeleteFailure | None:
             try:
                 obstore.delete(self._store, path)
@@ -179,7 +189,9 @@ class ObstoreStore(ObjectStore):
                 return DeleteFailure(path=path, reason=_first_line(err))
             return None
 
-        with ThreadPoolExecutor(_DELETE_FALLBACK_THREADS, thread_name_prefix="millpond-del") as pool:
+        with ThreadPoolExecutor(
+            _DELETE_FALLBACK_THREADS, thread_name_prefix="millpond-del"
+        ) as pool:
             return [f for f in pool.map(one, paths) if f is not None]
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -204,7 +216,9 @@ def _translate(path: str, err: BaseException) -> NoReturn:
 
 def _translate_write(path: str, err: BaseException) -> NoReturn:
     if isinstance(err, obx.NotSupportedError):
-        raise ConfigError("store", f"{path}: conditional writes unsupported: {_first_line(err)}") from err
+        raise ConfigError(
+            "store", f"{path}: conditional writes unsupported: {_first_line(err)}"
+        ) from err
     # After a failure on the wire the write may have reached the store.
     raise CommitStateUnknownError(f"{path}: write outcome unknown: {_first_line(err)}") from err
 

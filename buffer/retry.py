@@ -60,7 +60,9 @@ class Backoff:
         remaining = self._deadline - self._clock.monotonic()
         if remaining <= 0:
             return None
-        cap = min(self._policy.max_delay, self._policy.base_delay * (2 ** min(self.attempt - 1, 30)))
+        cap = min(
+            self._policy.max_delay, self._policy.base_delay * (2 ** min(self.attempt - 1, 30))
+        )
         self.attempt += 1
         return min(random.uniform(0, cap), remaining)
 

@@ -9,6 +9,7 @@ because obstore's ``LocalStore`` cannot do a conditional update.
 
 from __future__ import annotations
 
+import builtins
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -132,7 +133,7 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         """Objects under ``prefix`` (a path segment, not a string prefix).
 
         With ``recursive=False`` only objects directly under ``prefix`` are returned.
@@ -142,7 +143,7 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         """Delete objects in bulk; a missing object counts as deleted.
 
         Returns:
@@ -173,7 +174,9 @@ def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, s
     return options
 
 
-def open_store(store: str | ObjectStore | Any, options: Mapping[str, str] | None = None) -> ObjectStore:
+def open_store(
+    store: str | ObjectStore | Any, options: Mapping[str, str] | None = None
+) -> ObjectStore:
     """An :class:`ObjectStore` from a URL, an existing store, or an obstore store object.
 
     URLs: ``s3://bucket[/root]``, ``file:///path``, ``memory://``. S3 options not given in

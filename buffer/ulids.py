@@ -10,9 +10,8 @@ import os
 import re
 import threading
 
-from ulid import ULID
-
 from millpond.clock import Clock, SystemClock
+from ulid import ULID
 
 __all__ = ["BATCH_SUFFIX", "UlidMinter", "batch_location", "parse_batch_name", "ulid_time_ms"]
 
