@@ -186,7 +186,8 @@ class QueueProducer:
             except (ConflictError, CommitStateUnknownError) as err:
                 # Either way our write may be in the manifest (a retried request can fail its
                 # precondition on our own landed write): look before appending again.
-                maybe_landed_from = min(attempt_from, maybe_landed_from or attempt_from)
+                if maybe_landed_from is None or attempt_from < maybe_landed_from:
+                    maybe_landed_from = attempt_from
                 self._cached = None
                 cas.backoff(backoff, "manifest append", err)
                 continue
