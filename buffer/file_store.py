@@ -25,7 +25,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from millpond.errors import ConfigError, ConflictError, NotFoundError, StorageError
+from millpond.errors import (
+    CommitStateUnknownError,
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    StorageError,
+)
 from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
 
 __all__ = ["FileStore"]
@@ -187,7 +193,10 @@ class FileStore(ObjectStore):
                 temp.unlink()
             raise StorageError(f"{target}: write failed: {err}") from err
         # fsync the directory too, or the rename can be lost on power failure.
-        _fsync_dir(target.parent)
+        try:
+            _fsync_dir(target.parent)
+        except OSError as err:
+            raise CommitStateUnknownError(f"{target}: directory fsync failed: {err}") from err
 
 
 def _etag(data: bytes) -> str:

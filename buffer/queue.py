@@ -332,12 +332,13 @@ class QueueConsumer:
                 return removed_before
             try:
                 cas.write(current, data)
-            except CommitStateUnknownError as err:
-                # If it landed, the re-read finds nothing left to remove.
+            except (CommitStateUnknownError, ConflictError) as err:
+                # Our write may have landed (a retried request can fail its precondition on
+                # our own write); if so the re-read finds nothing left to remove.
                 removed_before = max(removed_before, removed)
                 cas.backoff(backoff, "dequeue", err)
                 continue
-            except (ConflictError, StorageError) as err:
+            except StorageError as err:
                 cas.backoff(backoff, "dequeue", err)
                 continue
             return removed
