@@ -6,12 +6,14 @@ stopping it can signal the whole group and never touches a process this module d
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import TypeVar
 __all__ = [
     "LOOPBACK",
     "LocalServiceError",
+    "close_at_exit",
+    "forget_at_exit",
     "free_ports",
     "listening_addresses",
     "log_tail",
@@ -106,21 +110,74 @@ def wait_for(
         interval = min(interval * 2, 0.5)
 
 
-def stop_process_group(process: subprocess.Popen[bytes], *, timeout: float, name: str) -> None:
-    """Stop a child started with ``process_group=0``: SIGTERM the group, then SIGKILL it.
+# Services still open at interpreter exit (a demo that crashed before close()) are closed by
+# an atexit hook, so no server outlives the process that started it and no temp dir is left.
+# Keyed by id(service); the value holds the PID that registered it, because a forked child
+# inherits this dict and must never close its parent's servers when it exits.
+_open_services: dict[int, tuple[int, Callable[[], None]]] = {}
+_open_services_lock = threading.Lock()
+
+
+def close_at_exit(service: object, close: Callable[[], None]) -> None:
+    """Call ``close`` at interpreter exit unless :func:`forget_at_exit` is called first.
+
+    Args:
+        service: the service object (the registry holds ``close``, and so the object, until
+            it is forgotten).
+        close: stops the service and removes its files; must be safe to call twice.
+    """
+    with _open_services_lock:
+        _open_services[id(service)] = (os.getpid(), close)
+
+
+def forget_at_exit(service: object) -> None:
+    """Undo :func:`close_at_exit` once the service is closed.
+
+    Args:
+        service: the object passed to :func:`close_at_exit`.
+    """
+    with _open_services_lock:
+        _open_services.pop(id(service), None)
+
+
+@atexit.register
+def _close_services_at_exit() -> None:
+    with _open_services_lock:
+        leftovers = [close for pid, close in _open_services.values() if pid == os.getpid()]
+    for close in leftovers:
+        try:
+            close()
+        except Exception:  # one failed close must not keep the others running
+            logger.exception("closing a local service at exit failed")
+
+
+def stop_process_group(
+    process: subprocess.Popen[bytes],
+    *,
+    timeout: float,
+    name: str,
+    first_signal: signal.Signals = signal.SIGTERM,
+) -> None:
+    """Stop a child started with ``process_group=0``: signal the group, then SIGKILL it.
 
     Args:
         process: the child; its PID is also its process group ID.
-        timeout: seconds to wait after SIGTERM before SIGKILL.
+        timeout: seconds to wait after ``first_signal`` before SIGKILL; 0 kills at once.
         name: names the service in log lines.
+        first_signal: the polite request to stop.
     """
-    if process.poll() is None:
-        _signal_group(process.pid, signal.SIGTERM)
+    if process.poll() is None and timeout > 0:
+        _signal_group(process.pid, first_signal)
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            logger.info("%s (pid %s) ignored SIGTERM for %.1f s; killing it", name, process.pid,
-                        timeout)
+            logger.info(
+                "%s (pid %s) still running %.1f s after %s; killing it",
+                name,
+                process.pid,
+                timeout,
+                first_signal.name,
+            )
     # Kill the group even when the leader exited: a helper it forked may still be running.
     _signal_group(process.pid, signal.SIGKILL)
     process.wait()

@@ -1,0 +1,32 @@
+"""Real local services for the demo, tests and benchmarks, all bound to 127.0.0.1.
+
+* :func:`start_moto` — an in-process moto S3 server (the fast default).
+* :func:`start_seaweedfs` — a SeaweedFS ``weed server`` child process with an S3 gateway.
+* :func:`start_postgres` — a throwaway PostgreSQL cluster from the machine's binaries.
+* :func:`external_s3_from_env` — an S3 endpoint named by ``MILLPOND_TEST_S3_*`` variables.
+
+``docker-compose.yml`` next to this file runs MinIO and PostgreSQL for machines with Docker.
+"""
+
+from __future__ import annotations
+
+from millpond.localstack._process import LocalServiceError, listening_addresses
+from millpond.localstack.moto_server import MotoS3Server, start_moto
+from millpond.localstack.postgres import PostgresServer, find_postgres_bin_dir, start_postgres
+from millpond.localstack.s3 import S3Endpoint, external_s3_from_env
+from millpond.localstack.seaweedfs import SeaweedFS, find_weed_binary, start_seaweedfs
+
+__all__ = [
+    "LocalServiceError",
+    "MotoS3Server",
+    "PostgresServer",
+    "S3Endpoint",
+    "SeaweedFS",
+    "external_s3_from_env",
+    "find_postgres_bin_dir",
+    "find_weed_binary",
+    "listening_addresses",
+    "start_moto",
+    "start_postgres",
+    "start_seaweedfs",
+]

@@ -1,0 +1,374 @@
+"""A throwaway PostgreSQL cluster from the machine's server binaries, on a loopback port.
+
+The cluster lives in a temp dir (data, unix socket, log), listens on 127.0.0.1 only, trusts
+loopback connections, and has a ``millpond`` database. PostgreSQL refuses to run as root, so
+when this process is root the server runs as the ``postgres`` OS user. ``fsync`` stays on unless
+asked otherwise: durability tests must see the real thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from millpond.localstack._process import (
+    LOOPBACK,
+    LocalServiceError,
+    close_at_exit,
+    forget_at_exit,
+    free_ports,
+    log_tail,
+    stop_process_group,
+    wait_for,
+)
+
+__all__ = ["PostgresServer", "find_postgres_bin_dir", "start_postgres"]
+
+logger = logging.getLogger(__name__)
+
+_SERVER_BINARIES = ("initdb", "postgres", "createdb")
+# Where distributions put versioned server binaries (Debian/Ubuntu, then RHEL/PGDG).
+_VERSIONED_BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/pgsql-*/bin")
+_SUPERUSER = "postgres"
+# Line 8 of postmaster.pid is the postmaster's status; "ready" means it accepts connections.
+_PIDFILE_STATUS_LINE = 7
+_BIND_RETRIES = 3
+
+
+def find_postgres_bin_dir() -> Path:
+    """Find a directory holding ``initdb``, ``postgres`` and ``createdb``.
+
+    Prefers the highest version under ``/usr/lib/postgresql/*/bin`` (or ``/usr/pgsql-*/bin``),
+    then the directory of ``initdb`` on ``PATH``.
+
+    Returns:
+        The directory.
+
+    Raises:
+        LocalServiceError: no PostgreSQL server binaries on this machine.
+    """
+    versioned: list[tuple[tuple[int, ...], Path]] = []
+    for pattern in _VERSIONED_BIN_GLOBS:
+        for directory in Path("/").glob(pattern.lstrip("/")):
+            version = tuple(int(n) for n in re.findall(r"\d+", directory.parent.name))
+            versioned.append((version, directory))
+    candidates = [d for _, d in sorted(versioned, reverse=True)]
+    on_path = shutil.which("initdb")
+    if on_path:
+        candidates.append(Path(on_path).resolve().parent)
+    for directory in candidates:
+        if all(os.access(directory / name, os.X_OK) for name in _SERVER_BINARIES):
+            return directory
+    raise LocalServiceError(
+        "PostgreSQL: no server binaries (initdb, postgres) under /usr/lib/postgresql/*/bin or "
+        "on PATH; install the `postgresql` package (`make postgres-binaries`)"
+    )
+
+
+class PostgresServer:
+    """A PostgreSQL postmaster on 127.0.0.1 in its own temp dir, run as a child process group.
+
+    Use :func:`start_postgres` rather than constructing one directly.
+    """
+
+    def __init__(
+        self,
+        *,
+        database: str = "millpond",
+        bin_dir: Path | None = None,
+        fsync: bool = True,
+    ) -> None:
+        """Prepare a cluster; nothing runs until :meth:`start`.
+
+        Args:
+            database: database created on start.
+            bin_dir: directory of the server binaries; found with
+                :func:`find_postgres_bin_dir` when ``None``.
+            fsync: the server's ``fsync`` setting; keep it on unless a benchmark says otherwise.
+        """
+        self._database = database
+        self._bin_dir = bin_dir if bin_dir is not None else find_postgres_bin_dir()
+        self._fsync = fsync
+        self._root: Path | None = None
+        self._port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+        """How long :meth:`start` took, until the database existed."""
+
+    @property
+    def port(self) -> int:
+        """The TCP port on 127.0.0.1 (0 before start)."""
+        return self._port
+
+    @property
+    def database(self) -> str:
+        """The database created on start."""
+        return self._database
+
+    @property
+    def url(self) -> str:
+        """Connection URL, ``postgresql://postgres@127.0.0.1:PORT/millpond`` (trust auth)."""
+        return f"postgresql://{_SUPERUSER}@{LOOPBACK}:{self._port}/{self._database}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID (and process group ID) of the postmaster, or ``None`` when stopped."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the postmaster is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def root(self) -> Path | None:
+        """The temp dir holding ``data/``, the unix socket and ``postgres.log``, while running."""
+        return self._root
+
+    def start(self, *, timeout: float = 60.0) -> None:
+        """Create the cluster, start the postmaster, wait until it accepts, create the database.
+
+        Args:
+            timeout: seconds to wait for the server to accept connections.
+
+        Raises:
+            LocalServiceError: already started, or a step failed (the log tail is included).
+        """
+        if self._process is not None:
+            raise LocalServiceError(f"PostgreSQL: already running (pid {self.pid})")
+        began = time.monotonic()
+        root = Path(tempfile.mkdtemp(prefix="millpond-pg-"))
+        self._root = root
+        close_at_exit(self, self.stop)
+        try:
+            self._start_in(root, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - began
+        logger.info(
+            "PostgreSQL (pid %s) on %s:%s, database %s, ready in %.1f s",
+            self.pid,
+            LOOPBACK,
+            self._port,
+            self._database,
+            self.startup_seconds,
+        )
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Fast shutdown, then delete the cluster's temp dir.
+
+        Sends SIGINT to the postmaster, which is exactly what ``pg_ctl stop -m fast`` does
+        (``pg_ctl`` itself refuses to run as root), and SIGKILLs the process group if it is
+        still there after ``timeout``. Stopping a stopped server does nothing.
+
+        Args:
+            timeout: seconds to wait for the fast shutdown.
+        """
+        process, self._process = self._process, None
+        if process is not None:
+            stop_process_group(
+                process, timeout=timeout, name="PostgreSQL", first_signal=signal.SIGINT
+            )
+        root, self._root = self._root, None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+        forget_at_exit(self)
+
+    def __enter__(self) -> PostgresServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"PostgresServer(url={self.url!r}, {state})"
+
+    def _start_in(self, root: Path, timeout: float) -> None:
+        run_as = _server_user_kwargs()
+        if run_as:
+            # The server user must own its directories; root's mkdtemp made them root-only.
+            os.chown(root, run_as["user"], run_as["group"])
+        data = root / "data"
+        env = _clean_env()
+        self._run(
+            [
+                str(self._bin_dir / "initdb"),
+                f"--pgdata={data}",
+                f"--username={_SUPERUSER}",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-locale",
+                # Only initdb's final flush of a cluster that dies with this process; the
+                # server below keeps fsync on.
+                "--no-sync",
+            ],
+            cwd=root,
+            env=env,
+            log_path=root / "initdb.log",
+            run_as=run_as,
+        )
+        for attempt in range(1, _BIND_RETRIES + 1):
+            try:
+                self._launch_and_wait(root, env, run_as, timeout)
+                break
+            except LocalServiceError:
+                # Another process can take the free port before the postmaster binds it.
+                port_taken = "could not bind" in log_tail(root / "postgres.log", 20)
+                if not port_taken or attempt == _BIND_RETRIES:
+                    raise
+                logger.info("PostgreSQL: port %s was taken meanwhile; retrying", self._port)
+        self._run(
+            [
+                str(self._bin_dir / "createdb"),
+                f"--host={LOOPBACK}",
+                f"--port={self._port}",
+                f"--username={_SUPERUSER}",
+                self._database,
+            ],
+            cwd=root,
+            env=env,
+            log_path=root / "createdb.log",
+            run_as={},
+        )
+
+    def _launch_and_wait(
+        self, root: Path, env: dict[str, str], run_as: dict[str, Any], timeout: float
+    ) -> None:
+        data = root / "data"
+        log_path = root / "postgres.log"
+        self._port = free_ports(1)[0]
+        argv = [
+            str(self._bin_dir / "postgres"),
+            "-D", str(data),
+            "-p", str(self._port),
+            "-c", f"listen_addresses={LOOPBACK}",
+            "-c", f"unix_socket_directories={root}",
+            "-c", f"fsync={'on' if self._fsync else 'off'}",
+            "-c", "logging_collector=off",
+        ]  # fmt: skip
+        logger.debug("starting PostgreSQL: %s", " ".join(argv))
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                cwd=root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                process_group=0,  # stop() signals the postmaster and every backend it forked
+                **run_as,
+            )
+
+        def exit_reason() -> str | None:
+            if process.poll() is None:
+                return None
+            return f"postgres exited with code {process.returncode}\n{log_tail(log_path)}"
+
+        try:
+            wait_for(
+                lambda: True if _pidfile_status(data) == "ready" else None,
+                timeout=timeout,
+                what=f"PostgreSQL on port {self._port}",
+                alive=exit_reason,
+            )
+        except LocalServiceError:
+            stop_process_group(process, timeout=5.0, name="PostgreSQL", first_signal=signal.SIGINT)
+            raise
+        self._process = process
+
+    @staticmethod
+    def _run(
+        argv: list[str],
+        *,
+        cwd: Path,
+        env: dict[str, str],
+        log_path: Path,
+        run_as: dict[str, Any],
+    ) -> None:
+        with log_path.open("ab") as log:
+            result = subprocess.run(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=False,
+                **run_as,
+            )
+        if result.returncode != 0:
+            raise LocalServiceError(
+                f"PostgreSQL: {Path(argv[0]).name} exited with code {result.returncode}\n"
+                f"{log_tail(log_path)}"
+            )
+
+
+def start_postgres(
+    database: str = "millpond",
+    *,
+    fsync: bool = True,
+    timeout: float = 60.0,
+) -> PostgresServer:
+    """Start a throwaway PostgreSQL on 127.0.0.1 with ``database`` created.
+
+    Args:
+        database: database to create.
+        fsync: the server's ``fsync`` setting (on by default).
+        timeout: seconds to wait for it to accept connections.
+
+    Returns:
+        The running server; end it with :meth:`PostgresServer.stop` or a ``with`` block.
+
+    Raises:
+        LocalServiceError: no binaries, or it did not start.
+    """
+    server = PostgresServer(database=database, fsync=fsync)
+    server.start(timeout=timeout)
+    return server
+
+
+def _server_user_kwargs() -> dict[str, Any]:
+    """Popen arguments that drop root to the ``postgres`` user; empty when not root."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        account = pwd.getpwnam(_SUPERUSER)
+    except KeyError as err:
+        raise LocalServiceError(
+            "PostgreSQL: running as root needs a `postgres` OS user to run the server as"
+        ) from err
+    # user/group/extra_groups switch in the child before exec: no runuser/su in between, so
+    # the PID we hold is the postmaster's own.
+    return {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+
+
+def _clean_env() -> dict[str, str]:
+    # PGDATA, PGPORT, PGHOST and friends from the caller's shell would redirect the tools.
+    return {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+
+
+def _pidfile_status(data: Path) -> str | None:
+    try:
+        lines = (data / "postmaster.pid").read_text().splitlines()
+    except OSError:
+        return None
+    if len(lines) <= _PIDFILE_STATUS_LINE:
+        return None
+    return lines[_PIDFILE_STATUS_LINE].strip()

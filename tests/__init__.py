@@ -1,0 +1,1 @@
+"""Millpond test suites."""

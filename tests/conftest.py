@@ -1,0 +1,132 @@
+"""Shared fixtures: real local services and the store backends every behaviour runs on.
+
+Sections:
+
+1. Local services (session-scoped, started on first use, bound to 127.0.0.1): moto S3,
+   SeaweedFS, PostgreSQL. A test that stops a session server must start it again before
+   returning (``try/finally``); tests that need a server of their own start one themselves.
+2. Store targets: ``store_target`` runs a test on memory, file, moto and SeaweedFS (or on the
+   external S3 named by ``MILLPOND_TEST_S3_*`` instead of moto and SeaweedFS);
+   ``shared_store_target`` only on backends several OS processes can share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from millpond.localstack import (
+    LocalServiceError,
+    MotoS3Server,
+    PostgresServer,
+    S3Endpoint,
+    SeaweedFS,
+    external_s3_from_env,
+    find_postgres_bin_dir,
+    find_weed_binary,
+    start_moto,
+    start_postgres,
+    start_seaweedfs,
+)
+from tests.support import StoreTarget, unique_root
+
+# ---------------------------------------------------------------------------------------------
+# 1. Local services
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoS3Server]:
+    """An in-process moto S3 server for the whole session."""
+    with start_moto() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_s3(moto_server: MotoS3Server) -> S3Endpoint:
+    """The session moto server's endpoint (bucket ``millpond``)."""
+    return moto_server.endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server() -> Iterator[SeaweedFS]:
+    """A SeaweedFS ``weed server`` for the whole session; fails if ``weed`` is missing."""
+    try:
+        find_weed_binary()
+    except LocalServiceError as err:
+        # Never a skip: a suite that silently drops its real-server tests proves nothing.
+        pytest.fail(f"{err} (make test installs what is missing)")
+    with start_seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3(seaweedfs_server: SeaweedFS) -> S3Endpoint:
+    """The session SeaweedFS endpoint (bucket ``millpond``)."""
+    return seaweedfs_server.endpoint
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL for the whole session; fails if the binaries are missing."""
+    try:
+        find_postgres_bin_dir()
+    except LocalServiceError as err:
+        # Never a skip: a suite that silently drops its real-server tests proves nothing.
+        pytest.fail(f"{err} (make test installs what is missing)")
+    with start_postgres() as server:
+        yield server
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Store targets
+# ---------------------------------------------------------------------------------------------
+
+_EXTERNAL_S3 = external_s3_from_env()
+# External S3, when configured, stands in for both local S3 servers.
+_S3_KINDS = ["external"] if _EXTERNAL_S3 is not None else ["moto", "seaweedfs"]
+STORE_KINDS = ["memory", "file", *_S3_KINDS]
+"""Every backend ``store_target`` runs a test on."""
+SHARED_STORE_KINDS = ["file", "external" if _EXTERNAL_S3 is not None else "seaweedfs"]
+"""Backends several OS processes can share (memory lives in one process; moto in ours)."""
+
+
+def _s3_endpoint(request: pytest.FixtureRequest, kind: str) -> S3Endpoint:
+    if kind == "external":
+        assert _EXTERNAL_S3 is not None
+        return _EXTERNAL_S3
+    # getfixturevalue starts a server only when a test first needs it.
+    endpoint: S3Endpoint = request.getfixturevalue(f"{kind}_s3")
+    return endpoint
+
+
+def _make_target(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> StoreTarget:
+    if kind == "memory":
+        return StoreTarget(kind=kind, url="memory://")
+    root = unique_root()
+    if kind == "file":
+        directory = tmp_path / root
+        directory.mkdir()
+        return StoreTarget(kind=kind, url=directory.as_uri(), root=str(directory))
+    endpoint = _s3_endpoint(request, kind)
+    return StoreTarget(
+        kind=kind,
+        url=endpoint.url_for(root),
+        options=endpoint.store_options(),
+        endpoint=endpoint,
+        root=root,
+    )
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+    """A fresh, empty root on each backend in turn (ids: memory, file, moto, seaweedfs)."""
+    return _make_target(request, str(request.param), tmp_path)
+
+
+@pytest.fixture(params=SHARED_STORE_KINDS)
+def shared_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+    """A fresh root on backends that several OS processes can open at once (file, seaweedfs)."""
+    return _make_target(request, str(request.param), tmp_path)

@@ -1,0 +1,52 @@
+"""Helpers shared by the test suites (fixtures live in ``conftest.py``)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from millpond.localstack import S3Endpoint
+
+__all__ = ["StoreTarget", "unique_root"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreTarget:
+    """One object-store backend for one test: a URL with a fresh root, plus its options."""
+
+    kind: str
+    """``memory``, ``file``, ``moto``, ``seaweedfs`` or ``external``."""
+    url: str
+    """Store URL: ``memory://``, ``file:///…/t-<uuid>`` or ``s3://bucket/t-<uuid>``."""
+    options: dict[str, str] = field(default_factory=dict)
+    """obstore options (S3 endpoint and credentials); empty for memory and file."""
+    endpoint: S3Endpoint | None = None
+    """The S3 server behind an ``s3://`` URL, for tests that inspect or damage raw objects."""
+    root: str = ""
+    """Key prefix inside the bucket (S3) or the directory (file); empty for memory."""
+
+    @property
+    def is_s3(self) -> bool:
+        """Whether this target is an S3 server (moto, SeaweedFS or external)."""
+        return self.endpoint is not None
+
+    @property
+    def shareable(self) -> bool:
+        """Whether several OS processes can open this target and see the same objects."""
+        return self.kind != "memory"
+
+    def local_path(self) -> Path:
+        """Return the directory of a ``file`` target.
+
+        Raises:
+            ValueError: not a ``file`` target.
+        """
+        if self.kind != "file":
+            raise ValueError(f"expected a file target, found {self.kind!r}")
+        return Path(self.root)
+
+
+def unique_root() -> str:
+    """Return a fresh root name, ``t-<32 hex digits>``."""
+    return f"t-{uuid.uuid4().hex}"
