@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from enum import IntEnum
 
 import zstandard
+
 from millpond.errors import FormatError, InvalidInputError
 
 __all__ = [
@@ -126,7 +127,9 @@ def decode_batch(raw: bytes | memoryview, *, name: str = "batch") -> list[bytes]
             field="compression_type",
             offset=footer_at,
         )
-    return _split_records(block, record_count, name, compressed=compression != 0)
+    return _split_records(
+        block, record_count, name, compressed=compression != 0, count_at=footer_at + 1
+    )
 
 
 def _decompress(block: memoryview, name: str) -> bytes:
@@ -168,16 +171,16 @@ def _decompress(block: memoryview, name: str) -> bytes:
 
 
 def _split_records(
-    block: memoryview, record_count: int, name: str, *, compressed: bool
+    block: memoryview, record_count: int, name: str, *, compressed: bool, count_at: int
 ) -> list[bytes]:
     where = " (decompressed)" if compressed else ""
     # Each record needs at least its 4-byte length: bound the count by the bytes present.
     if record_count * 4 > len(block):
         raise FormatError(
-            f"{name}: record_count at footer: {record_count} records cannot fit in "
-            f"{len(block)} bytes",
+            f"{name}: record_count at byte {count_at}: {record_count} records cannot fit in "
+            f"{len(block)} bytes{where}",
             field="record_count",
-            offset=None,
+            offset=count_at,
         )
     records: list[bytes] = []
     offset = 0
@@ -203,9 +206,9 @@ def _split_records(
         offset += size
     if offset != end:
         raise FormatError(
-            f"{name}: record_count at footer: {record_count} records end at byte "
+            f"{name}: record_count at byte {count_at}: {record_count} records end at byte "
             f"{offset}{where}, the record block has {end} bytes",
             field="record_count",
-            offset=offset,
+            offset=count_at,
         )
     return records

@@ -16,6 +16,9 @@ from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import obstore
+from obstore import exceptions as obx
+from obstore.store import MemoryStore, S3Store
+
 from millpond.errors import (
     CommitStateUnknownError,
     ConfigError,
@@ -24,8 +27,6 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
-from obstore import exceptions as obx
-from obstore.store import MemoryStore, S3Store
 
 __all__ = ["ObstoreStore"]
 
@@ -48,6 +49,7 @@ _DEFAULT_CLIENT: dict[str, Any] = {
     "connect_timeout": timedelta(seconds=5),
     "timeout": timedelta(seconds=120),
 }
+_TRUE = frozenset({"1", "true", "yes", "on"})
 _CLIENT_KEYS = frozenset(
     {"connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "allow_http"}
 )
@@ -70,15 +72,18 @@ class ObstoreStore(ObjectStore):
         parts = urlsplit(url)
         if parts.scheme == "memory":
             return cls(MemoryStore(), "memory://")
-        config: dict[str, Any] = {
-            k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS
-        }
+        config: dict[str, Any] = {k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS}
         client: dict[str, Any] = {
             **_DEFAULT_CLIENT,
             **{k: v for k, v in (options or {}).items() if k in _CLIENT_KEYS},
         }
         # Conditional updates on S3 are ETag based; without this obstore refuses them.
         config.setdefault("aws_conditional_put", "etag")
+        # AWS_ALLOW_HTTP maps to a client option: obstore 0.12 parses ``aws_allow_http`` as an
+        # S3 config key but then panics ("Expected config prefix to start with aws_").
+        allow_http = config.pop("aws_allow_http", None)
+        if allow_http is not None:
+            client.setdefault("allow_http", str(allow_http).strip().lower() in _TRUE)
         if config.get("aws_endpoint", "").startswith("http://"):
             client.setdefault("allow_http", True)
         try:

@@ -174,7 +174,7 @@ class QueueProducer:
                     cas.backoff(backoff, "manifest read", err)
                     continue
                 if maybe_landed_from is not None and current is not None:
-                    landed = self._landed(current, locations, maybe_landed_from)
+                    landed = self._landed(current, entries, maybe_landed_from)
                     if landed is not None:
                         self._cached = current
                         return landed
@@ -199,18 +199,30 @@ class QueueProducer:
             self._cached = _Raw(data, etag) if etag is not None else None
             return sequences
 
-    def _landed(self, current: _Raw, locations: set[str], from_sequence: int) -> range | None:
-        found = find_locations(current.data, locations, from_sequence=from_sequence)
+    def _landed(
+        self, current: _Raw, entries: Sequence[PendingEntry], from_sequence: int
+    ) -> range | None:
+        order = {entry.location: index for index, entry in enumerate(entries)}
+        found = find_locations(current.data, set(order), from_sequence=from_sequence)
         if not found:
             return None
-        if len(found) != len(locations):
+        # One CAS writes the whole group or nothing, so any of our locations present means all
+        # of them landed; the missing ones were already dequeued by the consumer.
+        firsts = {sequence - order[location] for location, sequence in found.items()}
+        if len(firsts) != 1:
             raise MillpondError(
-                f"{self._cas.path}: only {len(found)} of {len(locations)} locations of one "
-                "append are present; the manifest was written by something else"
+                f"{self._cas.path}: the locations of one append are not contiguous in the "
+                "manifest; it was written by something else"
             )
-        first = min(found.values())
-        logger.info("append to %s had landed already at sequence %s", self._cas.path, first)
-        return range(first, first + len(found))
+        first = firsts.pop()
+        logger.info(
+            "append to %s had landed already at sequence %s (%s of %s entries still queued)",
+            self._cas.path,
+            first,
+            len(found),
+            len(entries),
+        )
+        return range(first, first + len(entries))
 
 
 class QueueConsumer:

@@ -1,0 +1,214 @@
+"""The object-store adapter, on every store (memory, file, moto, SeaweedFS).
+
+Each test opens the store named by the parametrized ``store_target`` fixture, so one behaviour
+is checked the same way on all four.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from millpond.errors import ConfigError, ConflictError, NotFoundError
+from millpond.file_store import FileStore
+from millpond.store import ObjectStore, open_store
+from tests.support import StoreTarget
+
+from ._helpers import open_target
+
+
+@pytest.fixture
+def store(store_target: StoreTarget) -> ObjectStore:
+    return open_target(store_target)
+
+
+def test_get_returns_bytes_and_the_put_etag(store: ObjectStore) -> None:
+    etag = store.put("a/obj", b"hello")
+    got = store.get("a/obj")
+    assert got.data == b"hello"
+    assert got.etag
+    assert etag == got.etag
+    assert store.head("a/obj").size == 5
+
+
+def test_put_overwrites_and_changes_etag(store: ObjectStore) -> None:
+    first = store.put("a/obj", b"one")
+    second = store.put("a/obj", b"two")
+    assert first != second
+    assert store.get("a/obj") == type(store.get("a/obj"))(data=b"two", etag=second)
+
+
+def test_missing_object_is_not_found(store: ObjectStore) -> None:
+    with pytest.raises(NotFoundError):
+        store.get("nope/obj")
+    with pytest.raises(FileNotFoundError):  # plain except clauses work too
+        store.head("nope/obj")
+    with pytest.raises(NotFoundError):
+        store.get_if_changed("nope/obj", None)
+    with pytest.raises(NotFoundError):
+        store.get_if_changed("nope/obj", "some-etag")
+
+
+def test_put_if_absent_creates_once(store: ObjectStore) -> None:
+    etag = store.put_if_absent("m", b"first")
+    assert etag == store.get("m").etag
+    with pytest.raises(ConflictError):
+        store.put_if_absent("m", b"second")
+    assert store.get("m").data == b"first"
+
+
+def test_put_if_match_refuses_a_stale_etag(store: ObjectStore) -> None:
+    stale = store.put_if_absent("m", b"v1")
+    assert stale is not None
+    current = store.put_if_match("m", b"v2", stale)
+    assert current is not None
+    assert current != stale
+    with pytest.raises(ConflictError):
+        store.put_if_match("m", b"v3-lost", stale)
+    got = store.get("m")
+    assert got.data == b"v2"
+    assert got.etag == current
+    newest = store.put_if_match("m", b"v3", current)
+    assert store.get("m").data == b"v3"
+    assert store.get("m").etag == newest
+
+
+def test_put_if_match_on_a_missing_object_conflicts(store: ObjectStore) -> None:
+    etag = store.put("other", b"x")
+    assert etag is not None
+    with pytest.raises(ConflictError):
+        store.put_if_match("missing", b"y", etag)
+    with pytest.raises(NotFoundError):
+        store.get("missing")
+
+
+def test_get_if_changed(store: ObjectStore) -> None:
+    etag = store.put("m", b"v1")
+    assert store.get_if_changed("m", etag) is None
+    full = store.get_if_changed("m", None)
+    assert full is not None
+    assert full.data == b"v1"
+    new_etag = store.put("m", b"v2")
+    changed = store.get_if_changed("m", etag)
+    assert changed is not None
+    assert (changed.data, changed.etag) == (b"v2", new_etag)
+    assert store.get_if_changed("m", new_etag) is None
+
+
+def test_list_recursive_and_not(store: ObjectStore) -> None:
+    for path in ["p/a", "p/b", "p/sub/c", "p/sub/deeper/d", "pother/x", "top"]:
+        store.put(path, path.encode())
+    recursive = {info.path: info.size for info in store.list("p")}
+    assert recursive == {"p/a": 3, "p/b": 3, "p/sub/c": 7, "p/sub/deeper/d": 14}
+    flat = {info.path for info in store.list("p", recursive=False)}
+    assert flat == {"p/a", "p/b"}  # nested prefixes are excluded
+    assert {info.path for info in store.list("p/", recursive=False)} == flat
+    assert {info.path for info in store.list("p/sub", recursive=False)} == {"p/sub/c"}
+    everything = {info.path for info in store.list()}
+    assert everything == {"p/a", "p/b", "p/sub/c", "p/sub/deeper/d", "pother/x", "top"}
+    assert {info.path for info in store.list(recursive=False)} == {"top"}
+    assert store.list("absent") == []
+    assert store.list("absent", recursive=False) == []
+
+
+def test_delete_many_with_a_missing_object(store: ObjectStore) -> None:
+    for path in ["d/1", "d/2", "d/3"]:
+        store.put(path, b"x")
+    failures = store.delete_many(iter(["d/1", "d/missing", "d/3"]))
+    assert failures == []
+    assert {info.path for info in store.list("d")} == {"d/2"}
+    assert store.delete_many([]) == []
+
+
+def test_delete_many_in_bulk(store: ObjectStore) -> None:
+    paths = [f"bulk/{i:04d}" for i in range(1005)]  # more than one S3 DeleteObjects request
+    for path in paths[:20]:
+        store.put(path, b"x")
+    assert store.delete_many(paths) == []
+    assert store.list("bulk") == []
+
+
+def test_open_store_rejects_unknown_schemes() -> None:
+    with pytest.raises(ConfigError) as info:
+        open_store("ftp://user:secret@host/x")
+    assert info.value.key == "store"
+    assert "secret" not in str(info.value)
+
+
+def test_file_store_refuses_paths_outside_its_root(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "root")
+    for bad in ["../escape", "a/../../b", "", ".hidden", "a/.lock"]:
+        with pytest.raises(ConfigError):
+            store.put(bad, b"x")
+    store.put("a/b", b"x")
+    # Lock and temp files stay invisible.
+    assert [info.path for info in store.list()] == ["a/b"]
+
+
+@pytest.mark.parametrize("allow_http", ["true", "false"])
+def test_open_s3_with_aws_allow_http_option(allow_http: str) -> None:
+    # obstore 0.12 panics on ``aws_allow_http`` in its S3 config; the adapter moves it to the
+    # client options. Opening does no IO, so no server is needed.
+    store = open_store(
+        "s3://bucket/root",
+        {
+            "aws_endpoint": "http://127.0.0.1:9",
+            "aws_allow_http": allow_http,
+            "aws_access_key_id": "k",
+            "aws_secret_access_key": "s",
+            "aws_region": "us-east-1",
+        },
+    )
+    assert store.url == "s3://bucket/root"
+
+
+def test_open_s3_from_the_standard_aws_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    assert open_store("s3://bucket").url == "s3://bucket"
+
+
+def test_store_survives_pickling(store_target: StoreTarget) -> None:
+    # Producers hand stores to worker processes (Spark executors, multiprocessing).
+    store = open_target(store_target)
+    if not store_target.shareable:
+        with pytest.raises(TypeError):  # a memory store lives in one process only
+            pickle.dumps(store)
+        return
+    etag = store.put_if_absent("m", b"v1")
+    assert etag is not None
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.url == store.url
+    assert copy.get("m").data == b"v1"
+    copy.put_if_match("m", b"v2", etag)  # the conditional-put setting survives
+    with pytest.raises(ConflictError):
+        copy.put_if_match("m", b"v3", etag)
+    assert store.get("m").data == b"v2"
+
+
+def test_open_store_adopts_an_obstore_object_and_an_object_store() -> None:
+    from obstore.store import MemoryStore
+
+    adopted = open_store(MemoryStore())
+    etag = adopted.put_if_absent("k", b"1")
+    assert etag is not None
+    adopted.put_if_match("k", b"2", etag)
+    assert adopted.get("k").data == b"2"
+    assert open_store(adopted) is adopted
+    with pytest.raises(ConfigError):
+        open_store(object())
+
+
+def test_file_store_reports_objects_it_cannot_delete(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "root")
+    store.put("dir/inner", b"x")
+    store.put("gone", b"x")
+    failures = store.delete_many(["dir", "gone", "missing"])  # "dir" is a directory
+    assert [f.path for f in failures] == ["dir"]
+    assert failures[0].reason
+    assert {info.path for info in store.list()} == {"dir/inner"}
