@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -71,7 +72,7 @@ class ObstoreStore(ObjectStore):
         """
         parts = urlsplit(url)
         if parts.scheme == "memory":
-            return cls(MemoryStore(), "memory://")
+            return cls(_named_memory_store(parts.netloc + parts.path), url)
         config: dict[str, Any] = {k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS}
         client: dict[str, Any] = {
             **_DEFAULT_CLIENT,
@@ -201,6 +202,20 @@ class ObstoreStore(ObjectStore):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ObstoreStore, (self._store, self.url))
+
+
+_MEMORY_STORES: dict[str, Any] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def _named_memory_store(name: str) -> Any:
+    """One MemoryStore per name in this process, so a producer and a consumer opened on the
+    same ``memory://name`` URL see the same objects."""
+    with _MEMORY_LOCK:
+        store = _MEMORY_STORES.get(name)
+        if store is None:
+            store = _MEMORY_STORES[name] = MemoryStore()
+        return store
 
 
 def _call(path: str, fn: Callable[[], _T]) -> _T:

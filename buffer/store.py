@@ -179,7 +179,8 @@ def open_store(
 ) -> ObjectStore:
     """An :class:`ObjectStore` from a URL, an existing store, or an obstore store object.
 
-    URLs: ``s3://bucket[/root]``, ``file:///path``, ``memory://``. S3 options not given in
+    URLs: ``s3://bucket[/root]``, ``file:///path``, ``memory://[name]`` (one store per name in
+    the process). S3 options not given in
     ``options`` come from the standard AWS variables.
 
     Raises:

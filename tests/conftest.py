@@ -103,9 +103,10 @@ def _s3_endpoint(request: pytest.FixtureRequest, kind: str) -> S3Endpoint:
 
 
 def _make_target(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> StoreTarget:
-    if kind == "memory":
-        return StoreTarget(kind=kind, url="memory://")
     root = unique_root()
+    if kind == "memory":
+        # Named memory stores are shared within the process: a fresh name per test.
+        return StoreTarget(kind=kind, url=f"memory://{root}")
     if kind == "file":
         directory = tmp_path / root
         directory.mkdir()

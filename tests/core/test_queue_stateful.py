@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 
 import pytest
@@ -63,7 +64,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.delivered: list[tuple[int, str]] = []  # (sequence, location) handed to consumers
 
     def make_store(self) -> ObjectStore:
-        return ObstoreStore.from_url("memory://")
+        # A fresh name per example: named memory stores are shared within the process.
+        return ObstoreStore.from_url(f"memory://sm-{uuid.uuid4().hex}")
 
     def _append_model(self, group: list[PendingEntry]) -> range:
         start = self.model.next_sequence
