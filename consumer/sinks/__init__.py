@@ -1,0 +1,85 @@
+"""Database sinks that make consumption exactly-once.
+
+A sink writes each batch's rows together with its sequence and location in one transaction
+(:class:`Sink`). SQLite is the embedded default; PostgreSQL is the real one. Both go through
+ADBC, and both turn Arrow entries into rows of a table with their columns (created from the
+first schema, extended and widened as schemas drift) and opaque entries into rows
+``(sequence, entry_index, payload, ingestion_time_ms, metadata)``.
+
+```python
+from millpond.consumer.sinks import open_sink
+
+with open_sink("postgresql://app@db:5432/warehouse", table="events") as sink:
+    consumer.initialize(last_acked_sequence=sink.last_sequence())
+    ...
+```
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from millpond.consumer.sinks._adbc import AdbcSink
+from millpond.consumer.sinks._rows import OPAQUE_SCHEMA, batch_rows, detect_format
+from millpond.consumer.sinks.base import EntryFormat, Sink, SinkError
+from millpond.consumer.sinks.postgres import PostgresSink, redact
+from millpond.consumer.sinks.sqlite import SQLiteSink
+from millpond.errors import ConfigError
+
+__all__ = [
+    "OPAQUE_SCHEMA",
+    "AdbcSink",
+    "EntryFormat",
+    "PostgresSink",
+    "SQLiteSink",
+    "Sink",
+    "SinkError",
+    "batch_rows",
+    "detect_format",
+    "open_sink",
+    "redact",
+]
+
+
+def open_sink(
+    url: str,
+    *,
+    table: str = "millpond_rows",
+    entry_format: EntryFormat | str = EntryFormat.AUTO,
+    sequence_column: str | None = "_millpond_sequence",
+    progress_table: str = "millpond_progress",
+) -> AdbcSink:
+    """A sink from a URL: ``sqlite:///absolute/path.db`` or ``postgresql://...``.
+
+    Args:
+        url: where the database is.
+        table: target table, ``name`` or ``schema.name``.
+        entry_format: ``auto``, ``arrow`` or ``opaque`` (see :class:`EntryFormat`).
+        sequence_column: for Arrow rows, a column holding each row's batch sequence; ``None``
+            for none.
+        progress_table: the table recording written sequences and locations.
+
+    Raises:
+        ConfigError: an unsupported URL or a bad option.
+    """
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        path = unquote(parts.path)
+        if parts.netloc or not path.startswith("/"):
+            raise ConfigError("sink", f"expected sqlite:///absolute/path.db, found {url!r}")
+        return SQLiteSink(
+            path,
+            table=table,
+            entry_format=entry_format,
+            sequence_column=sequence_column,
+            progress_table=progress_table,
+        )
+    if parts.scheme in ("postgresql", "postgres"):
+        return PostgresSink(
+            url,
+            table=table,
+            entry_format=entry_format,
+            sequence_column=sequence_column,
+            progress_table=progress_table,
+        )
+    raise ConfigError("sink", f"expected a sqlite:/// or postgresql:// URL, found {redact(url)!r}")

@@ -1,0 +1,226 @@
+"""Consumer -> PostgreSQL rows/s against raw ``adbc_ingest`` of the same Arrow tables.
+
+DESIGN.md "Performance": consumer -> PostgreSQL rows/s, baseline ``adbc_ingest`` of the same
+Arrow tables, measured side by side in the same run on the same server; target >= 0.8.
+
+Setup: a throwaway PostgreSQL (``fsync`` on) and a SeaweedFS S3 server on 127.0.0.1. A queue
+of ``batches`` batch objects, each holding one Arrow table of ``rows`` rows (an id, a float, a
+short string, a timestamp) as IPC stream entries, as ``produce_arrow`` writes them.
+
+* **consumer** — the whole exactly-once path, as ``millpond consume`` runs it: ``Consumer``
+  (read-ahead GETs from S3, batch decode, conditional manifest reads, dequeue every 100 acks)
+  and ``PostgresSink`` (Arrow IPC decode, cast to the table's types, progress row + binary
+  COPY + commit, one transaction per batch), into a fresh table.
+* **baseline** — the same Arrow tables, already decoded in memory, each ingested with
+  ``cursor.adbc_ingest`` into a fresh table, with one commit at the end: plain bulk loading,
+  no S3, no decoding, no per-batch durability. The same with a commit after every table (what
+  a naive exactly-once writer pays) is reported as ``baseline.commit_per_table_rows_per_s``.
+
+The consumer writes the batches its read-ahead has already fetched in one transaction (each
+batch still with its own progress row), so with a backlog it commits once per few batches.
+Rounds alternate baseline and consumer; the ratio is median consumer rows/s over median
+single-commit baseline rows/s.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+
+import pyarrow as pa
+
+from bench.common import make_result, plot_spec, seaweedfs_endpoint, stopwatch
+
+logger = logging.getLogger(__name__)
+
+NAME = "consumer_postgres"
+TARGET = 0.8
+MANIFEST = "ingest/manifest"
+
+
+def _tables(batches: int, rows: int) -> list[pa.Table]:
+    base = 1_700_000_000_000_000
+    out = []
+    for b in range(batches):
+        start = b * rows
+        ids = pa.array(range(start, start + rows), pa.int64())
+        out.append(
+            pa.table(
+                {
+                    "id": ids,
+                    "value": pa.array([i * 0.5 for i in range(start, start + rows)], pa.float64()),
+                    "label": pa.array(
+                        [f"event-{i % 1000:04d}" for i in range(start, start + rows)]
+                    ),
+                    "at": pa.array(
+                        [base + i for i in range(start, start + rows)], pa.timestamp("us", "UTC")
+                    ),
+                }
+            )
+        )
+    return out
+
+
+def _upload(store: Any, tables: list[pa.Table]) -> list[str]:
+    from millpond.arrow import encode_ipc
+    from millpond.batch_format import encode_batch
+    from millpond.ulids import UlidMinter, batch_location
+
+    minter = UlidMinter()
+    locations = []
+    for table in tables:
+        location = batch_location("ingest", minter.mint())
+        store.put_if_absent(location, encode_batch(encode_ipc(table)))
+        locations.append(location)
+    return locations
+
+
+def _enqueue(store: Any, locations: list[str]) -> None:
+    from millpond.manifest_format import Metadata, PendingEntry
+    from millpond.queue import QueueProducer
+
+    now = int(time.time() * 1000)
+    producer = QueueProducer(store, MANIFEST)
+    for start in range(0, len(locations), 50):
+        producer.append(
+            [
+                PendingEntry(loc, (Metadata(0, now, b"bench"),))
+                for loc in locations[start : start + 50]
+            ]
+        )
+
+
+def _run_consumer(store: Any, pg_url: str, expected_rows: int) -> dict[str, Any]:
+    """The service loop of ``millpond consume``, until the queue is drained."""
+    from millpond.consumer import Consumer, ConsumerConfig
+    from millpond.consumer.service import ConsumerService
+    from millpond.consumer.sinks import PostgresSink
+
+    suffix = uuid.uuid4().hex[:8]
+    sink = PostgresSink(
+        pg_url,
+        table=f"bench_consumer_{suffix}",
+        progress_table=f"bench_progress_{suffix}",
+        sequence_column=None,
+    )
+    sink.last_sequence()  # connect outside the timing, as the baseline does
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False))
+    service = ConsumerService(consumer, sink)
+    with stopwatch() as sw:
+        stats = service.run(threading.Event(), until_idle=True)
+    sink.close()
+    if sink.rows_written != expected_rows:
+        raise RuntimeError(f"consumer wrote {sink.rows_written} rows, expected {expected_rows}")
+    return {
+        "rows_per_s": round(expected_rows / sw.seconds),
+        "batches_per_s": round(stats.batches / sw.seconds, 1),
+        "seconds": round(sw.seconds, 3),
+    }
+
+
+def _run_baseline(pg_url: str, tables: list[pa.Table], *, commit_each: bool) -> dict[str, Any]:
+    import adbc_driver_postgresql.dbapi as pg
+
+    name = f"bench_baseline_{uuid.uuid4().hex[:8]}"
+    rows = sum(t.num_rows for t in tables)
+    with pg.connect(pg_url) as conn, conn.cursor() as cur:
+        cur.execute(
+            f'CREATE TABLE "{name}" (id BIGINT, value DOUBLE PRECISION, label TEXT, at TIMESTAMPTZ)'
+        )
+        conn.commit()
+        with stopwatch() as sw:
+            for table in tables:
+                cur.adbc_ingest(name, table, mode="append")
+                if commit_each:
+                    conn.commit()
+            conn.commit()
+    return {"rows_per_s": round(rows / sw.seconds), "seconds": round(sw.seconds, 3)}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from millpond.localstack import start_postgres
+    from millpond.store import open_store
+
+    batches, rows, rounds = (40, 5_000, 2) if quick else (120, 5_000, 5)
+    tables = _tables(batches, rows)
+    total = batches * rows
+    consumer_runs: list[dict[str, Any]] = []
+    baseline_runs: list[dict[str, Any]] = []
+    single_commit_runs: list[dict[str, Any]] = []
+    with start_postgres() as server, seaweedfs_endpoint() as endpoint:
+        store = open_store(
+            endpoint.url_for(f"bench-{uuid.uuid4().hex[:8]}"), endpoint.store_options()
+        )
+        locations = _upload(store, tables)
+        # Warm-up: the first COPY into a fresh cluster and the first S3 GETs are slower.
+        _run_baseline(server.url, tables[:5], commit_each=True)
+        for round_ in range(rounds):
+            baseline_runs.append(_run_baseline(server.url, tables, commit_each=True))
+            _enqueue(store, locations)
+            consumer_runs.append(_run_consumer(store, server.url, total))
+            single_commit_runs.append(_run_baseline(server.url, tables, commit_each=False))
+            logger.info(
+                "round %s: consumer %s rows/s, baseline %s rows/s (single commit %s)",
+                round_,
+                consumer_runs[-1]["rows_per_s"],
+                baseline_runs[-1]["rows_per_s"],
+                single_commit_runs[-1]["rows_per_s"],
+            )
+    consumer_rate = statistics.median(r["rows_per_s"] for r in consumer_runs)
+    baseline_rate = statistics.median(r["rows_per_s"] for r in baseline_runs)
+    single_rate = statistics.median(r["rows_per_s"] for r in single_commit_runs)
+    ratio = consumer_rate / single_rate
+    rounds_x = list(range(1, rounds + 1))
+    return make_result(
+        NAME,
+        ratio=ratio,
+        target=TARGET,
+        figures={
+            "consumer_rows_per_s": consumer_rate,
+            "batches": batches,
+            "rows_per_batch": rows,
+            "rounds": consumer_runs,
+        },
+        baseline={
+            "adbc_ingest_rows_per_s": single_rate,
+            "commit_per_table_rows_per_s": baseline_rate,
+            "ratio_vs_commit_per_table": round(consumer_rate / baseline_rate, 3),
+            "rounds": single_commit_runs,
+            "commit_per_table_rounds": baseline_runs,
+        },
+        series=[
+            plot_spec(
+                "consumer -> PostgreSQL vs raw adbc_ingest",
+                "round",
+                "rows/s",
+                rounds_x,
+                {
+                    "consumer (S3 GET + decode + exactly-once commit)": [
+                        r["rows_per_s"] for r in consumer_runs
+                    ],
+                    "adbc_ingest, commit per table": [r["rows_per_s"] for r in baseline_runs],
+                    "adbc_ingest, one commit": [r["rows_per_s"] for r in single_commit_runs],
+                },
+            )
+        ],
+        headline=(
+            f"{consumer_rate:,.0f} rows/s vs adbc_ingest {single_rate:,.0f} rows/s "
+            f"({batches} batches x {rows} rows)"
+        ),
+        notes=(
+            "baseline: adbc_ingest of the decoded tables with one commit; "
+            "commit_per_table_rows_per_s commits after each table"
+        ),
+    )
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

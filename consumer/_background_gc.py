@@ -1,0 +1,109 @@
+"""The garbage collector the consumer runs in its own process (RFC, "Garbage Collection").
+
+The rules and the pass itself are the core's (:func:`millpond.gc_rules.collect_once`), shared
+with ``millpond.gc``; this module only schedules passes on a daemon thread and ties them to
+the consumer's epoch: a pass whose manifest snapshot carries another epoch deletes nothing and
+ends the thread, so a fenced consumer's collector stops even before the consumer notices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from millpond.clock import Clock
+from millpond.errors import MillpondError
+from millpond.gc_rules import collect_once
+from millpond.manifest_format import Manifest
+from millpond.metrics import Counters
+from millpond.store import ObjectStore
+
+__all__ = ["BackgroundCollector"]
+
+logger = logging.getLogger(__name__)
+
+
+class _EpochMovedError(Exception):
+    """The manifest's epoch is no longer the consumer's."""
+
+
+class BackgroundCollector:
+    """Runs a collection pass every ``interval`` seconds until stopped or fenced."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        manifest_path: str,
+        data_path_prefix: str,
+        interval: float,
+        grace_period: float,
+        clock: Clock,
+        epoch: int,
+    ) -> None:
+        self._store = store
+        self._manifest_path = manifest_path
+        self._prefix = data_path_prefix
+        self._interval = interval
+        self._grace_ms = round(grace_period * 1000)
+        self._clock = clock
+        self._epoch = epoch
+        self._stop = threading.Event()
+        self.counters = Counters("gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors")
+        self._thread = threading.Thread(
+            target=self._run, name=f"millpond-consumer-gc-{epoch}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, *, join: bool = True) -> None:
+        """Ask the thread to stop; with ``join``, wait for a running pass to finish."""
+        self._stop.set()
+        if join and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _check_epoch(self, manifest: Manifest) -> None:
+        if manifest.epoch != self._epoch:
+            raise _EpochMovedError(manifest.epoch)
+
+    def _run(self) -> None:
+        # The first pass runs at once: a consumer restarted more often than gc_interval
+        # would otherwise never collect.
+        while not self._stop.is_set():
+            try:
+                report = collect_once(
+                    self._store,
+                    manifest_path=self._manifest_path,
+                    data_path_prefix=self._prefix,
+                    now_ms=self._clock.now_ms(),
+                    grace_period_ms=self._grace_ms,
+                    check_manifest=self._check_epoch,
+                )
+            except _EpochMovedError as moved:
+                logger.info(
+                    "gc: manifest epoch is %s, this consumer held %s; GC stops",
+                    moved.args[0],
+                    self._epoch,
+                )
+                return
+            except MillpondError as err:
+                self.counters.add("gc_errors")
+                logger.warning("gc pass failed, retrying in %.0f s: %s", self._interval, err)
+            else:
+                self.counters.add("gc_passes")
+                self.counters.add("gc_deleted", len(report.deleted))
+                self.counters.add("gc_failed_deletes", len(report.failures))
+                if report.deleted or report.failures:
+                    logger.info(
+                        "gc: deleted %s of %s objects, %s deletes failed",
+                        len(report.deleted),
+                        report.listed,
+                        len(report.failures),
+                    )
+            if self._stop.wait(self._interval):
+                return

@@ -1,0 +1,99 @@
+"""``ConsumerConfig``: where the queue is and how the consumer reads, acks and collects."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from millpond.clock import Clock
+from millpond.errors import ConfigError
+from millpond.retry import RetryPolicy
+from millpond.store import ObjectStore
+
+__all__ = ["ConsumerConfig", "check_duration", "check_paths"]
+
+_MAX_READ_AHEAD = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerConfig:
+    """Configuration of a :class:`~millpond.consumer.Consumer` (RFC ``ConsumerConfig``)."""
+
+    store: str | ObjectStore | Any
+    """A store URL (``s3://bucket[/root]``, ``file:///path``, ``memory://``), an
+    :class:`~millpond.store.ObjectStore` or an obstore store object. Required."""
+    store_options: Mapping[str, str] | None = None
+    """obstore S3 options (``aws_endpoint``, ...); missing ones come from the ``AWS_*``
+    variables. Default none."""
+    manifest_path: str = "ingest/manifest"
+    """Path of the queue manifest inside the store. Default ``"ingest/manifest"``."""
+    data_path_prefix: str = "ingest"
+    """Prefix the batch objects live directly under, as ``{prefix}/{ULID}.batch``. A manifest
+    entry pointing anywhere else is refused. Default ``"ingest"``."""
+    ack_batch_size: int = 100
+    """Acks between two dequeues (manifest writes); ``flush()`` and ``close()`` dequeue the
+    rest. Default 100."""
+    read_ahead: int = 4
+    """Batch objects fetched and decoded concurrently ahead of delivery (1..256); batches are
+    still delivered strictly in sequence order. Default 4."""
+    gc_enabled: bool = True
+    """Run the garbage collector in a background thread of the consumer; it stops when the
+    consumer closes or is fenced. Default ``True``."""
+    gc_interval: float = 300.0
+    """Seconds between two garbage-collection passes. Default 300 (5 minutes)."""
+    gc_grace_period: float = 600.0
+    """Seconds a batch object's ULID time must lie in the past before GC may delete it.
+    Default 600 (10 minutes)."""
+    retry: RetryPolicy | None = None
+    """Backoff for manifest CAS loops (epoch bump, dequeue). Default ``RetryPolicy()``."""
+    clock: Clock | None = None
+    """Wall clock, monotonic clock and sleep; injectable for tests. Default the system's."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.store, str) and not self.store:
+            raise ConfigError("store", "expected a store URL or object, found ''")
+        if self.store is None:
+            raise ConfigError("store", "expected a store URL or object, found None")
+        check_paths(self.manifest_path, self.data_path_prefix)
+        _check_int("ack_batch_size", self.ack_batch_size, 1, 1 << 32)
+        _check_int("read_ahead", self.read_ahead, 1, _MAX_READ_AHEAD)
+        if not isinstance(self.gc_enabled, bool):
+            raise ConfigError("gc_enabled", f"expected True or False, found {self.gc_enabled!r}")
+        check_duration("gc_interval", self.gc_interval, allow_zero=False)
+        check_duration("gc_grace_period", self.gc_grace_period, allow_zero=True)
+
+
+def check_paths(manifest_path: str, data_path_prefix: str) -> None:
+    """Validate a manifest path and a data prefix.
+
+    Raises:
+        ConfigError: naming the bad key.
+    """
+    if not isinstance(manifest_path, str) or not manifest_path.strip("/"):
+        raise ConfigError("manifest_path", f"expected a non-empty path, found {manifest_path!r}")
+    if manifest_path.endswith("/"):
+        raise ConfigError(
+            "manifest_path", f"expected an object path, found a folder {manifest_path!r}"
+        )
+    if not isinstance(data_path_prefix, str):
+        raise ConfigError("data_path_prefix", f"expected a path, found {data_path_prefix!r}")
+
+
+def check_duration(key: str, value: float, *, allow_zero: bool) -> None:
+    """Validate a duration in seconds.
+
+    Raises:
+        ConfigError: not a finite number, negative, or zero when that is not allowed.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(key, f"expected a finite number of seconds, found {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(key, f"expected {bound} seconds, found {value}")
+
+
+def _check_int(key: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(key, f"expected an integer in {low}..{high}, found {value!r}")

@@ -1,0 +1,206 @@
+"""``GarbageCollector``: the RFC's collector as a library object and a scheduled job.
+
+Each pass is :func:`millpond.gc_rules.collect_once` (the same pass the consumer runs in its own
+process): list the batch objects directly under the data prefix, read the manifest without
+fencing, delete what is unreferenced, older than the queue's oldest entry and older than the
+grace period. Failed deletes are logged and simply eligible again on the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+from millpond.clock import Clock, SystemClock
+from millpond.errors import ClosedError, ConfigError, MillpondError
+from millpond.gc_rules import GcReport, collect_once
+from millpond.metrics import Counters
+from millpond.store import ObjectStore, open_store
+
+__all__ = ["GarbageCollector", "GarbageCollectorConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GarbageCollectorConfig:
+    """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``)."""
+
+    store: str | ObjectStore | Any
+    """A store URL (``s3://bucket[/root]``, ``file:///path``, ``memory://``), an
+    :class:`~millpond.store.ObjectStore` or an obstore store object. Required."""
+    store_options: Mapping[str, str] | None = None
+    """obstore S3 options; missing ones come from the ``AWS_*`` variables. Default none."""
+    manifest_path: str = "ingest/manifest"
+    """Path of the queue manifest. Default ``"ingest/manifest"``."""
+    data_path_prefix: str = "ingest"
+    """Prefix the batch objects live directly under. Default ``"ingest"``."""
+    gc_interval: float = 300.0
+    """Seconds between two passes of :meth:`GarbageCollector.run_forever`. Default 300."""
+    gc_grace_period: float = 600.0
+    """Seconds a batch object's ULID time must lie in the past before it may be deleted.
+    Default 600."""
+    dry_run: bool = False
+    """Report what would be deleted, delete nothing. Default ``False``."""
+    clock: Clock | None = None
+    """Wall clock for the grace period; injectable for tests. Default the system's."""
+
+    def __post_init__(self) -> None:
+        # The same checks as ConsumerConfig's, restated: millpond.gc does not import
+        # millpond.consumer.
+        if self.store is None or (isinstance(self.store, str) and not self.store):
+            raise ConfigError("store", f"expected a store URL or object, found {self.store!r}")
+        if not isinstance(self.manifest_path, str) or not self.manifest_path.strip("/"):
+            raise ConfigError(
+                "manifest_path", f"expected a non-empty path, found {self.manifest_path!r}"
+            )
+        if not isinstance(self.data_path_prefix, str):
+            raise ConfigError(
+                "data_path_prefix", f"expected a path, found {self.data_path_prefix!r}"
+            )
+        _check_seconds("gc_interval", self.gc_interval, allow_zero=False)
+        _check_seconds("gc_grace_period", self.gc_grace_period, allow_zero=True)
+        if not isinstance(self.dry_run, bool):
+            raise ConfigError("dry_run", f"expected True or False, found {self.dry_run!r}")
+
+
+class GarbageCollector:
+    """Deletes batch objects that nothing references any more.
+
+    ``run_once()`` does one pass; ``run_forever(stop)`` repeats every ``gc_interval`` until the
+    event is set; ``start()`` does that on a daemon thread that ``close()`` stops and joins.
+    """
+
+    def __init__(self, config: GarbageCollectorConfig) -> None:
+        """Open the store; nothing is read until the first pass.
+
+        Raises:
+            ConfigError: the store URL or options are invalid.
+        """
+        self._config = config
+        self._store = open_store(config.store, config.store_options)
+        self._clock = config.clock or SystemClock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.counters = Counters("passes", "deleted", "failed_deletes", "errors")
+        self.last_report: GcReport | None = None
+
+    @property
+    def config(self) -> GarbageCollectorConfig:
+        return self._config
+
+    @property
+    def store(self) -> ObjectStore:
+        return self._store
+
+    def run_once(self) -> GcReport:
+        """One collection pass.
+
+        Returns:
+            What was listed, deleted (or, with ``dry_run``, would be), kept and why, and the
+            deletes that failed.
+
+        Raises:
+            FormatError: the manifest is corrupt (nothing deleted).
+            StorageError: listing or reading the manifest failed (nothing deleted).
+        """
+        config = self._config
+        try:
+            report = collect_once(
+                self._store,
+                manifest_path=config.manifest_path,
+                data_path_prefix=config.data_path_prefix,
+                now_ms=self._clock.now_ms(),
+                grace_period_ms=round(config.gc_grace_period * 1000),
+                dry_run=config.dry_run,
+            )
+        except MillpondError:
+            self.counters.add("errors")
+            raise
+        self.counters.add("passes")
+        self.counters.add("deleted", 0 if report.dry_run else len(report.deleted))
+        self.counters.add("failed_deletes", len(report.failures))
+        self.last_report = report
+        logger.info(
+            "gc %s: listed %s, %s %s, kept %s, %s deletes failed",
+            config.data_path_prefix,
+            report.listed,
+            "would delete" if report.dry_run else "deleted",
+            len(report.deleted),
+            dict(report.kept),
+            len(report.failures),
+        )
+        return report
+
+    def run_forever(
+        self,
+        stop: threading.Event | None = None,
+        on_report: Callable[[GcReport], None] | None = None,
+    ) -> None:
+        """Run a pass now and then every ``gc_interval`` seconds until ``stop`` is set.
+
+        A failed pass is logged and retried at the next interval; it never ends the loop.
+
+        Args:
+            stop: ends the loop when set (default: the collector's own, set by ``close()``).
+            on_report: called with each pass's report.
+        """
+        stop = stop or self._stop
+        while not stop.is_set() and not self._stop.is_set():
+            try:
+                report = self.run_once()
+            except MillpondError as err:
+                logger.warning(
+                    "gc pass failed, retrying in %.0f s: %s", self._config.gc_interval, err
+                )
+            else:
+                if on_report is not None:
+                    on_report(report)
+            if stop.wait(self._config.gc_interval):
+                return
+
+    def start(self) -> None:
+        """Run :meth:`run_forever` on a daemon thread.
+
+        Raises:
+            ClosedError: the collector was closed.
+        """
+        if self._closed:
+            raise ClosedError("garbage collector is closed")
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self.run_forever, name="millpond-gc", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread (waiting for a running pass). Idempotent."""
+        self._closed = True
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _check_seconds(key: str, value: float, *, allow_zero: bool) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
+        return
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ConfigError(key, f"expected a finite number of seconds {bound}, found {value!r}")

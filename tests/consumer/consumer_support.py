@@ -1,0 +1,229 @@
+"""Helpers for the consumer and GC tests: a queue writer built on the core, clocks, stores."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from millpond.arrow import encode_ipc
+from millpond.batch_format import CompressionType, encode_batch
+from millpond.consumer.sinks import AdbcSink, open_sink
+from millpond.manifest_format import Metadata, PendingEntry
+from millpond.queue import QueueProducer
+from millpond.retry import RetryPolicy
+from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.ulids import UlidMinter, batch_location
+
+MANIFEST = "ingest/manifest"
+PREFIX = "ingest"
+FAST_RETRY = RetryPolicy(max_attempts=1000, max_elapsed=120.0, base_delay=0.001, max_delay=0.05)
+
+
+def open_target(target: Any) -> ObjectStore:
+    """The store a ``StoreTarget`` (kind, url, options) names."""
+    return open_store(target.url, dict(target.options or {}))
+
+
+class ManualClock:
+    """Wall clock the test moves by hand; monotonic time and sleep are real."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self._lock = threading.Lock()
+        self._now_ms = start_ms
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return self._now_ms
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now_ms += round(seconds * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class ScaledClock:
+    """Wall clock running ``speed`` times faster than real time (for GC grace periods)."""
+
+    def __init__(self, speed: float, start_ms: int = 1_700_000_000_000) -> None:
+        self._speed = speed
+        self._start_ms = start_ms
+        self._origin = time.monotonic()
+
+    def now_ms(self) -> int:
+        return self._start_ms + round((time.monotonic() - self._origin) * self._speed * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class QueueWriter:
+    """Produces with the core: ``encode_batch`` + ``put_if_absent`` + ``QueueProducer.append``."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        prefix: str = PREFIX,
+        manifest_path: str = MANIFEST,
+        clock: Any = None,
+        compression: CompressionType = CompressionType.NONE,
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.minter = UlidMinter(clock)
+        self.clock = clock
+        self.compression = compression
+        self.queue = QueueProducer(store, manifest_path, retry=FAST_RETRY)
+
+    def upload(self, records: Sequence[bytes]) -> str:
+        """Write a batch object only (not enqueued: an orphan, or in flight)."""
+        location = batch_location(self.prefix, self.minter.mint())
+        self.store.put_if_absent(location, encode_batch(records, self.compression))
+        return location
+
+    def enqueue(self, location: str, metadata: Iterable[Metadata] = ()) -> int:
+        sequences = self.queue.append([PendingEntry(location, tuple(metadata))])
+        return sequences.start
+
+    def append(
+        self, records: Sequence[bytes], *, payload: bytes = b"", ingestion_ms: int | None = None
+    ) -> tuple[int, str]:
+        """Upload and enqueue one batch; returns ``(sequence, location)``."""
+        location = self.upload(records)
+        now = ingestion_ms if ingestion_ms is not None else _now_ms(self.clock)
+        return self.enqueue(location, [Metadata(0, now, payload)]), location
+
+    def append_arrow(self, table: pa.Table, *, payload: bytes = b"") -> tuple[int, str]:
+        """One batch whose entries are the table's record batches as IPC streams."""
+        return self.append(encode_ipc(table), payload=payload)
+
+
+def numbered(start: int, count: int) -> pa.Table:
+    """Rows ``n = start .. start + count - 1`` with a text column."""
+    values = list(range(start, start + count))
+    return pa.table(
+        {"n": pa.array(values, pa.int64()), "label": pa.array([f"row-{v}" for v in values])}
+    )
+
+
+def _now_ms(clock: Any) -> int:
+    return clock.now_ms() if clock is not None else time.time_ns() // 1_000_000
+
+
+class RecordingStore(ObjectStore):
+    """Delegates to a real store, counting calls; optional per-call delay and delete faults."""
+
+    def __init__(self, inner: ObjectStore, *, get_delay: float = 0.0) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.get_delay = get_delay
+        self._lock = threading.Lock()
+        self.calls: dict[str, int] = {}
+        self.active_gets = 0
+        self.max_active_gets = 0
+        self.fail_deletes: set[str] = set()
+        self.deleted: list[str] = []
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def get(self, path: str) -> GetResult:
+        self._count(f"get:{path}" if path.endswith("manifest") else "get")
+        with self._lock:
+            self.active_gets += 1
+            self.max_active_gets = max(self.max_active_gets, self.active_gets)
+        try:
+            if self.get_delay:
+                time.sleep(self.get_delay)
+            return self.inner.get(path)
+        finally:
+            with self._lock:
+                self.active_gets -= 1
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        self._count("get_if_changed")
+        return self.inner.get_if_changed(path, etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        self._count("head")
+        return self.inner.head(path)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        return self.inner.put_if_match(path, data, etag)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+        self._count("list")
+        return self.inner.list(prefix, recursive=recursive)
+
+    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+        wanted = list(paths)
+        failing = [p for p in wanted if p in self.fail_deletes]
+        passing = [p for p in wanted if p not in self.fail_deletes]
+        failures = self.inner.delete_many(passing)
+        with self._lock:
+            self.deleted.extend(p for p in passing if p not in {f.path for f in failures})
+        return failures + [DeleteFailure(path=p, reason="injected failure") for p in failing]
+
+
+class Database:
+    """A sink's database (fresh table names per test) and a plain query helper."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind = kind
+        self.url = url
+        suffix = uuid.uuid4().hex[:8]
+        self.table = f"rows_{suffix}"
+        self.progress = f"progress_{suffix}"
+
+    def sink(self, **options: Any) -> AdbcSink:
+        options.setdefault("table", self.table)
+        options.setdefault("progress_table", self.progress)
+        return open_sink(self.url, **options)
+
+    def sink_arguments(self) -> list[str]:
+        """The ``millpond consume`` options naming this database and its tables."""
+        return ["--sink", self.url, "--table", self.table, "--progress-table", self.progress]
+
+    def query(self, sql: str) -> list[tuple[Any, ...]]:
+        if self.kind == "sqlite":
+            path = self.url.removeprefix("sqlite://")
+            with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn:
+                return conn.execute(sql).fetchall()
+        import adbc_driver_postgresql.dbapi as pg
+
+        with pg.connect(self.url) as conn, conn.cursor() as cur:
+            cur.execute(sql)
+            rows: list[tuple[Any, ...]] = cur.fetchall()
+            conn.rollback()
+            return rows
+
+    def count(self) -> int:
+        """Rows in the target table (0 before it exists)."""
+        try:
+            return int(self.query(f'SELECT count(*) FROM "{self.table}"')[0][0])
+        except Exception:  # the table does not exist yet
+            return 0

@@ -1,0 +1,419 @@
+"""The consumer against every store backend: order, read-ahead, acks, resume, fencing, bad data."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from consumer_support import (
+    FAST_RETRY,
+    MANIFEST,
+    QueueWriter,
+    RecordingStore,
+    open_target,
+)
+
+from millpond.arrow import encode_ipc
+from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, Metadata
+from millpond.errors import (
+    ClosedError,
+    ConfigError,
+    FencedError,
+    FormatError,
+    InvalidInputError,
+    MillpondError,
+    NotFoundError,
+)
+from millpond.manifest_format import PendingEntry
+from millpond.queue import read_manifest
+from millpond.store import ObjectStore
+
+
+@pytest.fixture
+def store(store_target: Any) -> ObjectStore:
+    return open_target(store_target)
+
+
+def _consumer(store: ObjectStore, **overrides: Any) -> Consumer:
+    options: dict[str, Any] = {"store": store, "gc_enabled": False, "retry": FAST_RETRY}
+    options.update(overrides)
+    return Consumer(ConsumerConfig(**options))
+
+
+def _drain(consumer: Consumer, *, ack: bool = True) -> list[ConsumedBatch]:
+    out = []
+    while (batch := consumer.next_batch()) is not None:
+        out.append(batch)
+        if ack:
+            consumer.ack(batch.sequence)
+    return out
+
+
+def _queued(store: ObjectStore) -> list[int]:
+    return [e.sequence for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+def test_batches_come_in_sequence_order_with_their_metadata(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    expected = [
+        writer.append([f"r{i}-{j}".encode() for j in range(i + 1)], payload=b"m%d" % i)
+        for i in range(10)
+    ]
+    with _consumer(store, read_ahead=3) as consumer:
+        consumer.initialize()
+        batches = _drain(consumer)
+    assert [(b.sequence, b.location) for b in batches] == expected
+    assert [len(b.entries) for b in batches] == list(range(1, 11))
+    assert batches[4].entries[2] == b"r4-2"
+    assert batches[4].metadata[0].payload == b"m4"
+    assert batches[4].metadata_for(3) == batches[4].metadata[0]
+    assert _queued(store) == []
+
+
+def test_empty_queue_returns_none_then_sees_new_entries(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        assert consumer.next_batch() is None
+        assert consumer.next_batch() is None
+        seq, _ = writer.append([b"late"])
+        batch = consumer.next_batch()
+        assert batch is not None
+        assert (batch.sequence, batch.entries) == (seq, (b"late",))
+        consumer.ack(seq)
+        assert consumer.next_batch() is None
+
+
+def test_manifest_is_reread_only_when_the_cache_is_used_up(store_target: Any) -> None:
+    inner = open_target(store_target)
+    store = RecordingStore(inner)
+    writer = QueueWriter(inner)
+    for i in range(6):
+        writer.append([b"x%d" % i])
+    with _consumer(store, read_ahead=2) as consumer:
+        consumer.initialize()
+        reads_after_init = store.calls.get("get_if_changed", 0)
+        for _ in range(6):
+            batch = consumer.next_batch()
+            assert batch is not None
+            consumer.ack(batch.sequence)
+        # Six batches came out of the manifest read at initialize(): no re-read yet.
+        assert store.calls.get("get_if_changed", 0) == reads_after_init
+        assert consumer.next_batch() is None
+        assert store.calls.get("get_if_changed", 0) == reads_after_init + 1
+
+
+def test_read_ahead_fetches_concurrently_but_bounded(store_target: Any) -> None:
+    inner = open_target(store_target)
+    store = RecordingStore(inner, get_delay=0.05)
+    writer = QueueWriter(inner)
+    for i in range(12):
+        writer.append([b"%d" % i])
+    with _consumer(store, read_ahead=4) as consumer:
+        consumer.initialize()
+        batches = _drain(consumer)
+    assert [b.entries for b in batches] == [(b"%d" % i,) for i in range(12)]
+    assert 2 <= store.max_active_gets <= 4
+
+
+def test_acks_must_be_in_order_and_delivered(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(3):
+        writer.append([b"%d" % i])
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        first = consumer.next_batch()
+        assert first is not None
+        with pytest.raises(InvalidInputError, match=r"expected 0 \(acks are in order\), found 1"):
+            consumer.ack(1)
+        consumer.ack(0)
+        with pytest.raises(InvalidInputError, match="expected 1"):
+            consumer.ack(0)
+        with pytest.raises(InvalidInputError, match="delivered"):
+            consumer.ack(1)
+
+
+def test_dequeue_every_n_acks_and_on_flush_and_close(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(8):
+        writer.append([b"%d" % i])
+    consumer = _consumer(store, ack_batch_size=3)
+    consumer.initialize()
+    for expected_queue in ([1, 2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7]):
+        batch = consumer.next_batch()
+        assert batch is not None
+        consumer.ack(batch.sequence)
+        if batch.sequence < 2:
+            assert _queued(store) == list(range(8))
+        else:
+            assert _queued(store) == expected_queue
+    batch = consumer.next_batch()
+    assert batch is not None
+    consumer.ack(batch.sequence)
+    assert _queued(store) == [3, 4, 5, 6, 7]
+    consumer.flush()
+    assert _queued(store) == [4, 5, 6, 7]
+    batch = consumer.next_batch()
+    assert batch is not None
+    consumer.ack(batch.sequence)
+    consumer.close()
+    assert _queued(store) == [5, 6, 7]
+    consumer.close()  # idempotent
+    with pytest.raises(ClosedError):
+        consumer.next_batch()
+
+
+def test_resume_after_last_acked_sequence(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(6):
+        writer.append([b"%d" % i])
+    with _consumer(store) as consumer:
+        consumer.initialize(last_acked_sequence=2)
+        # What the sink already holds is dequeued at once.
+        assert _queued(store) == [3, 4, 5]
+        assert [b.sequence for b in _drain(consumer)] == [3, 4, 5]
+    with _consumer(store) as consumer:
+        consumer.initialize(last_acked_sequence=5)
+        assert consumer.next_batch() is None
+
+
+def test_resume_point_that_does_not_fit_the_queue_is_refused(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(6):
+        writer.append([b"%d" % i])
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        for _ in range(4):
+            batch = consumer.next_batch()
+            assert batch is not None
+            consumer.ack(batch.sequence)
+    assert _queued(store) == [4, 5]
+    with _consumer(store) as consumer:
+        with pytest.raises(InvalidInputError, match=r"entries 2\.\.3 were dequeued"):
+            consumer.initialize(last_acked_sequence=1)
+        with pytest.raises(InvalidInputError, match="sink is ahead"):
+            consumer.initialize(last_acked_sequence=6)
+        with pytest.raises(InvalidInputError, match="expected None or an integer"):
+            consumer.initialize(last_acked_sequence=-1)
+
+
+def test_a_newer_consumer_fences_the_older(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(3):
+        writer.append([b"%d" % i])
+    old = _consumer(store)
+    old.initialize()
+    batch = old.next_batch()
+    assert batch is not None
+    old.ack(batch.sequence)
+    new = _consumer(store)
+    new.initialize()
+    assert new.epoch == (old.epoch or 0) + 1
+    with pytest.raises(FencedError, match="another consumer took over"):
+        old.flush()
+    assert old.fenced
+    with pytest.raises(FencedError):
+        old.next_batch()
+    old.close()  # a fenced consumer closes quietly, without writing
+    assert [b.sequence for b in _drain(new)] == [0, 1, 2]
+    new.close()
+    assert _queued(store) == []
+
+
+def test_fenced_consumer_notices_on_its_next_manifest_read(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"a"])
+    old = _consumer(store)
+    old.initialize()
+    assert old.next_batch() is not None
+    _consumer(store).initialize()
+    with pytest.raises(FencedError):
+        old.next_batch()  # cache used up: the conditional re-read sees the new epoch
+    old.close()
+
+
+def test_missing_object_names_sequence_and_location(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"ok"])
+    seq, location = writer.append([b"gone"])
+    writer.append([b"after"])
+    data = store.get(location).data
+    assert store.delete_many([location]) == []
+    with _consumer(store, read_ahead=3) as consumer:
+        consumer.initialize()
+        first = consumer.next_batch()
+        assert first is not None
+        assert first.entries == (b"ok",)
+        consumer.ack(first.sequence)
+        for _ in range(2):  # not skipped, not retried in a loop: the same error each call
+            with pytest.raises(NotFoundError) as info:
+                consumer.next_batch()
+            assert f"sequence {seq}" in str(info.value)
+            assert location in str(info.value)
+        # Once the object is back, the consumer goes on from exactly that entry.
+        store.put(location, data)
+        assert [b.entries for b in _drain(consumer)] == [(b"gone",), (b"after",)]
+
+
+@pytest.mark.parametrize(
+    ("location", "problem"),
+    [
+        ("elsewhere/01ARZ3NDEKTSV4RRFFQ69G5FAV.batch", "outside the data prefix"),
+        ("ingest/nested/01ARZ3NDEKTSV4RRFFQ69G5FAV.batch", "outside the data prefix"),
+        ("01ARZ3NDEKTSV4RRFFQ69G5FAV.batch", "outside the data prefix"),
+        ("ingest/not-a-ulid.batch", "not named"),
+        ("ingest/01ARZ3NDEKTSV4RRFFQ69G5FAV.json", "not named"),
+    ],
+)
+def test_location_outside_the_prefix_is_refused(
+    store: ObjectStore, location: str, problem: str
+) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"ok"])
+    store.put(location, b"")  # even if an object is there, it is never read
+    seq = writer.enqueue(location)
+    writer.append([b"after"])
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        first = consumer.next_batch()
+        assert first is not None
+        assert first.entries == (b"ok",)
+        consumer.ack(first.sequence)
+        with pytest.raises(FormatError, match=problem) as info:
+            consumer.next_batch()
+        assert f"sequence {seq}" in str(info.value)
+        assert repr(location) in str(info.value)
+
+
+def test_corrupt_batch_names_its_location(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    location = writer.upload([b"fine"])
+    store.put(location, b"\x00\x01garbage-bytes-with-a-bad-footer")
+    seq = writer.enqueue(location)
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        with pytest.raises(FormatError) as info:
+            consumer.next_batch()
+    assert location in str(info.value)
+    assert f"sequence {seq}" in str(info.value)
+
+
+def test_corrupt_manifest_is_a_format_error(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"a"])
+    raw = store.get(MANIFEST).data
+    store.put(MANIFEST, raw[:3] + b"\xff" + raw[4:])  # entry_len of the first entry
+    with _consumer(store) as consumer, pytest.raises(FormatError, match=MANIFEST):
+        consumer.initialize()
+
+
+def test_to_arrow_unifies_drifted_schemas(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    old = pa.table({"n": pa.array([1, 2], pa.int32()), "s": ["a", "b"]})
+    new = pa.table({"n": pa.array([3], pa.int64()), "extra": [True]})
+    writer.append_arrow(old)
+    writer.append([*encode_ipc(old), *encode_ipc(new)])
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        one, two = _drain(consumer)
+    assert one.to_arrow().equals(old)
+    table = two.to_arrow()
+    assert table.schema.field("n").type == pa.int64()
+    assert table.column("n").to_pylist() == [1, 2, 3]
+    assert table.column("s").to_pylist() == ["a", "b", None]
+    assert table.column("extra").to_pylist() == [None, None, True]
+
+
+def test_to_arrow_on_opaque_entries_is_a_format_error() -> None:
+    batch = ConsumedBatch(entries=(b"plain",), sequence=4, location="ingest/X.batch")
+    with pytest.raises(FormatError, match=r"ingest/X.batch \(sequence 4\) entry 0"):
+        batch.to_arrow()
+
+
+def test_backlog_reports_the_oldest_waiting_ingestion_time(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"a"], ingestion_ms=1_000)
+    writer.append([b"b"], ingestion_ms=2_000)
+    with _consumer(store) as consumer:
+        consumer.initialize()
+        assert consumer.backlog().entries == 2
+        assert consumer.backlog().oldest_ingestion_ms == 1_000
+        batch = consumer.next_batch()
+        assert batch is not None
+        assert consumer.backlog().oldest_ingestion_ms == 2_000
+
+
+def test_large_queue_with_many_refreshes(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    with _consumer(store, read_ahead=4, ack_batch_size=7) as consumer:
+        consumer.initialize()
+        seen: list[int] = []
+        for round_ in range(5):
+            for i in range(9):
+                writer.append([b"%d-%d" % (round_, i)])
+            seen.extend(b.sequence for b in _drain(consumer))
+        assert seen == list(range(45))
+    assert _queued(store) == []
+
+
+def test_consumer_is_thread_safe_for_concurrent_callers(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(30):
+        writer.append([b"%d" % i])
+    delivered: list[int] = []
+    lock = threading.Lock()
+    with _consumer(store) as consumer:
+        consumer.initialize()
+
+        def worker() -> None:
+            while True:
+                with lock:  # acks must follow delivery order, so pair them under one lock
+                    batch = consumer.next_batch()
+                    if batch is None:
+                        return
+                    delivered.append(batch.sequence)
+                    consumer.ack(batch.sequence)
+
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert delivered == list(range(30))
+
+
+def test_uninitialized_consumer_refuses_work(store: ObjectStore) -> None:
+    consumer = _consumer(store)
+    with pytest.raises(MillpondError, match="initialize"):
+        consumer.next_batch()
+    consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"ack_batch_size": 0}, "ack_batch_size"),
+        ({"read_ahead": 0}, "read_ahead"),
+        ({"read_ahead": 1000}, "read_ahead"),
+        ({"gc_interval": 0}, "gc_interval"),
+        ({"gc_grace_period": -1.0}, "gc_grace_period"),
+        ({"gc_grace_period": float("nan")}, "gc_grace_period"),
+        ({"manifest_path": ""}, "manifest_path"),
+        ({"manifest_path": "ingest/"}, "manifest_path"),
+        ({"store": ""}, "store"),
+        ({"gc_enabled": "yes"}, "gc_enabled"),
+    ],
+)
+def test_config_names_the_bad_key(overrides: dict[str, Any], key: str) -> None:
+    options: dict[str, Any] = {"store": "memory://"}
+    options.update(overrides)
+    with pytest.raises(ConfigError) as info:
+        ConsumerConfig(**options)
+    assert info.value.key == key
+
+
+def test_metadata_is_the_manifest_metadata() -> None:
+    item = Metadata(start_index=0, ingestion_time_ms=5, payload=b"p")
+    assert PendingEntry("ingest/x", (item,)).metadata[0] is item

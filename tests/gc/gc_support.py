@@ -1,0 +1,144 @@
+"""Helpers for the GC tests: batch objects at chosen ULID times, a hand-moved clock."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ulid import ULID
+
+from millpond.batch_format import encode_batch
+from millpond.manifest_format import Metadata, PendingEntry
+from millpond.queue import QueueConsumer, QueueProducer
+from millpond.retry import RetryPolicy
+from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+
+MANIFEST = "ingest/manifest"
+PREFIX = "ingest"
+T0 = 1_700_000_000_000
+FAST_RETRY = RetryPolicy(max_attempts=1000, max_elapsed=120.0, base_delay=0.001, max_delay=0.05)
+
+
+def open_target(target: Any) -> ObjectStore:
+    return open_store(target.url, dict(target.options or {}))
+
+
+def ulid_at(ms: int) -> str:
+    """A fresh ULID whose time is ``ms``."""
+    return str(ULID.from_int((ms << 80) | int.from_bytes(os.urandom(10), "big")))
+
+
+def put_batch(store: ObjectStore, ms: int, prefix: str = PREFIX) -> str:
+    """A batch object named with a ULID of time ``ms``; returns its path."""
+    location = f"{prefix}/{ulid_at(ms)}.batch"
+    store.put(location, encode_batch([b"x"]))
+    return location
+
+
+def enqueue(store: ObjectStore, *locations: str) -> range:
+    return QueueProducer(store, MANIFEST, retry=FAST_RETRY).append(
+        [PendingEntry(loc, (Metadata(0, T0, b""),)) for loc in locations]
+    )
+
+
+def dequeue(store: ObjectStore, through: int) -> None:
+    consumer = QueueConsumer(store, MANIFEST, retry=FAST_RETRY)
+    consumer.initialize()
+    consumer.dequeue(through)
+
+
+def paths(store: ObjectStore) -> set[str]:
+    return {info.path for info in store.list("", recursive=True)}
+
+
+class ManualClock:
+    """Wall clock the test moves by hand; monotonic time and sleep are real."""
+
+    def __init__(self, start_ms: int = T0) -> None:
+        self._lock = threading.Lock()
+        self._now_ms = start_ms
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return self._now_ms
+
+    def set(self, ms: int) -> None:
+        with self._lock:
+            self._now_ms = ms
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now_ms += round(seconds * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class FailingDeletes(ObjectStore):
+    """Delegates to a real store; deletes of paths in ``failing`` fail."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.failing: set[str] = set()
+        self.deleted: list[str] = []
+
+    def get(self, path: str) -> GetResult:
+        return self.inner.get(path)
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        return self.inner.get_if_changed(path, etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        return self.inner.put_if_match(path, data, etag)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+        return self.inner.list(prefix, recursive=recursive)
+
+    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+        wanted = list(paths)
+        ok = [p for p in wanted if p not in self.failing]
+        failures = self.inner.delete_many(ok)
+        self.deleted.extend(p for p in ok if p not in {f.path for f in failures})
+        return failures + [
+            DeleteFailure(p, "injected failure") for p in wanted if p in self.failing
+        ]
+
+
+class OffsetClock:
+    """Real wall-clock time plus an offset the test can move forward."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offset_ms = 0
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return time.time_ns() // 1_000_000 + self._offset_ms
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._offset_ms += round(seconds * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
