@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
+
 from millpond.errors import FormatError, InvalidInputError
 
 __all__ = ["decode_ipc", "encode_ipc", "unify_tables"]

@@ -10,8 +10,9 @@ import os
 import re
 import threading
 
-from millpond.clock import Clock, SystemClock
 from ulid import ULID
+
+from millpond.clock import Clock, SystemClock
 
 __all__ = ["BATCH_SUFFIX", "UlidMinter", "batch_location", "parse_batch_name", "ulid_time_ms"]
 

@@ -1,0 +1,185 @@
+"""Scanning one WAL file's bytes on replay: whole records, torn tails, corrupt regions.
+
+Pure: bytes in, a :class:`FileScan` out. Every record is CRC-checked before anything in it is
+believed. A record that fails its check starts a *bad region*; the scanner then looks for the
+next offset where a record with a plausible header and a matching CRC starts, so one flipped
+byte costs the records it hit, not the rest of the file. A bad region that runs to the end of
+the newest file is a torn tail (a write cut short by a crash) and is cut off; anywhere else it
+is corruption, and the file is quarantined by the caller.
+
+Sequence numbers increase by one per record, so the records a bad region destroyed are exactly
+the numbers missing between the good records around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from millpond.errors import FormatError
+from millpond.wal_format import (
+    FILE_HEADER_SIZE,
+    BindBody,
+    DropBody,
+    RecordType,
+    decode_bind,
+    decode_data_summary,
+    decode_drop,
+    decode_file_header,
+    decode_record_head,
+    plausible_head,
+    record_type_markers,
+)
+
+__all__ = ["BadRegion", "DataSummary", "FileScan", "ScannedRecord", "scan_file"]
+
+_MARKERS = record_type_markers()
+
+
+@dataclass(frozen=True, slots=True)
+class DataSummary:
+    """What replay needs of a DATA record without holding its entries in memory."""
+
+    ingestion_time_ms: int
+    metadata: bytes
+    entry_count: int
+    entry_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedRecord:
+    """One verified record: where it is and what it says (entries stay on disk)."""
+
+    seq: int
+    type: RecordType
+    offset: int
+    size: int
+    data: DataSummary | None = None
+    bind: BindBody | None = None
+    drop: DropBody | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BadRegion:
+    """Bytes that held no verifiable record, and the good records on either side."""
+
+    start: int
+    end: int
+    after_seq: int | None
+    """Sequence of the last good record before the region (None: none in this file)."""
+    before_seq: int | None
+    """Sequence of the first good record after it (None: none in this file)."""
+
+
+@dataclass(slots=True)
+class FileScan:
+    """The result of scanning one file."""
+
+    file_no: int | None
+    """From the header; None when the header is unreadable."""
+    records: list[ScannedRecord] = field(default_factory=list)
+    bad_regions: list[BadRegion] = field(default_factory=list)
+    good_end: int = FILE_HEADER_SIZE
+    """End of the last good record: where a torn tail is cut."""
+    torn_tail: int = 0
+    """Bytes after ``good_end`` that form a torn tail (newest file only)."""
+    header_problem: str | None = None
+
+    @property
+    def corrupt(self) -> bool:
+        """Mid-file damage: the caller must quarantine this file."""
+        return bool(self.bad_regions) or self.header_problem is not None
+
+
+def scan_file(
+    raw: bytes, *, name: str, start: int = FILE_HEADER_SIZE, after_seq: int = -1, newest: bool
+) -> FileScan:
+    """Scan ``raw`` (a whole WAL file) from ``start``.
+
+    Args:
+        raw: the file's bytes.
+        name: the file name, for messages.
+        start: the first record offset to read (the released sidecar may skip ahead).
+        after_seq: every record of interest has a higher sequence (used to resynchronise).
+        newest: whether this is the newest file, the only one that can have a torn tail.
+
+    Returns:
+        The verified records, bad regions, and the torn-tail length.
+
+    Raises:
+        FormatError: an intact file or record of an unknown version or type: the WAL was
+            written by another millpond version and must not be guessed at.
+    """
+    scan = FileScan(file_no=None)
+    try:
+        scan.file_no = decode_file_header(raw, name=name).file_no
+    except FormatError as err:
+        if err.field == "version":
+            raise
+        if newest and len(raw) < FILE_HEADER_SIZE:
+            # Created but never completed: a crash while rotating. Nothing in it was staged.
+            scan.torn_tail = len(raw)
+            scan.good_end = 0
+            return scan
+        scan.header_problem = str(err)
+    pos = max(start, FILE_HEADER_SIZE)
+    scan.good_end = pos
+    last_seq = after_seq
+    last_good: int | None = None
+    end = len(raw)
+    while pos < end:
+        record = _read_record(raw, pos, name)
+        if record is not None:
+            scan.records.append(record)
+            last_seq = max(last_seq, record.seq)
+            last_good = record.seq
+            pos += record.size
+            scan.good_end = pos
+            continue
+        resume = _resync(raw, pos + 1, last_seq, name)
+        if resume is None:
+            if newest and scan.header_problem is None:
+                scan.torn_tail = end - pos
+            else:
+                scan.bad_regions.append(BadRegion(pos, end, last_good, None))
+            break
+        next_record = _read_record(raw, resume, name)
+        assert next_record is not None  # _resync verified it
+        scan.bad_regions.append(BadRegion(pos, resume, last_good, next_record.seq))
+        pos = resume
+    return scan
+
+
+def _read_record(raw: bytes, pos: int, name: str) -> ScannedRecord | None:
+    """The verified record at ``pos``, or None when there is none."""
+    try:
+        head = decode_record_head(raw, pos, name=name)
+    except FormatError as err:
+        if err.field == "type":
+            raise
+        return None
+    record_type = RecordType(head.type)
+    try:
+        if record_type is RecordType.DATA:
+            summary = DataSummary(*decode_data_summary(raw, pos, head, name=name))
+            return ScannedRecord(head.seq, record_type, pos, head.size, data=summary)
+        if record_type is RecordType.BIND:
+            bind = decode_bind(raw, pos, head, name=name)
+            return ScannedRecord(head.seq, record_type, pos, head.size, bind=bind)
+        drop = decode_drop(raw, pos, head, name=name)
+        return ScannedRecord(head.seq, record_type, pos, head.size, drop=drop)
+    except FormatError:
+        # A CRC-valid record with an inconsistent body: never trust it.
+        return None
+
+
+def _resync(raw: bytes, start: int, after_seq: int, name: str) -> int | None:
+    """The first offset at or after ``start`` where a verifiable record begins."""
+    pos = start
+    while True:
+        hits = [i for marker in _MARKERS if (i := raw.find(marker, pos + 4)) != -1]
+        if not hits:
+            return None
+        candidate = min(hits) - 4
+        if plausible_head(raw, candidate, after_seq) and _read_record(raw, candidate, name):
+            return candidate
+        pos = candidate + 1

@@ -1,0 +1,296 @@
+"""Staging: moving accepted ``produce()`` calls into the WAL, with group commit.
+
+Two threads. The WAL writer (``millpond-wal-writer``) takes every call waiting in the inbox and
+appends them in one write; the syncer (``millpond-wal-syncer``) makes everything written so far
+durable with one ``fdatasync`` (``wal_sync="always"``) and only then marks the handles staged.
+While the syncer waits for the disk, the writer already writes the next group — at most one
+group ahead, so a stalled disk fills the inbox and pushes back on ``produce()``.
+
+When the WAL is at ``wal_max_bytes`` the writer waits for the publisher to release space
+(``backpressure``: the inbox fills and ``produce()`` blocks), or, under ``drop_oldest``, drops
+the oldest staged data: whole batches, or the pending records of the oldest WAL file, and
+never a batch whose manifest append is in flight (its outcome would make the count inexact).
+Dropped data is recorded in the WAL (a DROP record) before its space is released, and every
+dropped ``produce()`` call is counted and failed with ``BackpressureError``. A batch dropped
+after an ambiguous append is settled later, by looking in the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from millpond.errors import BackpressureError, ClosedError
+from millpond.producer._state import (
+    Batch,
+    BatchState,
+    Input,
+    Interrupted,
+    Staged,
+    State,
+    Written,
+)
+from millpond.producer.config import ProducerConfig
+from millpond.wal import Wal
+from millpond.wal_format import DropBody
+
+__all__ = ["WalWriter"]
+
+logger = logging.getLogger(__name__)
+
+_SPACE_POLL = 0.1  # seconds; a safety net, releases notify the condition anyway
+_GROUP_BYTES = 8 << 20  # at most this much is written per WAL group (one fdatasync)
+
+
+class WalWriter:
+    """The bodies of the ``millpond-wal-writer`` and ``millpond-wal-syncer`` threads.
+
+    The writer encodes and writes groups; the syncer makes them durable and marks them
+    staged. While the syncer waits for the disk, the writer already writes the next group, so
+    a group costs max(encode + write, fdatasync) rather than their sum; one ``fdatasync``
+    covers every group written before it started.
+    """
+
+    def __init__(self, state: State, wal: Wal, config: ProducerConfig) -> None:
+        self._state = state
+        self._wal = wal
+        self._config = config
+        # Bounded so that one sync never takes long: sealing and BIND syncs queue behind it.
+        self._group_limit = max(1, min(config.rotate_bytes // 2, _GROUP_BYTES))
+        self._dirty = False
+        self._last_sync = state.clock.monotonic()
+        self._floor = 0
+
+    def run(self) -> None:
+        state = self._state
+        try:
+            while True:
+                group = self._take_group()
+                if group is None:
+                    break
+                needed = sum(i.record_size for i in group)
+                if not self._make_room(needed):
+                    self._fail_unstaged(group)
+                    continue
+                placed = self._wal.append_data(
+                    [(i.ingestion_time_ms, i.metadata, i.entries) for i in group]
+                )
+                with state.cond:
+                    state.written.append((group, placed, self._floor))
+                    state.syncer_wake.notify()
+        except Interrupted:
+            pass
+        except BaseException as err:
+            logger.exception("WAL writer failed; the producer stops accepting entries")
+            with state.cond:
+                state.set_fatal(err)
+        finally:
+            with state.cond:
+                state.writer_done = True
+                state.syncer_wake.notify_all()
+
+    def run_syncer(self) -> None:
+        state = self._state
+        try:
+            while True:
+                written = self._take_written()
+                if written is None:
+                    break
+                if self._config.wal_sync == "always":
+                    self._sync()
+                elif self._config.wal_sync == "interval":
+                    self._dirty = self._dirty or bool(written)
+                    self._sync_if_due()
+                if written:
+                    self._stage(written)
+            if self._dirty:
+                self._sync()
+        except BaseException as err:
+            logger.exception("WAL sync failed; the producer stops accepting entries")
+            with state.cond:
+                state.set_fatal(err)
+
+    # -- one group ------------------------------------------------------------------------
+
+    def _take_group(self) -> list[Input] | None:
+        """The next group to write; ``None`` to stop."""
+        state = self._state
+        with state.cond:
+            # One group may wait for the next sync while another syncs; more would let a
+            # stalled disk drain the inbox into memory without ever pushing back.
+            while not state.inbox or state.written:
+                if state.fatal is not None:
+                    return None
+                if not state.inbox and (state.stop.is_set() or state.closing):
+                    return None
+                state.writer_wake.wait()
+            group = [state.inbox.popleft()]
+            size = group[0].record_size
+            while state.inbox and size + state.inbox[0].record_size <= self._group_limit:
+                item = state.inbox.popleft()
+                group.append(item)
+                size += item.record_size
+            # Records of this group are not in ``pending`` until they are durable; the floor
+            # keeps a concurrent release from passing them.
+            self._floor = self._wal.next_seq
+            state.unstaged_floors.append(self._floor)
+            state.room.notify(len(group))  # produce() calls waiting for inbox room
+            return group
+
+    def _take_written(self) -> list[Written] | None:
+        """Groups written since the last call; ``[]`` when only an interval sync is due."""
+        state = self._state
+        with state.cond:
+            while not state.written:
+                if state.writer_done or state.fatal is not None:
+                    return None
+                timeout = None
+                if self._dirty:
+                    timeout = self._config.wal_sync_interval - (
+                        state.clock.monotonic() - self._last_sync
+                    )
+                    if timeout <= 0:
+                        return []
+                state.syncer_wake.wait(timeout)
+            written = list(state.written)
+            state.written.clear()
+            state.writer_wake.notify()  # the writer may write the next group now
+            return written
+
+    def _stage(self, written: list[Written]) -> None:
+        state = self._state
+        now = state.clock.monotonic()
+        with state.cond:
+            for group, placed, floor in written:
+                for item, (seq, ref) in zip(group, placed, strict=True):
+                    keep = state.mem_bytes + item.nbytes <= state.mem_budget
+                    if keep:
+                        state.mem_bytes += item.nbytes
+                    state.pending.append(
+                        Staged(
+                            ordinal=item.ordinal,
+                            seq=seq,
+                            ref=ref,
+                            ingestion_time_ms=item.ingestion_time_ms,
+                            metadata=item.metadata,
+                            entry_count=len(item.entries),
+                            nbytes=item.nbytes,
+                            entries=item.entries if keep else None,
+                            handle=item.handle,
+                            staged_at=now,
+                        )
+                    )
+                    state.pending_bytes += item.nbytes
+                    item.handle._set_staged()
+                state.unstaged_floors.remove(floor)
+                state.counters.add("records_staged", len(group))
+                state.counters.add("bytes_staged", sum(ref.size for _, ref in placed))
+            state.sealer_wake.notify()
+
+    def _sync(self) -> None:
+        self._wal.sync()
+        self._dirty = False
+        self._last_sync = self._state.clock.monotonic()
+        self._state.counters.add("wal_syncs")
+
+    def _sync_if_due(self) -> None:
+        due = self._state.clock.monotonic() - self._last_sync >= self._config.wal_sync_interval
+        if self._dirty and due:
+            self._sync()
+
+    def _fail_unstaged(self, group: list[Input]) -> None:
+        state = self._state
+        error = ClosedError(
+            "producer closed while the WAL was full; these entries were never staged"
+        )
+        with state.cond:
+            state.unstaged_floors.remove(self._floor)
+            for item in group:
+                item.handle._set_failed(error)
+                state.resolve(item.ordinal)
+
+    # -- the size cap ---------------------------------------------------------------------
+
+    def _make_room(self, needed: int) -> bool:
+        """Wait (or drop) until ``needed`` bytes fit under ``wal_max_bytes``; False on stop."""
+        state = self._state
+        waited = False
+        while self._wal.bytes_used + needed > self._config.wal_max_bytes:
+            if state.stop.is_set():
+                return False
+            if self._config.size_cap_policy == "drop_oldest" and self._drop_head():
+                continue
+            with state.cond:
+                if not waited:
+                    state.counters.add("backpressure_waits")
+                    waited = True
+                state.space.wait(_SPACE_POLL)
+        return True
+
+    def _drop_head(self) -> bool:
+        """Drop the oldest staged unit if it may be dropped; True when something went."""
+        state = self._state
+        wal = self._wal
+        with state.cond:
+            if state.batches:
+                head = state.batches[0]
+                if head.state in (BatchState.BINDING, BatchState.APPENDING):
+                    return False  # wait: its outcome decides whether it is lost
+                body = DropBody(head.first_seq, head.last_seq)
+                self._drop_batch(head)
+            elif state.pending:
+                oldest_file = state.pending[0].ref.file_no
+                records: list[Staged] = []
+                while state.pending and state.pending[0].ref.file_no == oldest_file:
+                    record = state.pending.popleft()
+                    state.pending_bytes -= record.nbytes
+                    records.append(record)
+                body = DropBody(records[0].seq, records[-1].seq)
+                self._count_drop(records, batches=0)
+            else:
+                return False
+        wal.append_drop(body)
+        if self._config.wal_sync != "off":
+            wal.sync()
+        with state.cond:
+            watermark = state.watermark(wal.next_seq)
+        wal.release(watermark)
+        return True
+
+    def _drop_batch(self, batch: Batch) -> None:
+        state = self._state
+        state.batches.popleft()
+        batch.dropped = True
+        batch.payload = None
+        if batch in state.upload_queue:
+            state.upload_queue.remove(batch)
+        if batch.state is BatchState.UNCERTAIN:
+            # It may have landed: settled (and counted) once the manifest can be read.
+            for record in batch.records:
+                state.release_memory(record)
+            state.unsettled.append(batch)
+            logger.warning(
+                "drop_oldest: dropped batch %s from the WAL; whether its ambiguous manifest "
+                "append landed is checked once the store answers", batch.location
+            )
+        else:
+            self._count_drop(batch.records, batches=1)
+        state.committer_wake.notify()
+        state.sealer_wake.notify()  # one fewer batch in flight
+
+    def _count_drop(self, records: list[Staged], *, batches: int) -> None:
+        state = self._state
+        entries = sum(r.entry_count for r in records)
+        state.counters.add("batches_dropped", batches)
+        state.counters.add("records_dropped", len(records))
+        state.counters.add("entries_dropped", entries)
+        logger.warning(
+            "drop_oldest: the WAL is full; dropped %s entries of %s produce() calls",
+            entries, len(records),
+        )
+        state.settle_failed(
+            records,
+            BackpressureError(
+                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
+                "before these entries were published"
+            ),
+        )

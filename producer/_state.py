@@ -1,0 +1,352 @@
+"""The producer's shared state: what each ``produce()`` call is doing, under one lock.
+
+A call moves through: the *inbox* (accepted, waiting for the WAL writer; bounded by
+``max_buffered_inputs``) → *written* (in the WAL, waiting for its fdatasync) → *pending*
+(staged, not yet in a batch) → a *batch* (bound to a location in the WAL, uploaded, appended
+to the manifest) → settled (durable or failed). Batches are published strictly in the order
+they were sealed, so the manifest holds one producer's entries in ``produce()`` order.
+
+Every field here is guarded by ``State.lock`` (``with state.cond:``); each thread waits on its
+own condition of that lock. IO is never done while holding it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from millpond.clock import Clock, SystemClock
+from millpond.manifest_format import Metadata, PendingEntry
+from millpond.metrics import Counters, LatencySummary
+from millpond.producer.handle import WriteHandle
+from millpond.wal import WalRef
+
+__all__ = [
+    "COUNTER_NAMES",
+    "Batch",
+    "BatchState",
+    "CloseReport",
+    "Input",
+    "Staged",
+    "State",
+    "Written",
+]
+
+COUNTER_NAMES = (
+    "produce_calls",
+    "entries_produced",
+    "bytes_produced",
+    "records_staged",
+    "bytes_staged",
+    "wal_syncs",
+    "batches_sealed",
+    "uploads",
+    "bytes_uploaded",
+    "put_retries",
+    "manifest_appends",
+    "manifest_reads",
+    "manifest_writes",
+    "cas_retries",
+    "cas_conflicts",
+    "batches_committed",
+    "entries_committed",
+    "batches_reminted",
+    "batches_dropped",
+    "entries_dropped",
+    "records_dropped",
+    "records_recovered",
+    "entries_recovered",
+    "backpressure_waits",
+)
+
+
+class Interrupted(Exception):
+    """Raised inside a retry sleep once the producer is shutting down."""
+
+
+class StopAwareClock:
+    """The configured clock, with a ``sleep`` that ends early and raises on shutdown.
+
+    The queue's CAS loop sleeps through this clock, so ``close()`` never waits out a backoff.
+    """
+
+    def __init__(self, clock: Clock, stop: threading.Event) -> None:
+        self._clock = clock
+        self._stop = stop
+        self._real = isinstance(clock, SystemClock)
+
+    def now_ms(self) -> int:
+        return int(self._clock.now_ms())
+
+    def monotonic(self) -> float:
+        return float(self._clock.monotonic())
+
+    def sleep(self, seconds: float) -> None:
+        if self._real:
+            if self._stop.wait(max(seconds, 0.0)):
+                raise Interrupted
+            return
+        if self._stop.is_set():
+            raise Interrupted
+        self._clock.sleep(seconds)
+
+
+@dataclass(slots=True, eq=False)
+class Input:
+    """A ``produce()`` call accepted but not yet in the WAL."""
+
+    ordinal: int
+    entries: list[bytes]
+    metadata: bytes
+    ingestion_time_ms: int
+    nbytes: int
+    record_size: int
+    handle: WriteHandle
+
+
+Written = tuple[list[Input], list[tuple[int, WalRef]], int]
+"""A group in the WAL awaiting its sync: the calls, their (seq, ref), and the group's floor."""
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """A ``produce()`` call (or a replayed one) staged in the WAL."""
+
+    ordinal: int
+    seq: int
+    ref: WalRef
+    ingestion_time_ms: int
+    metadata: bytes
+    entry_count: int
+    nbytes: int
+    entries: list[bytes] | None
+    """Kept in memory within the budget; ``None`` means read it back from the WAL."""
+    handle: WriteHandle | None
+    staged_at: float = 0.0
+
+
+class BatchState(enum.Enum):
+    BINDING = "binding"
+    """Records chosen; the BIND record is being written."""
+    SEALED = "sealed"
+    """Bound in the WAL, waiting for an upload slot."""
+    UPLOADING = "uploading"
+    UPLOADED = "uploaded"
+    """The object is written; waiting to be appended to the manifest."""
+    APPENDING = "appending"
+    """Inside a manifest append."""
+    UNCERTAIN = "uncertain"
+    """An append failed ambiguously (or the batch was replayed): look in the manifest first."""
+    REMINT = "remint"
+    """Not in the manifest and its ULID is too old (or its object cannot be trusted): it needs
+    a fresh ULID and a new upload."""
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """A group of staged records published as one object and one manifest entry."""
+
+    records: list[Staged]
+    location: str = ""
+    minted_ms: int = 0
+    state: BatchState = BatchState.BINDING
+    prior_locations: list[str] = field(default_factory=list)
+    uploaded: bool = False
+    """Whether the object at ``location`` is known to be written."""
+    reusable: bool = True
+    """Whether ``location`` may be written again (a replayed batch whose records all
+    survived); otherwise a replayed batch gets a fresh ULID."""
+    dropped: bool = False
+    payload: bytes | None = None
+    """The encoded batch, from sealing until it is uploaded."""
+    recovered: bool = False
+    """Replayed from the WAL on start."""
+    append_group: list[Batch] | None = None
+    """The batches of the last (ambiguous) manifest append this batch was part of: one CAS
+    writes all of them or none, so finding any of them in the manifest settles them all."""
+
+    @property
+    def first_seq(self) -> int:
+        return self.records[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.records[-1].seq
+
+    @property
+    def entry_count(self) -> int:
+        return sum(r.entry_count for r in self.records)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    @property
+    def locations(self) -> list[str]:
+        return [*self.prior_locations, self.location]
+
+    def pending_entry(self) -> PendingEntry:
+        """The manifest entry: one metadata item per ``produce()`` call."""
+        items = []
+        start = 0
+        for record in self.records:
+            items.append(Metadata(start, record.ingestion_time_ms, record.metadata))
+            start += record.entry_count
+        return PendingEntry(self.location, tuple(items))
+
+
+@dataclass(frozen=True, slots=True)
+class CloseReport:
+    """What ``Producer.close()`` left behind; ``complete`` when everything is published."""
+
+    wal_dir: str
+    staged_records: int = 0
+    """``produce()`` calls (replayed ones included) still only in the WAL; the next producer
+    on ``wal_dir`` publishes them."""
+    staged_entries: int = 0
+    staged_bytes: int = 0
+    unstaged_records: int = 0
+    """Calls that never reached the WAL (close timed out while it was full); their handles
+    failed with ``ClosedError``."""
+    unstaged_entries: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.staged_records == 0 and self.unstaged_records == 0
+
+
+class State:
+    """Everything the producer's threads share, guarded by ``cond``."""
+
+    def __init__(self, *, clock: Clock, mem_budget: int) -> None:
+        # One lock, several conditions: each thread waits on its own, and a change wakes only
+        # the threads it concerns (a notify_all to every thread per produce() call costs more
+        # than the call itself).
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        """Held to read or change anything here; waited on by flush() and close()."""
+        self.room = threading.Condition(self.lock)
+        """produce() waits here for inbox room."""
+        self.writer_wake = threading.Condition(self.lock)
+        self.syncer_wake = threading.Condition(self.lock)
+        self.sealer_wake = threading.Condition(self.lock)
+        self.upload_wake = threading.Condition(self.lock)
+        self.committer_wake = threading.Condition(self.lock)
+        self.space = threading.Condition(self.lock)
+        """The WAL writer waits here for released WAL space."""
+        self.stop = threading.Event()
+        self.clock = clock
+        self.counters = Counters(*COUNTER_NAMES)
+        self.fsync_latency = LatencySummary()
+        self.inbox: deque[Input] = deque()
+        self.pending: deque[Staged] = deque()
+        self.pending_bytes = 0
+        self.batches: deque[Batch] = deque()
+        """Sealed batches not yet settled, in seal (= publish) order."""
+        self.upload_queue: deque[Batch] = deque()
+        self.unsettled: list[Batch] = []
+        """Dropped while their manifest append was ambiguous: settled by a later look."""
+        self.written: deque[Written] = deque()
+        """Groups in the WAL but not yet synced and staged (the syncer takes them)."""
+        self.writer_done = False
+        self.unstaged_floors: list[int] = []
+        """For each group taken from the inbox and not yet staged, the lowest sequence its
+        records can have: a release must not pass them before they are in ``pending``."""
+        self.next_ordinal = 0
+        self.resolved_through = -1
+        self._resolved_ahead: set[int] = set()
+        self.flush_target = -1
+        self.closing = False
+        self.fatal: BaseException | None = None
+        self.mem_budget = mem_budget
+        self.mem_bytes = 0
+
+    def wake_all(self) -> None:
+        """Wake every waiting thread (closing, stopping, failing)."""
+        for condition in (
+            self.cond, self.room, self.writer_wake, self.syncer_wake, self.sealer_wake,
+            self.upload_wake, self.committer_wake, self.space,
+        ):
+            condition.notify_all()
+
+    # -- settling -------------------------------------------------------------------------
+
+    def resolve(self, ordinal: int) -> None:
+        """Mark one call settled; ``resolved_through`` advances over a contiguous run."""
+        if ordinal == self.resolved_through + 1:
+            self.resolved_through = ordinal
+            while self.resolved_through + 1 in self._resolved_ahead:
+                self._resolved_ahead.remove(self.resolved_through + 1)
+                self.resolved_through += 1
+        elif ordinal > self.resolved_through:
+            self._resolved_ahead.add(ordinal)
+        self.cond.notify_all()
+
+    def settle_durable(self, batch: Batch, sequence: int, location: str) -> None:
+        for record in batch.records:
+            if record.handle is not None:
+                record.handle._set_durable(location, sequence)
+            self.release_memory(record)
+            self.resolve(record.ordinal)
+
+    def settle_failed(self, records: list[Staged], error: BaseException) -> None:
+        for record in records:
+            if record.handle is not None:
+                record.handle._set_failed(error)
+            self.release_memory(record)
+            self.resolve(record.ordinal)
+
+    def release_memory(self, record: Staged) -> None:
+        if record.entries is not None:
+            record.entries = None
+            self.mem_bytes -= record.nbytes
+
+    def unstaged_through(self, ordinal: int) -> bool:
+        """Whether some call at or before ``ordinal`` is not yet staged (inbox or WAL write)."""
+        return bool(
+            self.written
+            or self.unstaged_floors
+            or (self.inbox and self.inbox[0].ordinal <= ordinal)
+        )
+
+    def watermark(self, wal_next_seq: int) -> int:
+        """The lowest sequence still needed: everything below it can be released."""
+        candidates = [wal_next_seq]
+        if self.batches:
+            candidates.append(self.batches[0].first_seq)
+        if self.pending:
+            candidates.append(self.pending[0].seq)
+        if self.unstaged_floors:
+            candidates.append(min(self.unstaged_floors))
+        return min(candidates)
+
+    def set_fatal(self, error: BaseException) -> None:
+        """Stop on a permanent failure: every unsettled call fails with ``error``.
+
+        Staged data stays in the WAL (nothing is released), so a producer started again on
+        the same directory after the cause is fixed publishes it.
+        """
+        if self.fatal is not None:
+            return
+        self.fatal = error
+        self.fail_unsettled(error)
+
+    def fail_unsettled(self, error: BaseException) -> None:
+        """Fail the handles of every call not yet settled (the data stays where it is)."""
+        for item in [*self.inbox, *(i for group, _, _ in self.written for i in group)]:
+            item.handle._set_failed(error)
+            self.resolve(item.ordinal)
+        self.inbox.clear()
+        self.settle_failed(self.staged_only(), error)
+        for batch in self.unsettled:
+            self.settle_failed(batch.records, error)
+        self.wake_all()
+
+    # -- views ----------------------------------------------------------------------------
+
+    def staged_only(self) -> list[Staged]:
+        records = [r for b in self.batches for r in b.records]
+        records.extend(self.pending)
+        return records

@@ -1,0 +1,155 @@
+"""``WriteHandle``: what ``produce()`` returns, to wait for staging and for durability."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["WriteHandle"]
+
+_PENDING, _STAGED, _DURABLE, _FAILED = 0, 1, 2, 3
+
+
+class WriteHandle:
+    """Tracks one ``produce()`` call through the WAL, the batch upload and the manifest.
+
+    Two milestones: *staged* (the entries are in the local WAL, fsynced when
+    ``wal_sync="always"``) and *durable* (the batch holding them is written and its location
+    is in the queue manifest — the RFC's ``await_durable``). A failure reaches the caller
+    through the handle: ``wait()`` raises it and ``exception()`` returns it.
+
+    Handles are made on the ``produce()`` hot path, so a handle holds no lock or event of its
+    own: the producer's handles share one lock, and an event is created only when a thread
+    actually waits for a milestone that has not been reached.
+    """
+
+    __slots__ = (
+        "_error",
+        "_lock",
+        "_progress",
+        "_staged_ok",
+        "_waiters",
+        "entry_count",
+        "location",
+        "sequence",
+    )
+
+    def __init__(self, entry_count: int, lock: threading.Lock | None = None) -> None:
+        self.entry_count = entry_count
+        """How many entries this ``produce()`` call held."""
+        self.location: str | None = None
+        """The batch object holding the entries, once durable."""
+        self.sequence: int | None = None
+        """The manifest sequence of that batch, once durable."""
+        self._lock = lock or threading.Lock()
+        self._progress = _PENDING
+        self._staged_ok = False
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[int, threading.Event]] | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the entries are in the local WAL (fsynced under ``wal_sync="always"``).
+
+        Args:
+            timeout: seconds to wait; ``None`` waits as long as it takes.
+
+        Raises:
+            TimeoutError: not staged within ``timeout``.
+            MillpondError: the entries were never staged (the producer closed or failed
+                first); the exception says why.
+        """
+        if not self._reach(_STAGED, timeout):
+            raise TimeoutError(f"entries not staged within {timeout} s")
+        if not self._staged_ok and self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the batch is written and its location is in the manifest.
+
+        Args:
+            timeout: seconds to wait; ``None`` waits as long as it takes (through a store
+                outage, too: staged data is retried until it lands).
+
+        Raises:
+            TimeoutError: not durable within ``timeout``; the entries stay staged and are
+                still being published.
+            BackpressureError: ``drop_oldest`` dropped these entries.
+            ClosedError: the producer closed first; the entries remain in its WAL and the
+                next producer on that directory publishes them.
+            MillpondError: a permanent failure (corrupt manifest, bad configuration).
+        """
+        if not self._reach(_DURABLE, timeout):
+            raise TimeoutError(f"entries not durable within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        """Whether the call is settled: durable, or failed."""
+        return self._progress >= _DURABLE
+
+    def staged(self) -> bool:
+        """Whether the entries reached the WAL (or the call failed before they could)."""
+        return self._progress >= _STAGED
+
+    def exception(self) -> BaseException | None:
+        """The failure, if the call failed; ``None`` while pending or once durable."""
+        return self._error if self._progress == _FAILED else None
+
+    def __repr__(self) -> str:
+        if self._progress == _FAILED:
+            state = f"failed: {type(self._error).__name__}"
+        elif self._progress == _DURABLE:
+            state = f"durable at {self.location} (sequence {self.sequence})"
+        elif self._progress == _STAGED:
+            state = "staged"
+        else:
+            state = "pending"
+        return f"WriteHandle({self.entry_count} entries, {state})"
+
+    def _reach(self, milestone: int, timeout: float | None) -> bool:
+        if self._progress >= milestone:
+            return True
+        with self._lock:
+            if self._progress >= milestone:
+                return True
+            event = threading.Event()
+            if self._waiters is None:
+                self._waiters = []
+            self._waiters.append((milestone, event))
+        return event.wait(timeout)
+
+    # -- called by the producer -----------------------------------------------------------
+
+    def _advance(
+        self,
+        progress: int,
+        *,
+        error: BaseException | None = None,
+        location: str | None = None,
+        sequence: int | None = None,
+    ) -> None:
+        with self._lock:
+            if self._progress >= _DURABLE or progress <= self._progress:
+                return  # settled once, for good: the first outcome wins
+            if progress == _FAILED:
+                self._error = error
+            elif progress == _DURABLE:
+                self.location, self.sequence = location, sequence
+            if progress in (_STAGED, _DURABLE):
+                self._staged_ok = True
+            self._progress = progress
+            waiters = self._waiters
+            if waiters is not None:
+                self._waiters = [(m, e) for m, e in waiters if m > progress] or None
+        if waiters is not None:
+            for milestone, event in waiters:
+                if milestone <= progress:
+                    event.set()
+
+    def _set_staged(self) -> None:
+        self._advance(_STAGED)
+
+    def _set_durable(self, location: str, sequence: int) -> None:
+        self._advance(_DURABLE, location=location, sequence=sequence)
+
+    def _set_failed(self, error: BaseException) -> None:
+        self._advance(_FAILED, error=error)

@@ -1,0 +1,491 @@
+"""``Producer``: the RFC's producer, with a local write-ahead log as its durable staging tier.
+
+``produce()`` validates the call, queues it for the WAL writer (blocking only for
+backpressure) and returns a :class:`WriteHandle`. Background threads then stage it in the WAL
+(``_stager``), and seal, upload and publish it (``_publisher``). On start the producer replays
+what its WAL still holds and publishes it before anything new.
+
+Memory: staged entries stay in memory up to ``max(4 * flush_size_bytes, 256 MiB)``; beyond
+that (a backlog while the store is unreachable) they live only in the WAL and are read back
+when their batch is encoded, so a WAL of gigabytes does not become gigabytes of heap.
+
+Threads (named, daemon, all joined by ``close()``): ``millpond-wal-writer``,
+``millpond-wal-syncer``, ``millpond-sealer``, ``millpond-upload-N`` and ``millpond-committer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from millpond.batch_format import MAX_RECORD_BYTES
+from millpond.errors import BackpressureError, ClosedError, InvalidInputError
+from millpond.metrics import Counters, LatencySummary
+from millpond.producer._publisher import Committer, Sealer, Uploader, _Binder
+from millpond.producer._recovery import fold_records
+from millpond.producer._stager import WalWriter
+from millpond.producer._state import (
+    Batch,
+    BatchState,
+    CloseReport,
+    Input,
+    Staged,
+    State,
+    StopAwareClock,
+)
+from millpond.producer.config import ProducerConfig
+from millpond.producer.handle import WriteHandle
+from millpond.queue import QueueProducer
+from millpond.store import open_store
+from millpond.ulids import UlidMinter, parse_batch_name, ulid_time_ms
+from millpond.wal import RecoveryReport, Wal, WalRecord
+from millpond.wal_format import MAX_ENTRY_LEN, data_record_size
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["Producer"]
+
+logger = logging.getLogger(__name__)
+
+_MIN_MEMORY_BUDGET = 256 << 20  # staged bytes kept in memory before reading back from the WAL
+_EVERYTHING = 1 << 62  # a flush target past any ordinal
+_JOIN_GRACE = 30.0  # seconds a thread stuck in a network call gets after close()'s deadline
+
+
+class Producer:
+    """Stages entries in a local WAL and publishes them as batches to the queue manifest.
+
+    Thread-safe. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, config: ProducerConfig) -> None:
+        """Open the store and the WAL, replay the WAL, and start the background threads.
+
+        Raises:
+            ConfigError: a bad setting, or ``wal_dir`` is held by another live producer.
+            FormatError: the WAL was written by another millpond version.
+            StorageError: the WAL directory cannot be used.
+        """
+        if not isinstance(config, ProducerConfig):
+            raise InvalidInputError(
+                f"config: expected a ProducerConfig, found {type(config).__name__}"
+            )
+        self._config = config
+        self._store = open_store(config.store, config.store_options)
+        budget = max(4 * config.flush_size_bytes, _MIN_MEMORY_BUDGET)
+        self._state = state = State(clock=config.clock, mem_budget=budget)
+        self._clock = StopAwareClock(config.clock, state.stop)
+        self._wal = Wal.open(
+            config.wal_dir, rotate_bytes=config.rotate_bytes, fsync_latency=state.fsync_latency
+        )
+        self._closed = False
+        self._close_report: CloseReport | None = None
+        self._handle_lock = threading.Lock()  # shared by this producer's handles
+        self._close_lock = threading.Lock()
+        self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
+        try:
+            self._replay()
+        except BaseException:
+            self._wal.close()
+            raise
+        queue = QueueProducer(
+            self._store,
+            config.manifest_path,
+            retry=config.retry,
+            clock=self._clock,
+            counters=state.counters,
+        )
+        binder = _Binder(self._wal, config, UlidMinter(config.clock))
+        writer = WalWriter(state, self._wal, config)
+        bodies: list[tuple[str, Any]] = [
+            ("millpond-wal-writer", writer.run),
+            ("millpond-wal-syncer", writer.run_syncer),
+            ("millpond-sealer", Sealer(state, self._wal, config, binder).run),
+            (
+                "millpond-committer",
+                Committer(state, self._wal, config, self._store, queue, binder, self._clock).run,
+            ),
+        ]
+        for i in range(config.upload_concurrency):
+            uploader = Uploader(state, self._wal, config, self._store, self._clock)
+            bodies.append((f"millpond-upload-{i}", uploader.run))
+        self._threads = [
+            threading.Thread(target=run, name=name, daemon=True) for name, run in bodies
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def _replay(self) -> None:
+        wal = self._wal
+        report = wal.report
+        if not report.clean:
+            logger.warning("%s", report.summary())
+        elif report.records_replayed or report.torn_tail_bytes:
+            logger.info("%s", report.summary())
+        folded = fold_records(wal.records)
+        state = self._state
+        now = state.clock.monotonic()
+        entries = 0
+        records = 0
+
+        def staged(record: WalRecord) -> Staged:
+            nonlocal entries, records
+            ordinal = state.next_ordinal
+            state.next_ordinal += 1
+            entries += record.entry_count
+            records += 1
+            return Staged(
+                ordinal=ordinal,
+                seq=record.seq,
+                ref=record.ref,
+                ingestion_time_ms=record.ingestion_time_ms,
+                metadata=record.metadata,
+                entry_count=record.entry_count,
+                nbytes=record.entry_bytes,
+                entries=None,
+                handle=None,
+                staged_at=now,
+            )
+
+        with state.cond:
+            for bound in folded.batches:
+                ulid = parse_batch_name(bound.location.rsplit("/", 1)[-1])
+                state.batches.append(
+                    Batch(
+                        [staged(r) for r in bound.records],
+                        location=bound.location,
+                        minted_ms=ulid_time_ms(ulid) if ulid else 0,
+                        state=BatchState.UNCERTAIN,
+                        prior_locations=list(bound.prior_locations),
+                        reusable=bound.complete,
+                        recovered=True,
+                    )
+                )
+            for record in folded.unbound:
+                item = staged(record)
+                state.pending.append(item)
+                state.pending_bytes += item.nbytes
+        state.counters.add("records_recovered", records)
+        state.counters.add("entries_recovered", entries)
+        if records:
+            logger.info(
+                "replaying %s produce() calls (%s entries, %s already bound to batches) from %s",
+                records, entries, len(folded.batches), wal.directory,
+            )
+
+    # -- public API -----------------------------------------------------------------------
+
+    @property
+    def config(self) -> ProducerConfig:
+        return self._config
+
+    @property
+    def recovery_report(self) -> RecoveryReport:
+        """What replaying the WAL found on start, losses included."""
+        return self._wal.report
+
+    @property
+    def counters(self) -> Counters:
+        """Live counters (see :meth:`metrics` for a snapshot with gauges)."""
+        return self._state.counters
+
+    @property
+    def fsync_latency(self) -> LatencySummary:
+        """Seconds per WAL ``fdatasync`` (count, mean, p50, p99, max)."""
+        return self._state.fsync_latency
+
+    def produce(
+        self,
+        entries: Iterable[bytes | bytearray | memoryview],
+        metadata: bytes | bytearray | memoryview = b"",
+        timeout: float | None = None,
+    ) -> WriteHandle:
+        """Stage ``entries`` (one metadata item in the manifest) and publish them.
+
+        Blocks only while ``max_buffered_inputs`` calls wait for the WAL writer (which itself
+        waits while the WAL is full under ``size_cap_policy="backpressure"``).
+
+        Args:
+            entries: opaque byte strings, at least one, each at most 2**32 - 1 bytes.
+            metadata: opaque bytes stored with this call's metadata item in the manifest.
+            timeout: seconds to wait for buffer room; ``None`` waits as long as it takes.
+
+        Returns:
+            A handle: ``wait_staged()`` for the WAL, ``wait()`` for the manifest.
+
+        Raises:
+            InvalidInputError: no entries, an entry that is not bytes-like, or one over the
+                u32 limit; the call is rejected before anything is staged.
+            BackpressureError: no buffer room within ``timeout``.
+            ClosedError: the producer is closed or stopped after a permanent failure.
+        """
+        items, meta, nbytes, record_size = self._validate(entries, metadata)
+        state = self._state
+        handle = WriteHandle(len(items), self._handle_lock)
+        ingestion_time_ms = state.clock.now_ms()
+        limit = self._config.max_buffered_inputs
+        deadline = None if timeout is None else state.clock.monotonic() + timeout
+        with state.cond:
+            self._check_usable()
+            if len(state.inbox) >= limit:
+                state.counters.add("backpressure_waits")
+            while len(state.inbox) >= limit:
+                remaining = None if deadline is None else deadline - state.clock.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BackpressureError(
+                        f"produce(): {limit} calls (max_buffered_inputs) still waiting for the "
+                        f"WAL after {timeout} s; the WAL is full or the disk is slow"
+                    )
+                state.room.wait(remaining)
+                self._check_usable()
+            ordinal = state.next_ordinal
+            state.next_ordinal += 1
+            state.inbox.append(
+                Input(ordinal, items, meta, ingestion_time_ms, nbytes, record_size, handle)
+            )
+            state.writer_wake.notify()
+        counters = state.counters
+        counters.add("produce_calls")
+        counters.add("entries_produced", len(items))
+        counters.add("bytes_produced", nbytes)
+        return handle
+
+    def produce_arrow(
+        self,
+        data: pa.RecordBatch | pa.Table,
+        metadata: bytes | bytearray | memoryview = b"",
+        timeout: float | None = None,
+    ) -> WriteHandle:
+        """Produce one entry per non-empty record batch of ``data``, as Arrow IPC streams.
+
+        Raises:
+            InvalidInputError: not a record batch or table, or no rows at all.
+            BackpressureError, ClosedError: as :meth:`produce`.
+        """
+        from millpond.arrow import encode_ipc
+
+        entries = encode_ipc(data)
+        if not entries:
+            raise InvalidInputError("data: expected at least one row, found none")
+        return self.produce(entries, metadata, timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Publish everything produced so far now, and wait until it is in the manifest.
+
+        Raises:
+            TimeoutError: not everything was published within ``timeout``.
+            ClosedError: the producer is closed or stopped after a permanent failure.
+        """
+        state = self._state
+        deadline = None if timeout is None else state.clock.monotonic() + timeout
+        with state.cond:
+            self._check_usable()
+            target = state.next_ordinal - 1
+            state.flush_target = max(state.flush_target, target)
+            state.sealer_wake.notify_all()
+            while state.resolved_through < target:
+                remaining = None if deadline is None else deadline - state.clock.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"flush(): not everything was published within {timeout} s")
+                state.cond.wait(remaining)
+                self._check_usable()
+
+    def close(self, timeout: float | None = None) -> CloseReport:
+        """Publish everything, stop the threads, close the WAL. Idempotent.
+
+        Args:
+            timeout: seconds to keep publishing; ``None`` waits until everything is in the
+                manifest (through a store outage, too).
+
+        Returns:
+            What is left: calls still only staged in the WAL (published by the next producer
+            on ``wal_dir``; their handles fail with ``ClosedError``) and calls that never
+            reached it. ``report.complete`` is true when nothing is left.
+
+        Raises:
+            MillpondError: the permanent failure that stopped the producer, if any (after
+                cleaning up; staged data stays in the WAL).
+        """
+        with self._close_lock:  # a second close() waits for the first and gets its report
+            return self._close(timeout)
+
+    def _close(self, timeout: float | None) -> CloseReport:
+        state = self._state
+        deadline = None if timeout is None else state.clock.monotonic() + timeout
+        with state.cond:
+            if self._close_report is not None:
+                return self._close_report
+            state.closing = True
+            state.flush_target = _EVERYTHING
+            state.wake_all()
+            target = state.next_ordinal - 1
+            while state.resolved_through < target and state.fatal is None:
+                remaining = None if deadline is None else deadline - state.clock.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                state.cond.wait(remaining)
+        self._stop_threads()
+        report = self._settle_leftovers()
+        self._wal.close()
+        self._closed = True
+        self._close_report = report
+        if not report.complete:
+            logger.warning(
+                "producer closed with %s produce() calls (%s entries) still only staged in %s "
+                "and %s never staged", report.staged_records, report.staged_entries,
+                report.wal_dir, report.unstaged_records,
+            )
+        if state.fatal is not None:
+            raise state.fatal
+        return report
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters, gauges and the fsync latency summary, as a plain dict."""
+        state = self._state
+        values: dict[str, Any] = dict(state.counters.snapshot())
+        with state.cond:
+            values["buffered_inputs"] = len(state.inbox)
+            values["pending_records"] = len(state.pending)
+            values["pending_bytes"] = state.pending_bytes
+            values["batches_in_flight"] = len(state.batches)
+            values["unsettled_batches"] = len(state.unsettled)
+            values["memory_bytes"] = state.mem_bytes
+        if not self._wal.closed:
+            values["wal_bytes"] = self._wal.bytes_used
+            values["wal_files"] = self._wal.file_count
+        values["fsync_latency"] = state.fsync_latency.snapshot()
+        values["recovery"] = {
+            "records_replayed": self._wal.report.records_replayed,
+            "torn_tail_bytes": self._wal.report.torn_tail_bytes,
+            "lost_bytes": self._wal.report.lost_bytes,
+            "quarantined": len(self._wal.report.quarantined),
+        }
+        return values
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Producer({self._store.url!r}, wal_dir={str(self._wal.directory)!r}, {state})"
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        state = self._state
+        if state.fatal is not None:
+            raise ClosedError(f"producer stopped after a failure: {state.fatal}") from state.fatal
+        if state.closing:
+            raise ClosedError("producer is closed")
+
+    def _validate(
+        self,
+        entries: Iterable[bytes | bytearray | memoryview],
+        metadata: bytes | bytearray | memoryview,
+    ) -> tuple[list[bytes], bytes, int, int]:
+        if isinstance(entries, (bytes, bytearray, memoryview, str)):
+            raise InvalidInputError(
+                f"entries: expected a list of byte strings, found a single {type(entries).__name__}"
+            )
+        try:
+            items = list(entries)
+        except TypeError as err:
+            raise InvalidInputError(
+                f"entries: expected a list of byte strings, found {type(entries).__name__}"
+            ) from err
+        if not items:
+            raise InvalidInputError("entries: expected at least one entry, found none")
+        if len(items) > MAX_RECORD_BYTES:
+            raise InvalidInputError(
+                f"entries: expected at most {MAX_RECORD_BYTES} entries, found {len(items)}"
+            )
+        # Sizes first, copies after: an oversized entry is rejected without touching its bytes.
+        if all(type(item) is bytes for item in items):  # the common case, checked in C
+            sizes = list(map(len, items))
+            if max(sizes) > MAX_RECORD_BYTES:
+                sizes = [_byte_size(f"entries[{i}]", item) for i, item in enumerate(items)]
+        else:
+            sizes = [_byte_size(f"entries[{i}]", item) for i, item in enumerate(items)]
+        meta_size = _byte_size("metadata", metadata)
+        record_size = data_record_size(meta_size, sizes)
+        if record_size > self._record_limit:
+            raise InvalidInputError(
+                f"entries: one produce() call must fit in the WAL (at most {self._record_limit} "
+                f"bytes with framing: wal_max_bytes // 4 and the u32 record limit), found "
+                f"{record_size}"
+            )
+        copied = [item if type(item) is bytes else bytes(item) for item in items]
+        meta = metadata if type(metadata) is bytes else bytes(metadata)
+        return copied, meta, sum(sizes), record_size
+
+    def _stop_threads(self) -> None:
+        state = self._state
+        with state.cond:
+            state.stop.set()
+            state.wake_all()
+        deadline = time.monotonic() + _JOIN_GRACE
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                # Only a store call that hangs gets here; the thread is a daemon, and whatever
+                # it was publishing stays in the WAL for the next producer.
+                logger.warning("%s did not stop within %s s", thread.name, _JOIN_GRACE)
+
+    def _settle_leftovers(self) -> CloseReport:
+        state = self._state
+        wal_dir = str(self._wal.directory)
+        with state.cond:
+            left = state.staged_only()
+            unstaged = list(state.inbox)
+            report = CloseReport(
+                wal_dir=wal_dir,
+                staged_records=len(left),
+                staged_entries=sum(r.entry_count for r in left),
+                staged_bytes=sum(r.nbytes for r in left),
+                unstaged_records=len(unstaged),
+                unstaged_entries=sum(len(i.entries) for i in unstaged),
+            )
+            if state.unsettled:
+                logger.warning(
+                    "%s dropped batches were never settled: whether their ambiguous manifest "
+                    "appends landed is unknown", len(state.unsettled),
+                )
+            if state.fatal is None:
+                state.fail_unsettled(
+                    ClosedError(
+                        f"producer closed before these entries were published; they remain "
+                        f"staged in {wal_dir} and the next producer on it publishes them"
+                    )
+                )
+        return report
+
+
+def _byte_size(what: str, value: object) -> int:
+    if isinstance(value, memoryview):
+        if not value.c_contiguous:
+            raise InvalidInputError(f"{what}: expected a contiguous memoryview")
+        size = value.nbytes
+    elif isinstance(value, (bytes, bytearray)):
+        size = len(value)
+    else:
+        raise InvalidInputError(
+            f"{what}: expected bytes, bytearray or memoryview, found {type(value).__name__}"
+        )
+    if size > MAX_RECORD_BYTES:
+        raise InvalidInputError(f"{what}: expected at most {MAX_RECORD_BYTES} bytes, found {size}")
+    return size

@@ -1,0 +1,301 @@
+"""Spark integration: the ``millpond`` data source, and producers inside executors.
+
+Batch::
+
+    from millpond.producer.spark import register
+    register(spark)
+    df.write.format("millpond").option("store", "s3://bucket").mode("append").save()
+
+Streaming::
+
+    (df.writeStream.format("millpond").option("store", "s3://bucket")
+       .option("checkpointLocation", "/checkpoints/q1").start())
+
+With the default ``commit="job"`` each task uploads batch objects (Arrow IPC entries, each object
+at most ``flush_size_bytes``) and returns their locations to the driver, which appends all of
+them in one compare-and-swap when Spark commits the job. A job's rows enter the queue exactly
+once however many task attempts ran: only the attempts Spark commits reach the driver; the
+uploads of the others are never referenced and GC removes them. Each micro-batch of a stream is
+one append too, and a micro-batch Spark runs again after a driver restart is recognised and not
+enqueued twice (``millpond.producer.spark_commit`` explains how, and the one window left).
+
+``commit="task"`` makes every task publish through its worker's producer as it goes, with the
+WAL in between (lower latency, no driver round trip). That is at least once: a task that fails
+after publishing some batches publishes them again when Spark retries it.
+
+Options are listed in ``millpond.producer.spark_options``; they are checked on the driver when
+the write starts, so a bad one fails the job before any task runs, with the key named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
+
+from millpond.errors import ConfigError
+from millpond.producer.spark_commit import (
+    JobReceipt,
+    MicroBatchOutcome,
+    commit_job,
+    commit_micro_batch,
+    spark_payload,
+)
+from millpond.producer.spark_executor import (
+    WRITE_RESULT_SCHEMA,
+    close_executor_producers,
+    executor_producer,
+    partition_producer,
+    write_arrow_partitions,
+)
+from millpond.producer.spark_options import SparkWriteSettings
+from millpond.producer.spark_session import local_spark_session
+from millpond.producer.spark_upload import BatchUploader, TaskCommitMessage, UploadStats
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.types import StructType
+
+__all__ = [
+    "WRITE_RESULT_SCHEMA",
+    "JobReceipt",
+    "MicroBatchOutcome",
+    "MillpondDataSource",
+    "SparkWriteSettings",
+    "close_executor_producers",
+    "executor_producer",
+    "local_spark_session",
+    "partition_producer",
+    "register",
+    "write_arrow_partitions",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("millpond")`` available in ``spark``."""
+    spark.dataSource.register(MillpondDataSource)
+
+
+class MillpondDataSource(DataSource):
+    """The ``millpond`` data source: batch and streaming writes into a millpond queue."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "millpond"
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """Check the options and the store on the driver; the job fails here if either is bad.
+
+        Raises:
+            ConfigError: a bad option, or a mode other than append.
+            StorageError: the store is unreachable (``check_store``).
+            FormatError: the manifest is corrupt (``check_store``).
+        """
+        settings = _settings(self.options, overwrite)
+        job_id = uuid.uuid4().hex
+        logger.info(
+            "millpond write %s to %s (commit=%s)", job_id, settings.store_url, settings.commit
+        )
+        return MillpondBatchWriter(settings, job_id, probe_gets=int(settings.check_store))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        """Check the options and the store; see :meth:`writer`.
+
+        Raises:
+            ConfigError: a bad option, or no ``checkpointLocation`` and no ``query_id``.
+            StorageError: the store is unreachable (``check_store``).
+        """
+        settings = _settings(self.options, overwrite)
+        if settings.commit == "job" and not settings.query_id and not settings.checkpoint_location:
+            settings.stream_id()  # raises the ConfigError naming checkpointLocation
+        return MillpondStreamWriter(settings)
+
+
+def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings:
+    if overwrite:
+        raise ConfigError(
+            "mode", "expected append: a millpond queue is append-only, found overwrite"
+        )
+    settings = SparkWriteSettings.from_options(options)
+    settings.open_store()  # checks the URL and the obstore options; no request yet
+    if settings.check_store:
+        settings.probe()
+    return settings
+
+
+class MillpondBatchWriter(DataSourceArrowWriter):
+    """Task side uploads, driver side one append. Pickled to every task."""
+
+    def __init__(self, settings: SparkWriteSettings, job_id: str, *, probe_gets: int = 0) -> None:
+        self.settings = settings
+        self.job_id = job_id
+        # GETs the driver sent before the job (the store check), for the receipt.
+        self.probe_gets = probe_gets
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        return _write_task(self.settings, iterator, spark_payload(job=self.job_id))
+
+    def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
+        """Append every batch of the job in one CAS (``commit="job"``) and write the receipt.
+
+        Raises:
+            NotFoundError: uploads GC already removed (a job longer than the grace period).
+            StorageError: the append's retry budget ran out.
+        """
+        settings = self.settings
+        store = settings.open_store()
+        task_messages = [m if isinstance(m, TaskCommitMessage) else None for m in messages]
+        if settings.commit == "job":
+            receipt = commit_job(
+                store,
+                task_messages,
+                job_id=self.job_id,
+                manifest_path=settings.manifest_path,
+                gc_grace_period=settings.gc_grace_period,
+                extra_payload=settings.payload_fields(),
+                retry=settings.retry,
+            )
+        else:
+            stats = sum((m.stats for m in task_messages if m is not None), UploadStats())
+            receipt = JobReceipt(self.job_id, None, None, len(task_messages), stats)
+        if settings.receipt_path:
+            requests = {
+                # The batch objects, the manifest CAS, and the receipt itself.
+                "put": receipt.stats.put_requests + receipt.manifest.get("manifest_writes", 0) + 1,
+                "get": self.probe_gets + receipt.manifest.get("manifest_reads", 0),
+            }
+            receipt = dataclasses.replace(receipt, requests=requests)
+            store.put(settings.receipt_path, json.dumps(receipt.to_json()).encode())
+
+    def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
+        uploaded = sum(len(m.uploads) for m in messages if isinstance(m, TaskCommitMessage))
+        logger.warning(
+            "millpond write %s aborted: nothing enqueued; %s uploaded batch objects are left to GC",
+            self.job_id,
+            uploaded,
+        )
+
+
+class MillpondStreamWriter(DataSourceStreamArrowWriter):
+    """Task side uploads, driver side one append per micro-batch, once per batch id."""
+
+    def __init__(self, settings: SparkWriteSettings) -> None:
+        self.settings = settings
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        return _write_task(self.settings, iterator, spark_payload())
+
+    def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
+        """Enqueue the micro-batch unless this batch id is already enqueued.
+
+        Raises:
+            MillpondError: the batch id cannot be resolved (see ``spark_commit``).
+            StorageError: the store failed past the retry budget.
+        """
+        settings = self.settings
+        if settings.commit == "task":
+            return
+        stream_id = settings.stream_id()
+        task_messages = sorted(
+            (m for m in messages if isinstance(m, TaskCommitMessage)),
+            key=lambda m: m.partition_id,
+        )
+        entries = tuple(
+            upload.pending_entry(
+                spark_payload(
+                    query=stream_id,
+                    batch=batchId,
+                    partition=m.partition_id,
+                    attempt=m.attempt,
+                    **settings.payload_fields(),
+                )
+            )
+            for m in task_messages
+            for upload in m.uploads
+        )
+        outcome = commit_micro_batch(
+            settings.open_store(),
+            entries,
+            stream_id=stream_id,
+            batch_id=batchId,
+            manifest_path=settings.manifest_path,
+            data_path_prefix=settings.data_path_prefix,
+            retry=settings.retry,
+        )
+        logger.info("stream %s batch %s: %s", stream_id, batchId, outcome.status)
+
+    def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
+        logger.warning("millpond micro-batch %s aborted: nothing enqueued", batchId)
+
+
+def _write_task(
+    settings: SparkWriteSettings, batches: Iterator[pa.RecordBatch], payload: bytes
+) -> TaskCommitMessage:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    partition = context.partitionId() if context else 0
+    attempt = context.attemptNumber() if context else 0
+    if settings.commit == "task":
+        return _write_through_producer(settings, batches, partition, attempt, payload)
+    uploader = BatchUploader(
+        settings.open_store(),
+        data_path_prefix=settings.data_path_prefix,
+        flush_size_bytes=settings.flush_size_bytes,
+        compression=settings.compression,
+        concurrency=settings.upload_concurrency,
+        retry=settings.retry,
+    )
+    try:
+        uploader.add_all(batches)
+        uploads, stats = uploader.finish()
+    except BaseException:
+        uploader.close()
+        raise
+    return TaskCommitMessage(partition, attempt, uploads, stats)
+
+
+def _write_through_producer(
+    settings: SparkWriteSettings,
+    batches: Iterator[pa.RecordBatch],
+    partition: int,
+    attempt: int,
+    payload: bytes,
+) -> TaskCommitMessage:
+    rows = entries = 0
+    metadata = _with_task(payload, partition, attempt)
+    with partition_producer(_executor_options(settings)) as producer:
+        handles = []
+        for batch in batches:
+            if batch.num_rows:
+                handles.append(producer.produce_arrow(batch, metadata=metadata))
+                rows += batch.num_rows
+                entries += 1
+    for handle in handles:
+        handle.wait()
+    return TaskCommitMessage(partition, attempt, (), UploadStats(rows=rows, entries=entries))
+
+
+def _executor_options(settings: SparkWriteSettings) -> dict[str, str]:
+    return dict(settings.producer_options)
+
+
+def _with_task(payload: bytes, partition: int, attempt: int) -> bytes:
+    record = json.loads(payload)
+    record["spark"].update(partition=partition, attempt=attempt)
+    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode()

@@ -1,0 +1,278 @@
+"""Options of the ``millpond`` Spark data source, checked once on the driver.
+
+Every option is either a ``ProducerConfig`` key (checked by ``ProducerConfig.from_options``,
+which names a bad key), an obstore S3 option (``aws_access_key_id``, ``aws_endpoint``, ...;
+the standard ``AWS_*`` variables on each executor fill in what is not given), or one of the
+few keys only the Spark integration has:
+
+=================== ======================================================================
+``commit``          ``job`` (default): one queue append per job or micro-batch, exactly once;
+                    ``task``: every task appends as it flushes, at-least-once under retries
+``path``            the store URL, as given to ``.save(path)``; same as ``store``
+``query_id``        streaming only: a stable id for the query (default: the query id in the
+                    checkpoint's ``metadata`` file, else a hash of ``checkpointLocation``)
+``gc_grace_period`` seconds, default 600: the collector's grace period; a job whose uploads
+                    are older than half of it checks they still exist before enqueuing them
+``check_store``     ``true`` (default) or ``false``: read the manifest when the write starts,
+                    so an unreachable store or a corrupt manifest fails the job before any task
+``receipt_path``    a path in the store where the driver writes a JSON summary of each commit
+``metadata``        a string added to every entry's metadata payload (as ``"tag"``)
+=================== ======================================================================
+
+Spark adds ``checkpointLocation`` and ``queryName`` to streaming writes; they are read, not
+passed on. Spark lower-cases option keys, so every key here is lower case.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from hashlib import sha256
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from millpond.batch_format import CompressionType
+from millpond.errors import ConfigError, NotFoundError, StorageError
+from millpond.manifest_format import decode_footer
+from millpond.retry import RetryPolicy
+from millpond.store import ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from millpond.producer.config import ProducerConfig
+
+__all__ = ["EXECUTOR_WAL_DIR", "SPARK_ONLY_KEYS", "SparkWriteSettings"]
+
+logger = logging.getLogger(__name__)
+
+_COMMIT_MODES = ("job", "task")
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_DEFAULT_GRACE = 600.0
+
+SPARK_ONLY_KEYS = frozenset(
+    {"commit", "path", "query_id", "gc_grace_period", "check_store", "receipt_path", "metadata"}
+)
+"""Option keys the Spark integration reads itself instead of passing to ``ProducerConfig``."""
+_SPARK_PROVIDED = frozenset({"checkpointlocation", "queryname"})
+# obstore client options (not S3Config keys) that may be given bare, like the aws_* keys.
+_CLIENT_OPTIONS = frozenset(
+    {"connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "allow_http"}
+)
+EXECUTOR_WAL_DIR = "spark-local-dirs"
+"""The ``wal_dir`` placeholder meaning "a slot under the executor's local directories"."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparkWriteSettings:
+    """The parsed options of one write. Plain values only, so Spark can pickle it to tasks."""
+
+    producer_options: Mapping[str, str] = field(repr=False)
+    """What ``ProducerConfig.from_options`` accepted: the store, the queue paths, flush size,
+    compression, WAL settings and credentials (hence left out of ``repr``)."""
+    store_url: str
+    """The store URL (``s3://bucket[/root]``, ``file://``, ``memory://``)."""
+    store_options: Mapping[str, str] = field(repr=False)
+    """obstore options (endpoint, credentials, ...) given as Spark options."""
+    data_path_prefix: str
+    """Where batch objects go. Default ``ingest``."""
+    manifest_path: str
+    """The queue manifest. Default ``ingest/manifest``."""
+    flush_size_bytes: int
+    """Largest batch object, in bytes."""
+    compression: CompressionType
+    """Compression of batch objects."""
+    upload_concurrency: int
+    """Uploads in flight per task."""
+    retry: RetryPolicy
+    """Backoff of one round of upload or manifest retries."""
+    commit: str = "job"
+    """``job`` or ``task``; see the module docstring."""
+    query_id: str | None = None
+    """Streaming: the stream id option, if given."""
+    checkpoint_location: str | None = None
+    """Streaming: the query's checkpoint location, as Spark passed it."""
+    gc_grace_period: float = _DEFAULT_GRACE
+    """Seconds; default 600."""
+    check_store: bool = True
+    """Whether the write starts by reading the manifest. Default true."""
+    receipt_path: str | None = None
+    """Where the driver writes a JSON summary of each commit; default none."""
+    tag: str | None = None
+    """The ``metadata`` option: added to every entry's metadata payload."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:
+        """Parse and check every option.
+
+        Raises:
+            ConfigError: naming the first bad key and what it accepts.
+        """
+        opts = {str(k).lower(): str(v) for k, v in options.items()}
+        spark = {k: opts.pop(k) for k in list(opts) if k in SPARK_ONLY_KEYS}
+        provided = {k: opts.pop(k) for k in list(opts) if k in _SPARK_PROVIDED}
+        path = spark.get("path")
+        if path:
+            if opts.get("store", path) != path:
+                raise ConfigError(
+                    "path",
+                    f"expected the same store as option store ({opts['store']!r}), found {path!r}",
+                )
+            opts["store"] = path
+        if not opts.get("store"):
+            raise ConfigError(
+                "store", "expected a store URL (option store, or .save('s3://bucket')), found none"
+            )
+        if opts["store"].startswith("memory:"):
+            raise ConfigError(
+                "store",
+                "expected a store every Spark process can reach (s3://, file://), found "
+                "memory://, which lives inside one process",
+            )
+        producer_options = _as_producer_options(opts)
+        config = _producer_config(producer_options)
+        commit = spark.get("commit", "job").lower()
+        if commit not in _COMMIT_MODES:
+            raise ConfigError("commit", f"expected 'job' or 'task', found {commit!r}")
+        query_id = spark.get("query_id")
+        if query_id is not None and not query_id.strip():
+            raise ConfigError("query_id", "expected a non-empty id, found ''")
+        receipt_path = spark.get("receipt_path")
+        if receipt_path is not None and not receipt_path.strip("/"):
+            raise ConfigError(
+                "receipt_path", f"expected a path in the store, found {receipt_path!r}"
+            )
+        return cls(
+            producer_options=producer_options,
+            store_url=str(config.store),
+            store_options=dict(config.store_options),
+            data_path_prefix=config.data_path_prefix,
+            manifest_path=config.manifest_path,
+            flush_size_bytes=config.flush_size_bytes,
+            compression=config.compression,
+            upload_concurrency=config.upload_concurrency,
+            retry=config.retry,
+            commit=commit,
+            query_id=query_id,
+            checkpoint_location=provided.get("checkpointlocation") or None,
+            gc_grace_period=_seconds(
+                "gc_grace_period", spark.get("gc_grace_period"), _DEFAULT_GRACE
+            ),
+            check_store=_boolean("check_store", spark.get("check_store"), default=True),
+            receipt_path=receipt_path.strip("/") if receipt_path else None,
+            tag=spark.get("metadata"),
+        )
+
+    def open_store(self) -> ObjectStore:
+        """The store these settings point at.
+
+        Raises:
+            ConfigError: the URL or an option is bad.
+        """
+        return open_store(self.store_url, self.store_options)
+
+    def probe(self) -> None:
+        """Read the manifest footer, so a bad store fails the job before any task runs.
+
+        A missing manifest is fine (an empty queue).
+
+        Raises:
+            ConfigError: the store URL or options are bad.
+            StorageError: the store cannot be reached, naming it.
+            FormatError: the manifest is corrupt.
+        """
+        store = self.open_store()
+        try:
+            got = store.get(self.manifest_path)
+        except NotFoundError:
+            return
+        except StorageError as err:
+            raise StorageError(f"store {self.store_url} is unreachable: {err}") from err
+        decode_footer(got.data, name=f"{self.store_url}/{self.manifest_path}")
+
+    def stream_id(self) -> str:
+        """The id that names this streaming query across restarts.
+
+        The ``query_id`` option if given; else the query id Spark keeps in the checkpoint's
+        ``metadata`` file (readable when the checkpoint is on a local file system); else a hash
+        of the checkpoint location. Only the first two change when a checkpoint is deleted and
+        the query starts over.
+
+        Raises:
+            ConfigError: neither ``query_id`` nor a checkpoint location is known.
+        """
+        if self.query_id:
+            return self.query_id
+        if not self.checkpoint_location:
+            raise ConfigError(
+                "checkpointLocation",
+                "a streaming write to millpond needs .option('checkpointLocation', ...) or "
+                "option query_id, to recognise a micro-batch Spark runs again after a restart",
+            )
+        found = _checkpoint_query_id(self.checkpoint_location)
+        if found:
+            return found
+        return "ckpt-" + sha256(self.checkpoint_location.encode()).hexdigest()[:32]
+
+    def payload_fields(self) -> dict[str, object]:
+        """Extra fields for every entry's metadata payload."""
+        return {"tag": self.tag} if self.tag is not None else {}
+
+
+def _producer_config(options: Mapping[str, str]) -> ProducerConfig:
+    from millpond.producer.config import ProducerConfig
+
+    return ProducerConfig.from_options(options)
+
+
+def _as_producer_options(options: Mapping[str, str]) -> dict[str, str]:
+    """Spark-style keys into ``ProducerConfig.from_options`` keys.
+
+    obstore options may be given bare (``aws_access_key_id``) as well as in the config's own
+    form (``store_options.aws_access_key_id``). A ``commit="job"`` write never opens a WAL, so
+    ``wal_dir`` gets a placeholder when absent (the executor helper replaces it with a slot).
+    """
+    out: dict[str, str] = {}
+    for key, value in options.items():
+        if key.startswith("aws_") or key in _CLIENT_OPTIONS:
+            out[f"store_options.{key}"] = value
+        else:
+            out[key] = value
+    out.setdefault("wal_dir", EXECUTOR_WAL_DIR)
+    return out
+
+
+def _checkpoint_query_id(location: str) -> str | None:
+    parts = urlsplit(location)
+    if parts.scheme not in ("", "file"):
+        return None
+    metadata = Path(parts.path if parts.scheme else location) / "metadata"
+    try:
+        record = json.loads(metadata.read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    value = record.get("id") if isinstance(record, dict) else None
+    return str(value) if value else None
+
+
+def _seconds(key: str, value: str | None, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(key, f"expected seconds >= 0, found {value!r}")
+    return seconds
+
+
+def _boolean(key: str, value: str | None, *, default: bool) -> bool:
+    if value is None:
+        return default
+    try:
+        return _BOOLEANS[value.strip().lower()]
+    except KeyError:
+        raise ConfigError(key, f"expected true or false, found {value!r}") from None

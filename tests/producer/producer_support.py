@@ -1,0 +1,139 @@
+"""Helpers for the producer tests: a store with switchable faults, and reading the queue back."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from millpond.batch_format import decode_batch
+from millpond.errors import CommitStateUnknownError, NotFoundError, StorageError
+from millpond.manifest_format import Metadata
+from millpond.producer import ProducerConfig
+from millpond.queue import read_manifest
+from millpond.retry import RetryPolicy
+from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+
+MANIFEST = "ingest/manifest"
+PREFIX = "ingest"
+# Short rounds so fault tests exercise the producer's own re-check and re-try loop quickly.
+FAST_RETRY = RetryPolicy(max_attempts=5, max_elapsed=1.0, base_delay=0.001, max_delay=0.02)
+
+
+def fresh_memory() -> ObjectStore:
+    """An in-memory store no other test shares (``memory://`` names one store per process)."""
+    return open_store(f"memory://producer-{uuid.uuid4().hex}")
+
+
+def config(store: Any, wal_dir: Path, **kw: Any) -> ProducerConfig:
+    """A config for tests: fast retries, short flush interval."""
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("flush_interval", 0.02)
+    return ProducerConfig(store=store, wal_dir=wal_dir, **kw)
+
+
+class ControlledStore(ObjectStore):
+    """Delegates to a real store; a test switches failures on and off.
+
+    * ``fail_puts``: batch PUTs fail before writing (``StorageError``);
+    * ``fail_manifest``: manifest writes fail before writing (``CommitStateUnknownError``);
+    * ``land_then_fail``: that many manifest writes land, then report failure (the ambiguous
+      case a timeout produces);
+    * ``fail_reads``: manifest reads fail;
+    * ``manifest_gate``: manifest writes wait until it is set.
+    """
+
+    def __init__(self, inner: ObjectStore, manifest_path: str = MANIFEST) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.manifest_path = manifest_path
+        self.fail_puts = False
+        self.fail_manifest = False
+        self.fail_reads = False
+        self.land_then_fail = 0
+        self.manifest_gate: threading.Event | None = None
+        self.manifest_write_started = threading.Event()
+        self.calls: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> GetResult:
+        self.calls["get"] += 1
+        if self.fail_reads and path == self.manifest_path:
+            raise StorageError(f"{path}: injected read failure")
+        return self.inner.get(path)
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        return self.inner.get_if_changed(path, etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path == self.manifest_path:
+            return self._manifest_write(lambda: self.inner.put_if_absent(path, data))
+        self.calls["batch_put"] += 1
+        if self.fail_puts:
+            raise StorageError(f"{path}: injected PUT failure")
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        return self._manifest_write(lambda: self.inner.put_if_match(path, data, etag))
+
+    def _manifest_write(self, write: Any) -> str | None:
+        self.calls["manifest_write"] += 1
+        self.manifest_write_started.set()
+        if self.manifest_gate is not None:
+            self.manifest_gate.wait()
+        if self.fail_manifest:
+            raise CommitStateUnknownError("manifest: injected failure before writing")
+        result: str | None = write()
+        with self._lock:
+            ambiguous = self.land_then_fail > 0
+            self.land_then_fail -= ambiguous
+        if ambiguous:
+            raise CommitStateUnknownError("manifest: injected failure after the write landed")
+        return result
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
+        return self.inner.list(prefix, recursive=recursive)
+
+    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
+        return self.inner.delete_many(paths)
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """One manifest entry with its batch read back."""
+
+    sequence: int
+    location: str
+    metadata: tuple[Metadata, ...]
+    entries: list[bytes]
+
+
+def read_back(store: ObjectStore, manifest_path: str = MANIFEST) -> list[Published]:
+    """Every entry in the manifest, with its batch object decoded."""
+    try:
+        manifest = read_manifest(store, manifest_path).manifest
+    except NotFoundError:
+        return []
+    return [
+        Published(
+            entry.sequence,
+            entry.location,
+            entry.metadata,
+            decode_batch(store.get(entry.location).data, name=entry.location),
+        )
+        for entry in manifest.entries
+    ]
+
+
+def all_entries(store: ObjectStore, manifest_path: str = MANIFEST) -> list[bytes]:
+    return [entry for published in read_back(store, manifest_path) for entry in published.entries]

@@ -1,0 +1,1 @@
+"""Spark integration tests: the data source, executors, streaming, speculation."""

@@ -1,0 +1,271 @@
+"""The driver-side commit protocols, without Spark: every way a restarted driver can find a
+micro-batch, and the job commit's checks. Crashes are injected by a store that fails one write.
+"""
+
+from __future__ import annotations
+
+import builtins
+import uuid
+from collections.abc import Iterable
+
+import pytest
+
+from millpond.batch_format import encode_batch
+from millpond.clock import SystemClock
+from millpond.errors import MillpondError, NotFoundError, StorageError
+from millpond.manifest_format import Metadata, PendingEntry
+from millpond.producer.spark_commit import (
+    commit_job,
+    commit_micro_batch,
+    spark_payload,
+    stream_state_path,
+)
+from millpond.producer.spark_upload import TaskCommitMessage, UploadedBatch, UploadStats
+from millpond.queue import QueueConsumer, read_manifest
+from millpond.retry import RetryPolicy
+from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.ulids import UlidMinter, batch_location
+
+MANIFEST = "ingest/manifest"
+PREFIX = "ingest"
+FAST = RetryPolicy(max_attempts=3, max_elapsed=1.0, base_delay=0.001, max_delay=0.01)
+
+
+class CrashingStore(ObjectStore):
+    """Delegates to a store; the next write to ``crash_path`` raises instead (a dead driver)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.crash_path: str | None = None
+
+    def _maybe_crash(self, path: str) -> None:
+        if path == self.crash_path:
+            self.crash_path = None
+            raise SystemExit(f"driver killed before writing {path}")
+
+    def get(self, path: str) -> GetResult:
+        return self.inner.get(path)
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        return self.inner.get_if_changed(path, etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        self._maybe_crash(path)
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        self._maybe_crash(path)
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        self._maybe_crash(path)
+        return self.inner.put_if_match(path, data, etag)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
+        return self.inner.list(prefix, recursive=recursive)
+
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        return self.inner.delete_many(paths)
+
+
+@pytest.fixture
+def store() -> CrashingStore:
+    return CrashingStore(open_store(f"memory://{uuid.uuid4().hex}"))
+
+
+_minter = UlidMinter()
+
+
+def upload(store: ObjectStore, count: int = 2) -> tuple[PendingEntry, ...]:
+    """``count`` real batch objects, as the tasks of one micro-batch would upload them."""
+    entries = []
+    for _ in range(count):
+        location = batch_location(PREFIX, _minter.mint())
+        store.put_if_absent(location, encode_batch([b"row"]))
+        entries.append(PendingEntry(location, (Metadata(0, 1, b"p"),)))
+    return tuple(entries)
+
+
+def commit(store: ObjectStore, entries: tuple[PendingEntry, ...], batch_id: int) -> str:
+    outcome = commit_micro_batch(
+        store,
+        entries,
+        stream_id="q1",
+        batch_id=batch_id,
+        manifest_path=MANIFEST,
+        data_path_prefix=PREFIX,
+        retry=FAST,
+    )
+    return outcome.status
+
+
+def locations(store: ObjectStore) -> list[str]:
+    return [e.location for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+def drain(store: ObjectStore) -> None:
+    """What a consumer does: dequeue everything."""
+    consumer = QueueConsumer(store, MANIFEST)
+    consumer.initialize()
+    manifest = consumer.read().manifest
+    consumer.dequeue(manifest.next_sequence - 1)
+
+
+def test_each_batch_is_appended_once_and_a_rerun_is_skipped(store: CrashingStore) -> None:
+    first = upload(store)
+    assert commit(store, first, 0) == "appended"
+    second = upload(store)
+    assert commit(store, second, 1) == "appended"
+    # The driver died after the sink commit, before Spark's commit log: batch 1 runs again,
+    # its tasks upload fresh objects.
+    assert commit(store, upload(store), 1) == "skipped"
+    assert locations(store) == [e.location for e in first + second]
+
+
+def test_a_crash_between_state_and_append_appends_the_remembered_batch(
+    store: CrashingStore,
+) -> None:
+    original = upload(store)
+    store.crash_path = MANIFEST
+    with pytest.raises(SystemExit):
+        commit(store, original, 0)
+    assert store.inner.get(stream_state_path(PREFIX, "q1")).data  # the state landed
+    assert commit(store, upload(store), 0) == "appended"
+    assert locations(store) == [e.location for e in original]
+
+
+def test_a_consumed_batch_is_appended_again_with_the_same_locations(
+    store: CrashingStore,
+) -> None:
+    # The append landed, then the consumer wrote and dequeued it before the driver restarted.
+    original = upload(store)
+    assert commit(store, original, 0) == "appended"
+    drain(store)
+    assert commit(store, upload(store), 0) == "reappended"
+    # The same locations: a sink that records locations skips them, so no row doubles.
+    assert locations(store) == [e.location for e in original]
+
+
+def test_a_consumed_and_collected_batch_is_refused_with_a_clear_error(
+    store: CrashingStore,
+) -> None:
+    original = upload(store)
+    assert commit(store, original, 0) == "appended"
+    drain(store)
+    store.delete_many([e.location for e in original])  # GC, after the grace period
+    with pytest.raises(MillpondError, match=r"stream q1 batch 0: cannot tell") as info:
+        commit(store, upload(store), 0)
+    assert original[0].location in str(info.value) or original[1].location in str(info.value)
+
+
+def test_a_never_appended_batch_whose_orphans_were_collected_uses_the_rerun(
+    store: CrashingStore,
+) -> None:
+    original = upload(store)
+    store.crash_path = MANIFEST
+    with pytest.raises(SystemExit):
+        commit(store, original, 0)
+    store.delete_many([e.location for e in original])  # orphans, past the grace period
+    rerun = upload(store)
+    assert commit(store, rerun, 0) == "appended"
+    assert locations(store) == [e.location for e in rerun]
+
+
+def test_an_older_batch_after_a_newer_one_is_refused(store: CrashingStore) -> None:
+    assert commit(store, upload(store), 5) == "appended"
+    with pytest.raises(MillpondError, match="checkpoint was reset"):
+        commit(store, upload(store), 2)
+
+
+def test_an_empty_micro_batch_writes_nothing(store: CrashingStore) -> None:
+    assert commit(store, (), 0) == "empty"
+    with pytest.raises(NotFoundError):
+        store.get(MANIFEST)
+
+
+def test_stream_ids_that_are_not_path_safe_are_hashed() -> None:
+    assert stream_state_path("ingest", "q-1") == "ingest/_spark/streams/q-1.json"
+    hashed = stream_state_path("", "s3://bucket/ckpt dir")
+    assert hashed.startswith("_spark/streams/")
+    assert "/" not in hashed.removeprefix("_spark/streams/")
+
+
+def _message(store: ObjectStore, partition: int, attempt: int = 0) -> TaskCommitMessage:
+    entries = upload(store, 1)
+    uploads = tuple(UploadedBatch(e.location, 1, 10, 1) for e in entries)
+    return TaskCommitMessage(partition, attempt, uploads, UploadStats(rows=10, batches=1))
+
+
+def test_a_job_is_one_append_in_partition_order(store: CrashingStore) -> None:
+    messages = [_message(store, 1, attempt=1), _message(store, 0)]
+    receipt = commit_job(store, messages, job_id="j1", manifest_path=MANIFEST, gc_grace_period=600)
+    assert (receipt.first_sequence, receipt.last_sequence, receipt.stats.rows) == (0, 1, 20)
+    assert receipt.manifest["manifest_writes"] == 1
+    entries = read_manifest(store, MANIFEST).manifest.entries
+    assert [e.location for e in entries] == [
+        messages[1].uploads[0].location,
+        messages[0].uploads[0].location,
+    ]
+    assert entries[1].metadata[0].payload == spark_payload(job="j1", partition=1, attempt=1)
+
+
+def test_a_job_without_a_message_for_every_task_is_refused(store: CrashingStore) -> None:
+    with pytest.raises(MillpondError, match="no commit message"):
+        commit_job(
+            store,
+            [_message(store, 0), None],
+            job_id="j",
+            manifest_path=MANIFEST,
+            gc_grace_period=600,
+        )
+    with pytest.raises(NotFoundError):
+        store.get(MANIFEST)
+
+
+class LaterClock(SystemClock):
+    def __init__(self, ahead_s: float) -> None:
+        self.ahead_ms = int(ahead_s * 1000)
+
+    def now_ms(self) -> int:
+        return super().now_ms() + self.ahead_ms
+
+
+def test_a_job_older_than_the_grace_period_checks_its_uploads(store: CrashingStore) -> None:
+    message = _message(store, 0)
+    store.delete_many([message.uploads[0].location])  # GC took it during a long job
+    with pytest.raises(NotFoundError, match="longer than the GC grace period"):
+        commit_job(
+            store,
+            [message],
+            job_id="j",
+            manifest_path=MANIFEST,
+            gc_grace_period=600,
+            clock=LaterClock(400),
+        )
+    with pytest.raises(NotFoundError):
+        store.get(MANIFEST)
+
+
+def test_a_failed_append_enqueues_nothing_and_says_so(store: CrashingStore) -> None:
+    class Unreachable(CrashingStore):
+        def put_if_absent(self, path: str, data: bytes) -> str | None:
+            if path == MANIFEST:
+                raise StorageError("connection refused")
+            return super().put_if_absent(path, data)
+
+    broken = Unreachable(store.inner)
+    with pytest.raises(StorageError, match="gave up"):
+        commit_job(
+            broken,
+            [_message(store, 0)],
+            job_id="j",
+            manifest_path=MANIFEST,
+            gc_grace_period=600,
+            retry=FAST,
+        )
+    with pytest.raises(NotFoundError):
+        store.get(MANIFEST)
