@@ -22,6 +22,7 @@ from millpond.errors import ConfigError
 
 __all__ = [
     "DeleteFailure",
+    "ForwardingStore",
     "GetResult",
     "ObjectInfo",
     "ObjectStore",
@@ -158,6 +159,42 @@ class ObjectStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class ForwardingStore(ObjectStore):
+    """Passes every call to ``inner``; subclass it to count, delay or fail chosen calls."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def get(self, path: str) -> GetResult:
+        return self.inner.get(path)
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        return self.inner.get_if_changed(path, etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        return self.inner.put_if_match(path, data, etag)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
+        return self.inner.list(prefix, recursive=recursive)
+
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        return self.inner.delete_many(paths)
+
+    @property
+    def supports_conditional_update(self) -> bool:
+        return self.inner.supports_conditional_update
 
 
 def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
