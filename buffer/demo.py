@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 from millpond.cli_common import parse_options
 from millpond.errors import MillpondError
 from millpond.metrics import Counters
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import (
+    DeleteFailure,
+    ForwardingStore,
+    GetResult,
+    ObjectInfo,
+    ObjectStore,
+    open_store,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,12 +56,11 @@ _TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{
 _EMBEDDED_BUCKET = "millpond"
 
 
-class CountingStore(ObjectStore):
+class CountingStore(ForwardingStore):
     """An :class:`ObjectStore` that counts the requests made through it, by kind."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.counters = Counters("put", "get", "head", "list", "delete")
 
     def get(self, path: str) -> GetResult:
@@ -90,10 +96,6 @@ class CountingStore(ObjectStore):
         # One DeleteObjects request per 1000 keys.
         self.counters.add("delete", max(1, -(-len(chunk) // 1000)) if chunk else 0)
         return self.inner.delete_many(chunk)
-
-    @property
-    def supports_conditional_update(self) -> bool:
-        return self.inner.supports_conditional_update
 
 
 @dataclass(slots=True)

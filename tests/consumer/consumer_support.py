@@ -18,7 +18,14 @@ from millpond.consumer.sinks import AdbcSink, open_sink
 from millpond.manifest_format import Metadata, PendingEntry
 from millpond.queue import QueueProducer
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import (
+    DeleteFailure,
+    ForwardingStore,
+    GetResult,
+    ObjectInfo,
+    ObjectStore,
+    open_store,
+)
 from millpond.ulids import UlidMinter, batch_location
 
 MANIFEST = "ingest/manifest"
@@ -127,12 +134,11 @@ def _now_ms(clock: Any) -> int:
     return clock.now_ms() if clock is not None else time.time_ns() // 1_000_000
 
 
-class RecordingStore(ObjectStore):
+class RecordingStore(ForwardingStore):
     """Delegates to a real store, counting calls; optional per-call delay and delete faults."""
 
     def __init__(self, inner: ObjectStore, *, get_delay: float = 0.0) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.get_delay = get_delay
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {}
@@ -165,15 +171,6 @@ class RecordingStore(ObjectStore):
     def head(self, path: str) -> ObjectInfo:
         self._count("head")
         return self.inner.head(path)
-
-    def put(self, path: str, data: bytes) -> str | None:
-        return self.inner.put(path, data)
-
-    def put_if_absent(self, path: str, data: bytes) -> str | None:
-        return self.inner.put_if_absent(path, data)
-
-    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
-        return self.inner.put_if_match(path, data, etag)
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
         self._count("list")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import builtins
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from millpond.errors import CommitStateUnknownError, ConflictError
 from millpond.manifest_format import Metadata, PendingEntry
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import ForwardingStore, ObjectStore, open_store
 from millpond.ulids import UlidMinter, batch_location
 from tests.support import StoreTarget
 
@@ -61,7 +60,7 @@ class FakeClock:
 Fault = Callable[[], object] | None
 
 
-class FaultyStore(ObjectStore):
+class FaultyStore(ForwardingStore):
     """Delegates to a real store; conditional writes can be made to land and then fail.
 
     ``faults`` is a queue of plans consumed one per conditional write (``put_if_absent`` or
@@ -73,8 +72,7 @@ class FaultyStore(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.faults: list[tuple[bool, type[Exception] | None, Fault, Fault]] = []
         self.conditional_writes = 0
         self.landed_writes = 0
@@ -113,21 +111,3 @@ class FaultyStore(ObjectStore):
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         return self._conditional(lambda: self.inner.put_if_match(path, data, etag), path)
-
-    def get(self, path: str) -> GetResult:
-        return self.inner.get(path)
-
-    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        return self.inner.get_if_changed(path, etag)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def put(self, path: str, data: bytes) -> str | None:
-        return self.inner.put(path, data)
-
-    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
-        return self.inner.list(prefix, recursive=recursive)
-
-    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
-        return self.inner.delete_many(paths)

@@ -14,7 +14,7 @@ from millpond.batch_format import encode_batch
 from millpond.manifest_format import Metadata, PendingEntry
 from millpond.queue import QueueConsumer, QueueProducer
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import DeleteFailure, ForwardingStore, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
@@ -81,35 +81,13 @@ class ManualClock:
             time.sleep(seconds)
 
 
-class FailingDeletes(ObjectStore):
+class FailingDeletes(ForwardingStore):
     """Delegates to a real store; deletes of paths in ``failing`` fail."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.failing: set[str] = set()
         self.deleted: list[str] = []
-
-    def get(self, path: str) -> GetResult:
-        return self.inner.get(path)
-
-    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        return self.inner.get_if_changed(path, etag)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def put(self, path: str, data: bytes) -> str | None:
-        return self.inner.put(path, data)
-
-    def put_if_absent(self, path: str, data: bytes) -> str | None:
-        return self.inner.put_if_absent(path, data)
-
-    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
-        return self.inner.put_if_match(path, data, etag)
-
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
-        return self.inner.list(prefix, recursive=recursive)
 
     def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
         wanted = list(paths)

@@ -21,12 +21,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TypeVar
 
 from millpond.producer import Producer, ProducerConfig, WriteHandle
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import ForwardingStore, ObjectStore, open_store
 
 _T = TypeVar("_T")
 MANIFEST = "ingest/manifest"
@@ -39,12 +39,11 @@ def say(line: str) -> None:
         sys.stdout.flush()
 
 
-class PhaseStore(ObjectStore):
+class PhaseStore(ForwardingStore):
     """Announces and stretches the PUT and CAS windows."""
 
     def __init__(self, inner: ObjectStore, delay: float) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.delay = delay
 
     def _around(self, kind: str, write: Callable[[], _T]) -> _T:
@@ -55,30 +54,12 @@ class PhaseStore(ObjectStore):
         time.sleep(self.delay)
         return result
 
-    def get(self, path: str) -> GetResult:
-        return self.inner.get(path)
-
-    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        return self.inner.get_if_changed(path, etag)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def put(self, path: str, data: bytes) -> str | None:
-        return self.inner.put(path, data)
-
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         kind = "cas" if path == MANIFEST else "put"
         return self._around(kind, lambda: self.inner.put_if_absent(path, data))
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         return self._around("cas", lambda: self.inner.put_if_match(path, data, etag))
-
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
-        return self.inner.list(prefix, recursive=recursive)
-
-    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
-        return self.inner.delete_many(paths)
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from millpond.manifest_format import Metadata
 from millpond.producer import ProducerConfig
 from millpond.queue import read_manifest
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import ForwardingStore, GetResult, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
@@ -36,7 +35,7 @@ def config(store: Any, wal_dir: Path, **kw: Any) -> ProducerConfig:
     return ProducerConfig(store=store, wal_dir=wal_dir, **kw)
 
 
-class ControlledStore(ObjectStore):
+class ControlledStore(ForwardingStore):
     """Delegates to a real store; a test switches failures on and off.
 
     * ``fail_puts``: batch PUTs fail before writing (``StorageError``);
@@ -48,8 +47,7 @@ class ControlledStore(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore, manifest_path: str = MANIFEST) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.manifest_path = manifest_path
         self.fail_puts = False
         self.fail_manifest = False
@@ -65,15 +63,6 @@ class ControlledStore(ObjectStore):
         if self.fail_reads and path == self.manifest_path:
             raise StorageError(f"{path}: injected read failure")
         return self.inner.get(path)
-
-    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        return self.inner.get_if_changed(path, etag)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def put(self, path: str, data: bytes) -> str | None:
-        return self.inner.put(path, data)
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         if path == self.manifest_path:
@@ -100,12 +89,6 @@ class ControlledStore(ObjectStore):
         if ambiguous:
             raise CommitStateUnknownError("manifest: injected failure after the write landed")
         return result
-
-    def list(self, prefix: str = "", *, recursive: bool = True) -> list[ObjectInfo]:
-        return self.inner.list(prefix, recursive=recursive)
-
-    def delete_many(self, paths: Iterable[str]) -> list[DeleteFailure]:
-        return self.inner.delete_many(paths)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,9 +52,7 @@ def test_round_trip_on_every_backend(store: ObjectStore, tmp_path: Path) -> None
             handle.wait(timeout=30)
     published = read_back(store)
     assert len(published) > 1  # flush_size_bytes cut several batches
-    expected = [
-        f"call-{i}-entry-{j}".encode() for i in range(200) for j in range(1 + i % 4)
-    ]
+    expected = [f"call-{i}-entry-{j}".encode() for i in range(200) for j in range(1 + i % 4)]
     assert [e for p in published for e in p.entries] == expected
     # One metadata item per produce() call, start_index at its first entry, in order.
     calls = 0
@@ -147,8 +145,13 @@ def test_background_threads_are_named_and_joined(tmp_path: Path) -> None:
     producer = Producer(config(fresh_memory(), tmp_path, upload_concurrency=3))
     names = {t.name for t in set(threading.enumerate()) - before}
     assert names == {
-        "millpond-wal-writer", "millpond-wal-syncer", "millpond-sealer", "millpond-committer",
-        "millpond-upload-0", "millpond-upload-1", "millpond-upload-2",
+        "millpond-wal-writer",
+        "millpond-wal-syncer",
+        "millpond-sealer",
+        "millpond-committer",
+        "millpond-upload-0",
+        "millpond-upload-1",
+        "millpond-upload-2",
     }
     assert all(t.daemon for t in set(threading.enumerate()) - before)
     producer.close()

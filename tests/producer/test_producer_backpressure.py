@@ -144,7 +144,10 @@ def test_drop_oldest_drops_the_oldest_and_counts_exactly(tmp_path: Path) -> None
     total = 6 * _CAP // _RECORD
     producer = Producer(
         config(
-            store, tmp_path, wal_max_bytes=_CAP, size_cap_policy="drop_oldest",
+            store,
+            tmp_path,
+            wal_max_bytes=_CAP,
+            size_cap_policy="drop_oldest",
             flush_size_bytes=4096,
         )
     )
@@ -182,8 +185,12 @@ def test_drop_oldest_with_ambiguous_appends_counts_exactly(tmp_path: Path, lande
     total = 6 * _CAP // _RECORD
     producer = Producer(
         config(
-            store, tmp_path, wal_max_bytes=_CAP, size_cap_policy="drop_oldest",
-            flush_size_bytes=4096, retry=one_try,
+            store,
+            tmp_path,
+            wal_max_bytes=_CAP,
+            size_cap_policy="drop_oldest",
+            flush_size_bytes=4096,
+            retry=one_try,
         )
     )
     try:

@@ -155,8 +155,15 @@ def test_config_is_frozen(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1048576", 1 << 20), ("64MiB", 64 << 20), ("64m", 64 << 20), ("1GB", 10**9),
-     ("4 GiB", 4 << 30), ("512k", 512 << 10), ("0.5KiB", 512)],
+    [
+        ("1048576", 1 << 20),
+        ("64MiB", 64 << 20),
+        ("64m", 64 << 20),
+        ("1GB", 10**9),
+        ("4 GiB", 4 << 30),
+        ("512k", 512 << 10),
+        ("0.5KiB", 512),
+    ],
 )
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value

@@ -31,8 +31,11 @@ from millpond.wal_format import (
 
 def _items(count: int, start: int = 0) -> list[tuple[int, bytes, list[bytes]]]:
     return [
-        (1_700_000_000_000 + i, f"meta-{i}".encode(), [f"entry-{i}-{j}".encode() * (1 + i % 5)
-                                                     for j in range(1 + i % 3)])
+        (
+            1_700_000_000_000 + i,
+            f"meta-{i}".encode(),
+            [f"entry-{i}-{j}".encode() * (1 + i % 5) for j in range(1 + i % 3)],
+        )
         for i in range(start, start + count)
     ]
 

@@ -4,9 +4,7 @@ micro-batch, and the job commit's checks. Crashes are injected by a store that f
 
 from __future__ import annotations
 
-import builtins
 import uuid
-from collections.abc import Iterable
 
 import pytest
 
@@ -23,7 +21,7 @@ from millpond.producer.spark_commit import (
 from millpond.producer.spark_upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
 from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.store import ForwardingStore, ObjectStore, open_store
 from millpond.ulids import UlidMinter, batch_location
 
 MANIFEST = "ingest/manifest"
@@ -31,27 +29,17 @@ PREFIX = "ingest"
 FAST = RetryPolicy(max_attempts=3, max_elapsed=1.0, base_delay=0.001, max_delay=0.01)
 
 
-class CrashingStore(ObjectStore):
+class CrashingStore(ForwardingStore):
     """Delegates to a store; the next write to ``crash_path`` raises instead (a dead driver)."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.crash_path: str | None = None
 
     def _maybe_crash(self, path: str) -> None:
         if path == self.crash_path:
             self.crash_path = None
             raise SystemExit(f"driver killed before writing {path}")
-
-    def get(self, path: str) -> GetResult:
-        return self.inner.get(path)
-
-    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        return self.inner.get_if_changed(path, etag)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
 
     def put(self, path: str, data: bytes) -> str | None:
         self._maybe_crash(path)
@@ -64,12 +52,6 @@ class CrashingStore(ObjectStore):
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         self._maybe_crash(path)
         return self.inner.put_if_match(path, data, etag)
-
-    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
-        return self.inner.list(prefix, recursive=recursive)
-
-    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
-        return self.inner.delete_many(paths)
 
 
 @pytest.fixture
