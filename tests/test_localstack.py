@@ -35,6 +35,7 @@ from millpond.localstack import (
 from millpond.localstack import postgres as postgres_module
 from millpond.localstack._process import free_ports
 from millpond.localstack.s3 import s3_client
+from millpond.store import open_store
 from tests.support import StoreTarget
 
 LOOPBACK = "127.0.0.1"
@@ -234,7 +235,9 @@ def test_s3_store_options_work_with_obstore(s3: S3Endpoint) -> None:
 
 def test_store_target_is_fresh(store_target: StoreTarget) -> None:
     if store_target.kind == "memory":
-        assert store_target.url == "memory://"
+        # A named memory store, fresh per test: nothing in it yet.
+        assert store_target.url.startswith("memory://t-")
+        assert open_store(store_target.url).list() == []
         return
     assert store_target.root.rsplit("/", 1)[-1].startswith("t-")
     if store_target.kind == "file":
