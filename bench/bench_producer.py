@@ -90,8 +90,13 @@ def _producer_round(
         seconds = time.perf_counter() - started
         metrics = producer.metrics()
     keep = (
-        "batches_committed", "manifest_appends", "wal_syncs", "put_retries", "cas_retries",
-        "bytes_uploaded", "bytes_staged",
+        "batches_committed",
+        "manifest_appends",
+        "wal_syncs",
+        "put_retries",
+        "cas_retries",
+        "bytes_uploaded",
+        "bytes_staged",
     )
     figures = {key: metrics[key] for key in keep}
     figures["fsync_p50_ms"] = round(metrics["fsync_latency"]["p50"] * 1000, 3)

@@ -298,9 +298,7 @@ class Wal:
         self.fsync_latency.observe(time.monotonic() - started)
         self._synced = self._written
 
-    def _append_raw(
-        self, records: Sequence[Sequence[bytes]], seqs: Sequence[int]
-    ) -> list[WalRef]:
+    def _append_raw(self, records: Sequence[Sequence[bytes]], seqs: Sequence[int]) -> list[WalRef]:
         """Write records (each a tuple of parts) at the end of the active file, in one go."""
         sizes = [sum(map(len, parts)) for parts in records]
         total = sum(sizes)

@@ -245,7 +245,10 @@ def _frame(record_type: RecordType, seq: int, body_parts: Sequence[bytes | memor
 def data_record_size(metadata_len: int, entry_lengths: Sequence[int]) -> int:
     """Bytes a DATA record with these sizes takes on disk."""
     return (
-        RECORD_OVERHEAD + _DATA_HEAD.size + metadata_len + 4 * len(entry_lengths)
+        RECORD_OVERHEAD
+        + _DATA_HEAD.size
+        + metadata_len
+        + 4 * len(entry_lengths)
         + sum(entry_lengths)
     )
 
@@ -300,9 +303,7 @@ def encode_bind(seq: int, body: BindBody) -> bytes:
     """
     location = body.location.encode("utf-8")
     if not location or len(location) > _U16_MAX:
-        raise InvalidInputError(
-            f"location: expected 1..{_U16_MAX} bytes, found {len(location)}"
-        )
+        raise InvalidInputError(f"location: expected 1..{_U16_MAX} bytes, found {len(location)}")
     head = _BIND_HEAD.pack(body.first_seq, body.last_seq, body.record_count, len(location))
     return _frame(RecordType.BIND, seq, [head, location])
 

@@ -220,8 +220,13 @@ def scan_directory(directory: Path) -> ScanOutcome:
             numbers.remove(file_no)
         fsync_dir(directory)
     outcome = ScanOutcome(
-        released=released, files=[], found={}, corrupt=[], lost=[],
-        files_scanned=len(numbers), last_file_no=max(numbers, default=0),
+        released=released,
+        files=[],
+        found={},
+        corrupt=[],
+        lost=[],
+        files_scanned=len(numbers),
+        last_file_no=max(numbers, default=0),
         sidecar_problem=sidecar_problem,
     )
     for file_no in numbers:
@@ -238,8 +243,11 @@ def _scan_one(
     raw = path.read_bytes()
     released, found = outcome.released, outcome.found
     scan = scan_file(
-        raw, name=path.name, start=start if start <= len(raw) else FILE_HEADER_SIZE,
-        after_seq=released - 1, newest=newest,
+        raw,
+        name=path.name,
+        start=start if start <= len(raw) else FILE_HEADER_SIZE,
+        after_seq=released - 1,
+        newest=newest,
     )
     if scan.torn_tail:
         outcome.torn_bytes, outcome.torn_file = scan.torn_tail, path.name
@@ -308,16 +316,28 @@ def _to_wal_record(record: ScannedRecord, ref: WalRef) -> WalRecord:
     if record.data is not None:
         data = record.data
         return WalRecord(
-            record.seq, record.type, ref, data.ingestion_time_ms, data.metadata,
-            data.entry_count, data.entry_bytes,
+            record.seq,
+            record.type,
+            ref,
+            data.ingestion_time_ms,
+            data.metadata,
+            data.entry_count,
+            data.entry_bytes,
         )
     return WalRecord(record.seq, record.type, ref, bind=record.bind, drop=record.drop)
 
 
 def replace_ref(record: WalRecord, ref: WalRef) -> WalRecord:
     return WalRecord(
-        record.seq, record.type, ref, record.ingestion_time_ms, record.metadata,
-        record.entry_count, record.entry_bytes, record.bind, record.drop,
+        record.seq,
+        record.type,
+        ref,
+        record.ingestion_time_ms,
+        record.metadata,
+        record.entry_count,
+        record.entry_bytes,
+        record.bind,
+        record.drop,
     )
 
 

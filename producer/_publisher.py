@@ -266,8 +266,10 @@ def _pause(
         logger.debug("%s failed (attempt %s): %s", what, backoff.attempt, err)
         return backoff
     logger.warning(
-        "%s still failing after %s attempts (%s); staged data is kept and retried", what,
-        backoff.attempt, err,
+        "%s still failing after %s attempts (%s); staged data is kept and retried",
+        what,
+        backoff.attempt,
+        err,
     )
     fresh = config.retry.start(clock)
     fresh.sleep()
@@ -386,8 +388,9 @@ class Committer:
             if isinstance(err, Interrupted):
                 raise
             logger.warning(
-                "manifest append of %s batches failed (%s); checking the manifest before "
-                "retrying", len(group), err,
+                "manifest append of %s batches failed (%s); checking the manifest before retrying",
+                len(group),
+                err,
             )
             self._pause("manifest append", err)
             return
@@ -493,7 +496,8 @@ class Committer:
         state.counters.add("entries_dropped", entries)
         logger.warning(
             "drop_oldest: batch %s (%s entries) was dropped and is not in the manifest",
-            batch.location, entries,
+            batch.location,
+            entries,
         )
         state.settle_failed(
             batch.records,

@@ -270,7 +270,8 @@ class WalWriter:
             state.unsettled.append(batch)
             logger.warning(
                 "drop_oldest: dropped batch %s from the WAL; whether its ambiguous manifest "
-                "append landed is checked once the store answers", batch.location
+                "append landed is checked once the store answers",
+                batch.location,
             )
         else:
             self._count_drop(batch.records, batches=1)
@@ -285,7 +286,8 @@ class WalWriter:
         state.counters.add("entries_dropped", entries)
         logger.warning(
             "drop_oldest: the WAL is full; dropped %s entries of %s produce() calls",
-            entries, len(records),
+            entries,
+            len(records),
         )
         state.settle_failed(
             records,

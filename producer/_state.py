@@ -266,8 +266,14 @@ class State:
     def wake_all(self) -> None:
         """Wake every waiting thread (closing, stopping, failing)."""
         for condition in (
-            self.cond, self.room, self.writer_wake, self.syncer_wake, self.sealer_wake,
-            self.upload_wake, self.committer_wake, self.space,
+            self.cond,
+            self.room,
+            self.writer_wake,
+            self.syncer_wake,
+            self.sealer_wake,
+            self.upload_wake,
+            self.committer_wake,
+            self.space,
         ):
             condition.notify_all()
 

@@ -186,8 +186,9 @@ class ProducerConfig:
                 parser = _PARSERS.get(key)
                 if parser is None:
                     raise ConfigError(
-                        key, f"unknown option; expected one of {', '.join(sorted(_PARSERS))}, "
-                        "store_options.<key> or retry.<field>"
+                        key,
+                        f"unknown option; expected one of {', '.join(sorted(_PARSERS))}, "
+                        "store_options.<key> or retry.<field>",
                     )
                 kwargs[key] = _parse(key, value, parser)
         for required in ("store", "wal_dir"):
@@ -207,11 +208,20 @@ class ProducerConfig:
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 1000**4,
 }
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")
 _DURATION_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "min": 60.0, "h": 3600.0}

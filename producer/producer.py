@@ -177,7 +177,10 @@ class Producer:
         if records:
             logger.info(
                 "replaying %s produce() calls (%s entries, %s already bound to batches) from %s",
-                records, entries, len(folded.batches), wal.directory,
+                records,
+                entries,
+                len(folded.batches),
+                wal.directory,
             )
 
     # -- public API -----------------------------------------------------------------------
@@ -339,8 +342,11 @@ class Producer:
         if not report.complete:
             logger.warning(
                 "producer closed with %s produce() calls (%s entries) still only staged in %s "
-                "and %s never staged", report.staged_records, report.staged_entries,
-                report.wal_dir, report.unstaged_records,
+                "and %s never staged",
+                report.staged_records,
+                report.staged_entries,
+                report.wal_dir,
+                report.unstaged_records,
             )
         if state.fatal is not None:
             raise state.fatal
@@ -463,7 +469,8 @@ class Producer:
             if state.unsettled:
                 logger.warning(
                     "%s dropped batches were never settled: whether their ambiguous manifest "
-                    "appends landed is unknown", len(state.unsettled),
+                    "appends landed is unknown",
+                    len(state.unsettled),
                 )
             if state.fatal is None:
                 state.fail_unsettled(
