@@ -38,6 +38,7 @@ written by a newer millpond is never half-understood.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,7 +189,9 @@ def encode_file_header(header: FileHeader) -> bytes:
     return raw + _U32.pack(crc32c(raw))
 
 
-def decode_file_header(raw: bytes | memoryview, *, name: str = "wal file") -> FileHeader:
+def decode_file_header(
+    raw: bytes | memoryview | mmap.mmap, *, name: str = "wal file"
+) -> FileHeader:
     """Validate and read a file header.
 
     Raises:
@@ -314,7 +317,7 @@ def encode_drop(seq: int, body: DropBody) -> bytes:
 
 
 def decode_record_head(
-    raw: bytes | memoryview, offset: int, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, *, name: str = "wal file"
 ) -> RecordHead:
     """Frame and verify the record at ``offset``; the body is not decoded.
 
@@ -362,7 +365,7 @@ def decode_record_head(
 _KNOWN_TYPES = frozenset(int(t) for t in RecordType)
 
 
-def plausible_head(raw: bytes | memoryview, offset: int, after_seq: int) -> bool:
+def plausible_head(raw: bytes | memoryview | mmap.mmap, offset: int, after_seq: int) -> bool:
     """A cheap pre-check used when resynchronising after corruption.
 
     True when the bytes at ``offset`` could start a record numbered after ``after_seq``: a
@@ -388,13 +391,13 @@ def record_type_markers() -> tuple[bytes, ...]:
     return tuple(bytes([int(t), 0, 0, 0]) for t in RecordType)
 
 
-def _body(raw: bytes | memoryview, offset: int, head: RecordHead) -> memoryview:
+def _body(raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead) -> memoryview:
     start = offset + HEAD_SIZE
     return memoryview(raw)[start : start + head.body_size]
 
 
 def _data_layout(
-    raw: bytes | memoryview, offset: int, head: RecordHead, name: str
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, name: str
 ) -> tuple[memoryview, int, int, bytes, tuple[int, ...], int]:
     """``(body, body offset, ingestion_time_ms, metadata, entry lengths, entries offset)``."""
     body = _body(raw, offset, head)
@@ -419,7 +422,7 @@ def _data_layout(
 
 
 def decode_data(
-    raw: bytes | memoryview, offset: int, head: RecordHead, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, *, name: str = "wal file"
 ) -> DataBody:
     """Decode the body of a verified DATA record.
 
@@ -435,7 +438,7 @@ def decode_data(
 
 
 def decode_data_views(
-    raw: bytes | memoryview, offset: int, head: RecordHead, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, *, name: str = "wal file"
 ) -> list[memoryview]:
     """The entries of a verified DATA record as views into ``raw`` (no copies).
 
@@ -451,7 +454,7 @@ def decode_data_views(
 
 
 def decode_data_summary(
-    raw: bytes | memoryview, offset: int, head: RecordHead, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, *, name: str = "wal file"
 ) -> tuple[int, bytes, int, int]:
     """``(ingestion_time_ms, metadata, entry_count, entry_bytes)`` without copying entries.
 
@@ -463,7 +466,7 @@ def decode_data_summary(
 
 
 def decode_bind(
-    raw: bytes | memoryview, offset: int, head: RecordHead, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, *, name: str = "wal file"
 ) -> BindBody:
     """Decode the body of a verified BIND record.
 
@@ -485,7 +488,7 @@ def decode_bind(
 
 
 def decode_drop(
-    raw: bytes | memoryview, offset: int, head: RecordHead, *, name: str = "wal file"
+    raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, *, name: str = "wal file"
 ) -> DropBody:
     """Decode the body of a verified DROP record.
 
@@ -506,7 +509,7 @@ def encode_sidecar(sidecar: Sidecar) -> bytes:
     return raw + _U32.pack(crc32c(raw))
 
 
-def decode_sidecar(raw: bytes | memoryview, *, name: str = "released") -> Sidecar:
+def decode_sidecar(raw: bytes | memoryview | mmap.mmap, *, name: str = "released") -> Sidecar:
     """Validate and read the released sidecar.
 
     Raises:

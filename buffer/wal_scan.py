@@ -13,6 +13,7 @@ the numbers missing between the good records around it.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 from millpond.errors import FormatError
@@ -91,7 +92,12 @@ class FileScan:
 
 
 def scan_file(
-    raw: bytes, *, name: str, start: int = FILE_HEADER_SIZE, after_seq: int = -1, newest: bool
+    raw: bytes | mmap.mmap,
+    *,
+    name: str,
+    start: int = FILE_HEADER_SIZE,
+    after_seq: int = -1,
+    newest: bool,
 ) -> FileScan:
     """Scan ``raw`` (a whole WAL file) from ``start``.
 
@@ -149,7 +155,7 @@ def scan_file(
     return scan
 
 
-def _read_record(raw: bytes, pos: int, name: str) -> ScannedRecord | None:
+def _read_record(raw: bytes | mmap.mmap, pos: int, name: str) -> ScannedRecord | None:
     """The verified record at ``pos``, or None when there is none."""
     try:
         head = decode_record_head(raw, pos, name=name)
@@ -172,7 +178,7 @@ def _read_record(raw: bytes, pos: int, name: str) -> ScannedRecord | None:
         return None
 
 
-def _resync(raw: bytes, start: int, after_seq: int, name: str) -> int | None:
+def _resync(raw: bytes | mmap.mmap, start: int, after_seq: int, name: str) -> int | None:
     """The first offset at or after ``start`` where a verifiable record begins."""
     pos = start
     while True:
