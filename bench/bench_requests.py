@@ -165,7 +165,13 @@ class CountingStore(ForwardingStore):
             }
 
 
-def _round(endpoint: Any, workdir: Path, flush_mib: int, total: int) -> dict[str, Any]:
+TUNED_INTERVAL = 1.0
+"""Seconds of ``commit_interval`` for the extra main-size round."""
+
+
+def _round(
+    endpoint: Any, workdir: Path, flush_mib: int, total: int, commit_interval: float = 0.0
+) -> dict[str, Any]:
     from millpond.consumer import Consumer, ConsumerConfig
     from millpond.gc import GarbageCollector, GarbageCollectorConfig
     from millpond.producer import Producer, ProducerConfig
@@ -185,6 +191,7 @@ def _round(endpoint: Any, workdir: Path, flush_mib: int, total: int) -> dict[str
         wal_dir=workdir / f"wal-{flush_mib}",
         wal_sync="always",
         flush_size_bytes=flush_mib * MiB,
+        commit_interval=commit_interval,
     )
     with stopwatch() as produce_time, Producer(config) as producer:
         for _ in range(calls):
@@ -271,6 +278,11 @@ def run(quick: bool) -> dict[str, Any]:
         with seaweedfs_endpoint() as endpoint:
             for flush_mib, total in plan:
                 rounds.append(_round(endpoint, workdir, flush_mib, total))
+            # The same main round with commit_interval: fewer manifest writes, more latency.
+            main_total = next(total for mib, total in plan if mib == MAIN_FLUSH_MIB)
+            tuned = _round(
+                endpoint, workdir, MAIN_FLUSH_MIB, main_total, commit_interval=TUNED_INTERVAL
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     main = next(r for r in rounds if r["flush_mib"] == MAIN_FLUSH_MIB)
@@ -301,6 +313,12 @@ def run(quick: bool) -> dict[str, Any]:
             "floor_batches": round(main["gib_ingested"] * floor, 1),
             "requests": main["requests"],
             "batches_per_append": main["batches_per_append"],
+            "tuned_commit_interval": TUNED_INTERVAL,
+            "tuned_producer_ratio": tuned["ratios"]["producer"],
+            "tuned_producer_per_gib": tuned["per_gib"]["producer"],
+            "tuned_batches_per_append": tuned["batches_per_append"],
+            "tuned_passed": tuned["ratios"]["producer"] <= TARGET,
+            "tuned_seconds": tuned["seconds"],
             "rounds": rounds,
             "entry_bytes": ENTRY_BYTES,
             "entries_per_call": ENTRIES_PER_CALL,
@@ -351,7 +369,8 @@ def run(quick: bool) -> dict[str, Any]:
         headline=(
             f"{MAIN_FLUSH_MIB} MiB flushes: producer {per_gib['producer']:.0f} req/GiB "
             f"({ratios['producer']:.2f}x floor {floor:.0f}); consumer {ratios['consumer']:.2f}x, "
-            f"total {ratios['total']:.2f}x"
+            f"total {ratios['total']:.2f}x; with commit_interval {TUNED_INTERVAL:g} s: "
+            f"producer {tuned['ratios']['producer']:.2f}x"
         ),
         notes=(
             "ratio = producer requests per GiB ingested / (1024 / flush MiB), all request kinds; "

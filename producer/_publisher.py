@@ -311,6 +311,7 @@ class Committer:
         self._binder = binder
         self._clock = clock
         self._backoff: Backoff | None = None
+        self._last_append = float("-inf")
 
     def run(self) -> None:
         try:
@@ -349,10 +350,35 @@ class Committer:
                             group.append(batch)
                         return "verify", group + state.unsettled
                     if head.state is BatchState.UPLOADED:
+                        linger = self._linger(head)
+                        if linger > 0:
+                            # More uploads may land meanwhile and share this append's CAS.
+                            state.committer_wake.wait(linger)
+                            continue
                         return self._append_group()
                 if state.unsettled:
                     return "verify", list(state.unsettled)
                 state.committer_wake.wait()
+
+    def _linger(self, head: Batch) -> float:
+        """Seconds to hold an uploaded batch back for ``commit_interval`` (0: append now)."""
+        interval = self._config.commit_interval
+        state = self._state
+        if interval <= 0 or state.closing:
+            return 0.0
+        if head.records[0].ordinal <= state.flush_target:
+            # flush() does not wait out the interval, but appends what it flushes in as few
+            # CAS as the uploads allow: it cannot finish before its last upload anyway.
+            return interval if self._flush_uploads_pending() else 0.0
+        return self._last_append + interval - self._clock.monotonic()
+
+    def _flush_uploads_pending(self) -> bool:
+        in_flight = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
+        target = self._state.flush_target
+        return any(
+            batch.state in in_flight and batch.records[0].ordinal <= target
+            for batch in self._state.batches
+        )
 
     def _append_group(self) -> tuple[str, list[Batch]]:
         group: list[Batch] = []
@@ -376,6 +402,7 @@ class Committer:
     # -- the three kinds of work ----------------------------------------------------------
 
     def _append(self, group: list[Batch]) -> None:
+        self._last_append = self._clock.monotonic()
         state = self._state
         try:
             sequences = self._queue.append([batch.pending_entry() for batch in group])

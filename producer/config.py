@@ -92,6 +92,11 @@ class ProducerConfig:
     """Backoff of one round of PUT or manifest-append retries. After a round fails the producer
     checks what landed and starts another: staged data is never given up. Default 50 attempts
     within 10 s, delays 0.01 s doubling to 1 s."""
+    commit_interval: float = 0.0
+    """Seconds; at least this long between the start of two manifest appends of this producer,
+    so that more uploaded batches share one compare-and-swap: fewer object-store requests per
+    GiB, more latency. ``flush()`` and ``close()`` do not wait for it. Default 0 (append as soon
+    as a batch is uploaded)."""
     remint_after: float = 300.0
     """Seconds; a batch still not in the manifest this long after its ULID was minted is
     uploaded again under a fresh ULID, so GC (grace period: 10 min by the RFC) can never delete
@@ -139,6 +144,12 @@ class ProducerConfig:
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError("retry", f"expected a RetryPolicy, found {type(self.retry).__name__}")
         _check_positive_float("remint_after", self.remint_after)
+        interval = self.commit_interval
+        if not (isinstance(interval, (int, float)) and 0 <= interval < 3600):
+            raise ConfigError(
+                "commit_interval",
+                f"expected 0 <= seconds < 3600, found {self.commit_interval!r}",
+            )
         for method in ("now_ms", "monotonic", "sleep"):
             if not callable(getattr(self.clock, method, None)):
                 raise ConfigError(
@@ -286,6 +297,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "size_cap_policy": _parse_lower,
     "upload_concurrency": _parse_int,
     "remint_after": parse_duration,
+    "commit_interval": parse_duration,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": _parse_int,
