@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from millpond.localstack import S3Endpoint
 
-__all__ = ["StoreTarget", "unique_root"]
+__all__ = ["ManualClock", "StoreTarget", "unique_root"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,3 +52,30 @@ class StoreTarget:
 def unique_root() -> str:
     """Return a fresh root name, ``t-<32 hex digits>``."""
     return f"t-{uuid.uuid4().hex}"
+
+
+class ManualClock:
+    """Wall clock the test moves by hand; monotonic time and sleep are real."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self._lock = threading.Lock()
+        self._now_ms = start_ms
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return self._now_ms
+
+    def set(self, ms: int) -> None:
+        with self._lock:
+            self._now_ms = ms
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now_ms += round(seconds * 1000)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)

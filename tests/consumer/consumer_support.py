@@ -38,29 +38,6 @@ def open_target(target: Any) -> ObjectStore:
     return open_store(target.url, dict(target.options or {}))
 
 
-class ManualClock:
-    """Wall clock the test moves by hand; monotonic time and sleep are real."""
-
-    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
-        self._lock = threading.Lock()
-        self._now_ms = start_ms
-
-    def now_ms(self) -> int:
-        with self._lock:
-            return self._now_ms
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._now_ms += round(seconds * 1000)
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds)
-
-
 class ScaledClock:
     """Wall clock running ``speed`` times faster than real time (for GC grace periods)."""
 

@@ -6,10 +6,11 @@ import time
 from typing import Any
 
 import pytest
-from consumer_support import FAST_RETRY, ManualClock, QueueWriter, open_target
+from consumer_support import FAST_RETRY, QueueWriter, open_target
 
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.store import ObjectStore
+from tests.support import ManualClock
 
 
 @pytest.fixture

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from consumer_support import MANIFEST, ManualClock, QueueWriter, open_target
+from consumer_support import MANIFEST, QueueWriter, open_target
 
 from millpond.consumer.status import queue_status
 from millpond.errors import NotFoundError
 from millpond.queue import QueueConsumer
 from millpond.store import ObjectStore
+from tests.support import ManualClock
 
 T0 = 1_700_000_000_000
 

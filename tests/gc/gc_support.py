@@ -54,33 +54,6 @@ def paths(store: ObjectStore) -> set[str]:
     return {info.path for info in store.list("", recursive=True)}
 
 
-class ManualClock:
-    """Wall clock the test moves by hand; monotonic time and sleep are real."""
-
-    def __init__(self, start_ms: int = T0) -> None:
-        self._lock = threading.Lock()
-        self._now_ms = start_ms
-
-    def now_ms(self) -> int:
-        with self._lock:
-            return self._now_ms
-
-    def set(self, ms: int) -> None:
-        with self._lock:
-            self._now_ms = ms
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._now_ms += round(seconds * 1000)
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds)
-
-
 class FailingDeletes(ForwardingStore):
     """Delegates to a real store; deletes of paths in ``failing`` fail."""
 

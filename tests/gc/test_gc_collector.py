@@ -19,7 +19,6 @@ from gc_support import (
     MANIFEST,
     T0,
     FailingDeletes,
-    ManualClock,
     OffsetClock,
     dequeue,
     enqueue,
@@ -37,6 +36,7 @@ from millpond.manifest_format import Metadata, PendingEntry
 from millpond.queue import QueueProducer
 from millpond.store import ObjectStore
 from millpond.ulids import UlidMinter, batch_location, ulid_time_ms
+from tests.support import ManualClock
 
 HOUR_MS = 3_600_000
 
