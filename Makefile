@@ -21,7 +21,7 @@ postgres-binaries:
 	    { echo "PostgreSQL binaries missing and apt-get failed" >&2; exit 1; }; }
 
 demo: $(STAMP)
-	$(PY) -m millpond.demo
+	$(PY) -m millpond.localstack.demo
 
 test: $(STAMP) postgres-binaries
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
@@ -29,16 +29,22 @@ test: $(STAMP) postgres-binaries
 bench: $(STAMP) postgres-binaries
 	$(PY) -m bench $(BENCH_ARGS)
 
-lint: $(STAMP)
+# mypy and import-linter cannot follow setuptools package-dir renames in an editable install:
+# they read a plain install of the package instead.
+PLAIN := build/plain
+
+$(PLAIN): $(STAMP) $(shell find buffer producer consumer gc localstack -name '*.py' -o -name '*.yml')
+	rm -rf $(PLAIN)
+	$(PY) -m pip install --quiet --no-deps --target $(PLAIN) .
+	touch $(PLAIN)
+
+lint: $(STAMP) $(PLAIN)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	cd $(PLAIN) && ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml --no-cache --no-logo
 
-# mypy cannot follow setuptools package-dir renames in an editable install: type-check a
-# plain install of the package instead.
-typecheck: $(STAMP)
-	rm -rf build/typecheck
-	$(PY) -m pip install --quiet --no-deps --target build/typecheck .
-	MYPYPATH=build/typecheck $(VENV)/bin/mypy -p millpond
+typecheck: $(STAMP) $(PLAIN)
+	MYPYPATH=$(PLAIN) $(VENV)/bin/mypy -p millpond
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench/results

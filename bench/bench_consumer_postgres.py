@@ -66,9 +66,9 @@ def _tables(batches: int, rows: int) -> list[pa.Table]:
 
 
 def _upload(store: Any, tables: list[pa.Table]) -> list[str]:
-    from millpond.arrow import encode_ipc
-    from millpond.batch_format import encode_batch
-    from millpond.ulids import UlidMinter, batch_location
+    from millpond.common.ulids import UlidMinter, batch_location
+    from millpond.formats.arrow import encode_ipc
+    from millpond.formats.batch import encode_batch
 
     minter = UlidMinter()
     locations = []
@@ -80,7 +80,7 @@ def _upload(store: Any, tables: list[pa.Table]) -> list[str]:
 
 
 def _enqueue(store: Any, locations: list[str]) -> None:
-    from millpond.manifest_format import Metadata, PendingEntry
+    from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue import QueueProducer
 
     now = int(time.time() * 1000)
@@ -143,7 +143,7 @@ def _run_baseline(pg_url: str, tables: list[pa.Table], *, commit_each: bool) -> 
 
 def run(quick: bool) -> dict[str, Any]:
     from millpond.localstack import start_postgres
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     batches, rows, rounds = (40, 5_000, 2) if quick else (120, 5_000, 5)
     tables = _tables(batches, rows)

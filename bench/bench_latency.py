@@ -230,7 +230,7 @@ def _wait_for(what: str, ready: Any, timeout: float, alive: Any = None) -> None:
 def _pipeline(endpoint: Any, pg_url: str, workdir: Path, calls: int) -> dict[str, Any]:
     from millpond.producer import Producer, ProducerConfig
     from millpond.queue import read_manifest
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     root = f"latency-{uuid.uuid4().hex[:8]}"
     store_url = endpoint.url_for(root)
@@ -328,9 +328,9 @@ def _windows(
 
 def _sample_bytes() -> tuple[bytes, bytes]:
     """A batch like the pipeline's (two calls of one entry) and a manifest of 50 entries."""
-    from millpond.batch_format import encode_batch
-    from millpond.manifest_format import Metadata, PendingEntry, append_entries, empty_manifest
-    from millpond.ulids import UlidMinter, batch_location
+    from millpond.common.ulids import UlidMinter, batch_location
+    from millpond.formats.batch import encode_batch
+    from millpond.formats.manifest import Metadata, PendingEntry, append_entries, empty_manifest
 
     batch = encode_batch([b"lat-%08d" % i for i in range(2)])
     minter = UlidMinter()
@@ -345,7 +345,7 @@ def _sample_bytes() -> tuple[bytes, bytes]:
 
 def run(quick: bool) -> dict[str, Any]:
     from millpond.localstack import start_postgres
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     seconds = 10.0 if quick else 45.0
     calls = int(seconds * RATE)

@@ -55,14 +55,14 @@ START_TIMEOUT = 120.0
 
 
 def _entry(location: str, now_ms: int) -> Any:
-    from millpond.manifest_format import Metadata, PendingEntry
+    from millpond.formats.manifest import Metadata, PendingEntry
 
     return PendingEntry(location, (Metadata(0, now_ms, b"source=bench-0001"),))
 
 
 def _retry_policy() -> Any:
     """The default ``RetryPolicy``, or ``MILLPOND_BENCH_RETRY=base_delay,max_delay`` to compare."""
-    from millpond.retry import RetryPolicy
+    from millpond.common.retry import RetryPolicy
 
     override = os.environ.get("MILLPOND_BENCH_RETRY")
     if not override:
@@ -90,9 +90,9 @@ def _producer_worker(
 def _produce(
     url: str, options: dict[str, str], seconds: float, rate: float, barrier: Any
 ) -> dict[str, Any]:
+    from millpond.common.ulids import UlidMinter, batch_location
     from millpond.queue import QueueProducer
-    from millpond.store import open_store
-    from millpond.ulids import UlidMinter, batch_location
+    from millpond.storage.store import open_store
 
     store = open_store(url, options)
     producer = QueueProducer(store, MANIFEST, retry=_retry_policy())
@@ -136,9 +136,9 @@ def _baseline_worker(
 def _cas_back_to_back(
     url: str, options: dict[str, str], seconds: float, group: int
 ) -> dict[str, Any]:
-    from millpond.manifest_format import append_entries, empty_manifest
-    from millpond.store import open_store
-    from millpond.ulids import UlidMinter, batch_location
+    from millpond.common.ulids import UlidMinter, batch_location
+    from millpond.formats.manifest import append_entries, empty_manifest
+    from millpond.storage.store import open_store
 
     store = open_store(url, options)
     minter = UlidMinter()
@@ -175,7 +175,7 @@ def _run_producers(ctx: Any, endpoint: Any, n: int, seconds: float, rate: float)
         proc.start()
     outs = _collect(results, procs, START_TIMEOUT + seconds * 20)
     from millpond.queue import read_manifest
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     snapshot = read_manifest(open_store(url, options), MANIFEST)
     total_locations = sum(o["total_locations"] for o in outs)

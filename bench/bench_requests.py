@@ -56,7 +56,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import make_result, plot_spec, seaweedfs_endpoint, stopwatch
-from millpond.store import DeleteFailure, ForwardingStore, GetResult, ObjectInfo, ObjectStore
+from millpond.storage.store import (
+    DeleteFailure,
+    ForwardingStore,
+    GetResult,
+    ObjectInfo,
+    ObjectStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +181,7 @@ def _round(
     from millpond.consumer import Consumer, ConsumerConfig
     from millpond.gc import GarbageCollector, GarbageCollectorConfig
     from millpond.producer import Producer, ProducerConfig
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     inner = open_store(
         endpoint.url_for(f"requests-{flush_mib}-{uuid.uuid4().hex[:8]}"), endpoint.store_options()

@@ -65,8 +65,8 @@ def raw_put_partitions(
         import obstore
         from obstore.store import S3Store
 
-        from millpond.arrow import encode_ipc
-        from millpond.batch_format import encode_batch
+        from millpond.formats.arrow import encode_ipc
+        from millpond.formats.batch import encode_batch
 
         store = S3Store.from_url(url, config=config, client_options={"allow_http": True})
         prefix = f"raw/{uuid.uuid4().hex}"
@@ -108,7 +108,7 @@ def run(quick: bool) -> dict[str, Any]:
     """Run the benchmark; see the module docstring."""
     from millpond.producer.spark import local_spark_session
     from millpond.queue import read_manifest
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     plan = QUICK if quick else FULL
     rows, partitions, rounds = plan["rows"], plan["partitions"], plan["rounds"]

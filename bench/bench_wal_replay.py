@@ -129,9 +129,9 @@ def _raw_read(files: list[Path]) -> tuple[float, int]:
 
 
 def _replay(wal_dir: Path, expected_calls: int) -> tuple[float, dict[str, Any]]:
+    from millpond.formats.wal import RecordType
     from millpond.producer._recovery import fold_records
     from millpond.wal import Wal
-    from millpond.wal_format import RecordType
 
     started = time.perf_counter()
     wal = Wal.open(wal_dir, rotate_bytes=ROTATE)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from millpond.batch_format import CompressionType
 from millpond.errors import (
     BackpressureError,
     ClosedError,
@@ -28,8 +27,9 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import Metadata
-from millpond.store import ObjectStore, open_store
+from millpond.formats.batch import CompressionType
+from millpond.formats.manifest import Metadata
+from millpond.storage.store import ObjectStore, open_store
 
 if TYPE_CHECKING:
     from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig

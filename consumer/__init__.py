@@ -19,6 +19,6 @@ from __future__ import annotations
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Backlog, Consumer
-from millpond.manifest_format import Metadata
+from millpond.formats.manifest import Metadata
 
 __all__ = ["Backlog", "ConsumedBatch", "Consumer", "ConsumerConfig", "Metadata"]

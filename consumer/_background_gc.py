@@ -1,6 +1,6 @@
 """The garbage collector the consumer runs in its own process (RFC, "Garbage Collection").
 
-The rules and the pass itself are the core's (:func:`millpond.gc_rules.collect_once`), shared
+The rules and the pass itself are the core's (:func:`millpond.queue.gc_rules.collect_once`), shared
 with ``millpond.gc``; this module only schedules passes on a daemon thread and ties them to
 the consumer's epoch: a pass whose manifest snapshot carries another epoch deletes nothing and
 ends the thread, so a fenced consumer's collector stops even before the consumer notices.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from millpond.clock import Clock
+from millpond.common.clock import Clock
+from millpond.common.metrics import Counters
 from millpond.errors import MillpondError
-from millpond.gc_rules import collect_once
-from millpond.manifest_format import Manifest
-from millpond.metrics import Counters
-from millpond.store import ObjectStore
+from millpond.formats.manifest import Manifest
+from millpond.queue.gc_rules import collect_once
+from millpond.storage.store import ObjectStore
 
 __all__ = ["BackgroundCollector"]
 

@@ -6,9 +6,9 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from millpond.arrow import decode_ipc, unify_tables
 from millpond.errors import FormatError
-from millpond.manifest_format import Metadata
+from millpond.formats.arrow import decode_ipc, unify_tables
+from millpond.formats.manifest import Metadata
 
 if TYPE_CHECKING:
     import pyarrow as pa

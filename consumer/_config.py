@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from millpond.clock import Clock
+from millpond.common.clock import Clock
+from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 
 __all__ = ["ConsumerConfig", "check_duration", "check_paths"]
 
@@ -23,7 +23,7 @@ class ConsumerConfig:
 
     store: str | ObjectStore | Any
     """A store URL (``s3://bucket[/root]``, ``file:///path``, ``memory://``), an
-    :class:`~millpond.store.ObjectStore` or an obstore store object. Required."""
+    :class:`~millpond.storage.store.ObjectStore` or an obstore store object. Required."""
     store_options: Mapping[str, str] | None = None
     """obstore S3 options (``aws_endpoint``, ...); missing ones come from the ``AWS_*``
     variables. Default none."""

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
 
-from millpond.batch_format import decode_batch
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
+from millpond.common.ulids import parse_batch_name
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
@@ -41,11 +42,10 @@ from millpond.errors import (
     MillpondError,
     NotFoundError,
 )
-from millpond.manifest_format import Manifest, ManifestEntry
-from millpond.metrics import Counters
+from millpond.formats.batch import decode_batch
+from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
-from millpond.store import ObjectStore, open_store
-from millpond.ulids import parse_batch_name
+from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["Backlog", "Consumer"]
 

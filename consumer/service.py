@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
 
-from millpond.cli_common import add_store_arguments, parse_options
-from millpond.clock import Clock, SystemClock
+from millpond.cli.common import add_store_arguments, parse_options
+from millpond.common.clock import Clock, SystemClock
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer

@@ -12,13 +12,13 @@ import argparse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from millpond.cli_common import add_store_arguments, emit, open_store_from_args
-from millpond.clock import Clock, SystemClock
+from millpond.cli.common import add_store_arguments, emit, open_store_from_args
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import NotFoundError
-from millpond.manifest_format import ManifestEntry
+from millpond.formats.manifest import ManifestEntry
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore
-from millpond.ulids import parse_batch_name, ulid_time_ms
+from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueStatus", "add_arguments", "queue_status", "run"]
 

@@ -7,7 +7,7 @@ report = GarbageCollector(GarbageCollectorConfig(store="s3://bucket")).run_once(
 print(report.deleted, report.kept, report.failures)
 ```
 
-The rules are the RFC's and live in the core (:mod:`millpond.gc_rules`), because the consumer
+The rules are the RFC's and live in the core (:mod:`millpond.queue.gc_rules`), because the consumer
 runs the same pass in its own process; this package is the stand-alone collector and its
 scheduled-job entry point, ``millpond gc``.
 """
@@ -15,7 +15,7 @@ scheduled-job entry point, ``millpond gc``.
 from __future__ import annotations
 
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
-from millpond.gc_rules import GcPlan, GcReport, KeepReason, plan_collection
+from millpond.queue.gc_rules import GcPlan, GcReport, KeepReason, plan_collection
 
 __all__ = [
     "GarbageCollector",

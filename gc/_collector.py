@@ -1,9 +1,9 @@
 """``GarbageCollector``: the RFC's collector as a library object and a scheduled job.
 
-Each pass is :func:`millpond.gc_rules.collect_once` (the same pass the consumer runs in its own
-process): list the batch objects directly under the data prefix, read the manifest without
-fencing, delete what is unreferenced, older than the queue's oldest entry and older than the
-grace period. Failed deletes are logged and simply eligible again on the next pass.
+Each pass is :func:`millpond.queue.gc_rules.collect_once` (the same pass the consumer runs in
+its own process): list the batch objects directly under the data prefix, read the manifest
+without fencing, delete what is unreferenced, older than the queue's oldest entry and older than
+the grace period. Failed deletes are logged and simply eligible again on the next pass.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
 from millpond.errors import ClosedError, ConfigError, MillpondError
-from millpond.gc_rules import GcReport, collect_once
-from millpond.metrics import Counters
-from millpond.store import ObjectStore, open_store
+from millpond.queue.gc_rules import GcReport, collect_once
+from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["GarbageCollector", "GarbageCollectorConfig"]
 
@@ -33,7 +33,7 @@ class GarbageCollectorConfig:
 
     store: str | ObjectStore | Any
     """A store URL (``s3://bucket[/root]``, ``file:///path``, ``memory://``), an
-    :class:`~millpond.store.ObjectStore` or an obstore store object. Required."""
+    :class:`~millpond.storage.store.ObjectStore` or an obstore store object. Required."""
     store_options: Mapping[str, str] | None = None
     """obstore S3 options; missing ones come from the ``AWS_*`` variables. Default none."""
     manifest_path: str = "ingest/manifest"

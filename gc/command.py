@@ -13,9 +13,9 @@ import signal
 import threading
 from types import FrameType
 
-from millpond.cli_common import add_store_arguments, emit, parse_options
+from millpond.cli.common import add_store_arguments, emit, parse_options
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
-from millpond.gc_rules import GcReport
+from millpond.queue.gc_rules import GcReport
 
 __all__ = ["add_arguments", "run"]
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 
-from millpond.batch_format import encode_batch
-from millpond.clock import Clock
+from millpond.common.clock import Clock
+from millpond.common.retry import Backoff
+from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 from millpond.errors import (
     BackpressureError,
     ConflictError,
@@ -41,15 +42,14 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import empty_manifest, find_locations
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import empty_manifest, find_locations
+from millpond.formats.wal import BindBody
 from millpond.producer._state import Batch, BatchState, Interrupted, Staged, State
 from millpond.producer.config import ProducerConfig
 from millpond.queue import QueueProducer
-from millpond.retry import Backoff
-from millpond.store import ObjectStore
-from millpond.ulids import UlidMinter, batch_location, ulid_time_ms
+from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
-from millpond.wal_format import BindBody
 
 __all__ = ["Committer", "Sealer", "Uploader"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from millpond.formats.wal import RecordType
 from millpond.wal import WalRecord
-from millpond.wal_format import RecordType
 
 __all__ = ["RecoveredBatch", "RecoveredState", "fold_records"]
 

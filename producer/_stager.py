@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from millpond.errors import BackpressureError, ClosedError
+from millpond.formats.wal import DropBody
 from millpond.producer._state import (
     Batch,
     BatchState,
@@ -31,7 +32,6 @@ from millpond.producer._state import (
 )
 from millpond.producer.config import ProducerConfig
 from millpond.wal import Wal
-from millpond.wal_format import DropBody
 
 __all__ = ["WalWriter"]
 

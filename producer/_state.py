@@ -17,9 +17,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from millpond.clock import Clock, SystemClock
-from millpond.manifest_format import Metadata, PendingEntry
-from millpond.metrics import Counters, LatencySummary
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters, LatencySummary
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.producer.handle import WriteHandle
 from millpond.wal import WalRef
 

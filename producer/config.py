@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from millpond.batch_format import CompressionType
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, InvalidInputError
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore
+from millpond.formats.batch import CompressionType
+from millpond.storage.store import ObjectStore
 
 __all__ = ["ProducerConfig", "parse_duration", "parse_size"]
 

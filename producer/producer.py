@@ -22,9 +22,11 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from millpond.batch_format import MAX_RECORD_BYTES
+from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
 from millpond.errors import BackpressureError, ClosedError, InvalidInputError
-from millpond.metrics import Counters, LatencySummary
+from millpond.formats.batch import MAX_RECORD_BYTES
+from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._publisher import Committer, Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
 from millpond.producer._stager import WalWriter
@@ -40,10 +42,8 @@ from millpond.producer._state import (
 from millpond.producer.config import ProducerConfig
 from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
-from millpond.store import open_store
-from millpond.ulids import UlidMinter, parse_batch_name, ulid_time_ms
+from millpond.storage.store import open_store
 from millpond.wal import RecoveryReport, Wal, WalRecord
-from millpond.wal_format import MAX_ENTRY_LEN, data_record_size
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -272,7 +272,7 @@ class Producer:
             InvalidInputError: not a record batch or table, or no rows at all.
             BackpressureError, ClosedError: as :meth:`produce`.
         """
-        from millpond.arrow import encode_ipc
+        from millpond.formats.arrow import encode_ipc
 
         entries = encode_ipc(data)
         if not entries:

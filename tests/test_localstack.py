@@ -35,7 +35,7 @@ from millpond.localstack import (
 from millpond.localstack import postgres as postgres_module
 from millpond.localstack._process import free_ports
 from millpond.localstack.s3 import s3_client
-from millpond.store import open_store
+from millpond.storage.store import open_store
 from tests.support import StoreTarget
 
 LOOPBACK = "127.0.0.1"

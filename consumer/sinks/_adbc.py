@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from millpond.arrow import unify_tables
+from millpond.common.metrics import Counters
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer.sinks._rows import batch_rows
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.errors import ConfigError
-from millpond.metrics import Counters
+from millpond.formats.arrow import unify_tables
 
 __all__ = ["AdbcSink", "TableName", "quote"]
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from millpond.arrow import encode_ipc
-from millpond.batch_format import CompressionType, encode_batch
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer.sinks import AdbcSink, open_sink
-from millpond.manifest_format import Metadata, PendingEntry
+from millpond.formats.arrow import encode_ipc
+from millpond.formats.batch import CompressionType, encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueProducer
-from millpond.retry import RetryPolicy
-from millpond.store import (
+from millpond.storage.store import (
     DeleteFailure,
     ForwardingStore,
     GetResult,
@@ -26,7 +27,6 @@ from millpond.store import (
     ObjectStore,
     open_store,
 )
-from millpond.ulids import UlidMinter, batch_location
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

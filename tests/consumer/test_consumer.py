@@ -15,7 +15,6 @@ from consumer_support import (
     open_target,
 )
 
-from millpond.arrow import encode_ipc
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, Metadata
 from millpond.errors import (
     ClosedError,
@@ -26,9 +25,10 @@ from millpond.errors import (
     MillpondError,
     NotFoundError,
 )
-from millpond.manifest_format import PendingEntry
+from millpond.formats.arrow import encode_ipc
+from millpond.formats.manifest import PendingEntry
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 
 
 @pytest.fixture

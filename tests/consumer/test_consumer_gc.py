@@ -9,7 +9,7 @@ import pytest
 from consumer_support import FAST_RETRY, QueueWriter, open_target
 
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 from tests.support import ManualClock
 
 

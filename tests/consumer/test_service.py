@@ -16,7 +16,7 @@ import pytest
 from consumer_support import MANIFEST, Database, QueueWriter, numbered, open_target
 
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 
 ROWS_PER_BATCH = 500
 BATCHES = 100  # 50,000 numbered rows

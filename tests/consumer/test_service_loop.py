@@ -17,7 +17,7 @@ from millpond.consumer.service import ConsumerService
 from millpond.consumer.sinks import SinkError
 from millpond.errors import FormatError
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore, open_store
+from millpond.storage.store import ObjectStore, open_store
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ def test_has_ready_batch_never_blocks(store: ObjectStore) -> None:
 
 
 def test_write_many_is_all_or_nothing(database: Database) -> None:
-    from millpond.arrow import encode_ipc
+    from millpond.formats.arrow import encode_ipc
 
     good = ConsumedBatch(
         entries=tuple(encode_ipc(pa.table({"n": [1]}))),

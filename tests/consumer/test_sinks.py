@@ -10,7 +10,6 @@ import pyarrow as pa
 import pytest
 from consumer_support import Database
 
-from millpond.arrow import encode_ipc
 from millpond.consumer import ConsumedBatch, Metadata
 from millpond.consumer.sinks import (
     EntryFormat,
@@ -20,6 +19,7 @@ from millpond.consumer.sinks import (
     open_sink,
 )
 from millpond.errors import ConfigError, FormatError
+from millpond.formats.arrow import encode_ipc
 
 
 def _arrow_batch(sequence: int, table: pa.Table, location: str | None = None) -> ConsumedBatch:

@@ -14,7 +14,7 @@ from consumer_support import MANIFEST, QueueWriter, open_target
 from millpond.consumer.status import queue_status
 from millpond.errors import NotFoundError
 from millpond.queue import QueueConsumer
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 from tests.support import ManualClock
 
 T0 = 1_700_000_000_000
@@ -69,7 +69,7 @@ def test_status_without_a_manifest(store: ObjectStore) -> None:
 
 def test_status_command_text_and_json(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     writer = QueueWriter(open_store(url))
     for i in range(3):

@@ -16,11 +16,11 @@ import os
 import sys
 import time
 
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import ConflictError
-from millpond.manifest_format import Metadata, PendingEntry
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueProducer
-from millpond.store import ObjectStore, open_store
-from millpond.ulids import UlidMinter, batch_location
+from millpond.storage.store import ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 COUNTER = "counter"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import CommitStateUnknownError, ConflictError
-from millpond.manifest_format import Metadata, PendingEntry
-from millpond.retry import RetryPolicy
-from millpond.store import ForwardingStore, ObjectStore, open_store
-from millpond.ulids import UlidMinter, batch_location
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.storage.store import ForwardingStore, ObjectStore, open_store
 from tests.support import StoreTarget
 
 MANIFEST = "ingest/manifest"

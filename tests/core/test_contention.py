@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from millpond.queue import read_manifest
-from millpond.store import open_store
+from millpond.storage.store import open_store
 from tests.support import StoreTarget
 
 from .conftest import record_figure

@@ -13,9 +13,9 @@ from datetime import timedelta
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from millpond.batch_format import CompressionType, decode_batch, encode_batch
 from millpond.errors import FormatError
-from millpond.manifest_format import (
+from millpond.formats.batch import CompressionType, decode_batch, encode_batch
+from millpond.formats.manifest import (
     Manifest,
     Metadata,
     PendingEntry,

@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from millpond import manifest_format
-from millpond.batch_format import decode_batch
 from millpond.errors import FormatError, InvalidInputError
-from millpond.manifest_format import (
+from millpond.formats import manifest as manifest_format
+from millpond.formats.batch import decode_batch
+from millpond.formats.manifest import (
     Metadata,
     PendingEntry,
     append_entries,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import zstandard
 
-from millpond.batch_format import CompressionType, decode_batch, encode_batch
-from millpond.manifest_format import (
+from millpond.formats.batch import CompressionType, decode_batch, encode_batch
+from millpond.formats.manifest import (
     Footer,
     ManifestEntry,
     Metadata,

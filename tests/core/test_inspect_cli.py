@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from millpond.file_store import FileStore
 from millpond.localstack import S3Endpoint
 from millpond.queue import QueueConsumer, QueueProducer
-from millpond.store import open_store
+from millpond.storage.file_store import FileStore
+from millpond.storage.store import open_store
 
 from ._helpers import MANIFEST, pending
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from millpond.common.retry import RetryPolicy
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -14,10 +15,9 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import PendingEntry, decode_manifest, empty_manifest
+from millpond.formats.manifest import PendingEntry, decode_manifest, empty_manifest
 from millpond.queue import QueueConsumer, QueueProducer, read_manifest
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 from tests.support import StoreTarget
 
 from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, open_target, pending

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from millpond.errors import CommitStateUnknownError, ConflictError, FencedError
-from millpond.file_store import FileStore
-from millpond.manifest_format import PendingEntry
-from millpond.obstore_store import ObstoreStore
+from millpond.formats.manifest import PendingEntry
 from millpond.queue import QueueConsumer, QueueProducer, read_manifest
-from millpond.store import ObjectStore
+from millpond.storage.file_store import FileStore
+from millpond.storage.obstore_store import ObstoreStore
+from millpond.storage.store import ObjectStore
 
 from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, pending
 

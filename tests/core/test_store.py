@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from millpond.errors import ConfigError, ConflictError, NotFoundError
-from millpond.file_store import FileStore
-from millpond.store import ObjectStore, open_store
+from millpond.storage.file_store import FileStore
+from millpond.storage.store import ObjectStore, open_store
 from tests.support import StoreTarget
 
 from ._helpers import open_target

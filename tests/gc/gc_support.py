@@ -10,11 +10,11 @@ from typing import Any
 
 from ulid import ULID
 
-from millpond.batch_format import encode_batch
-from millpond.manifest_format import Metadata, PendingEntry
+from millpond.common.retry import RetryPolicy
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueConsumer, QueueProducer
-from millpond.retry import RetryPolicy
-from millpond.store import DeleteFailure, ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import DeleteFailure, ForwardingStore, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

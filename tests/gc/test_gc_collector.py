@@ -28,14 +28,14 @@ from gc_support import (
     ulid_at,
 )
 
-from millpond.batch_format import encode_batch
+from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.errors import ConfigError, FormatError, NotFoundError
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig, KeepReason
-from millpond.manifest_format import Metadata, PendingEntry
 from millpond.queue import QueueProducer
-from millpond.store import ObjectStore
-from millpond.ulids import UlidMinter, batch_location, ulid_time_ms
+from millpond.storage.store import ObjectStore
 from tests.support import ManualClock
 
 HOUR_MS = 3_600_000
@@ -305,11 +305,11 @@ def _ulid_ms(location: str) -> int:
 PRODUCER_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
-    from millpond.batch_format import encode_batch
-    from millpond.manifest_format import Metadata, PendingEntry
+    from millpond.formats.batch import encode_batch
+    from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue import QueueProducer
-    from millpond.store import open_store
-    from millpond.ulids import UlidMinter, batch_location, ulid_time_ms
+    from millpond.storage.store import open_store
+    from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 
     store = open_store(sys.argv[1], json.loads(sys.argv[2]))
     queue = QueueProducer(store, "ingest/manifest")
@@ -397,7 +397,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 def test_gc_command_once_dry_run_and_interval(tmp_path: Any) -> None:
     url = (tmp_path / "store").as_uri()
-    from millpond.store import open_store
+    from millpond.storage.store import open_store
 
     store = open_store(url)
     old_ms = int(time.time() * 1000) - 2 * HOUR_MS

@@ -6,10 +6,10 @@ from gc_support import T0, ulid_at
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millpond.gc_rules import KeepReason, plan_collection
-from millpond.manifest_format import Footer, Manifest, ManifestEntry
-from millpond.store import ObjectInfo
-from millpond.ulids import parse_batch_name, ulid_time_ms
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
+from millpond.formats.manifest import Footer, Manifest, ManifestEntry
+from millpond.queue.gc_rules import KeepReason, plan_collection
+from millpond.storage.store import ObjectInfo
 
 GRACE = 10_000
 

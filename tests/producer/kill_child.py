@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+from millpond.common.retry import RetryPolicy
 from millpond.producer import Producer, ProducerConfig, WriteHandle
-from millpond.retry import RetryPolicy
-from millpond.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, ObjectStore, open_store
 
 _T = TypeVar("_T")
 MANIFEST = "ingest/manifest"

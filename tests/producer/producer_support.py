@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from millpond.batch_format import decode_batch
+from millpond.common.retry import RetryPolicy
 from millpond.errors import CommitStateUnknownError, NotFoundError, StorageError
-from millpond.manifest_format import Metadata
+from millpond.formats.batch import decode_batch
+from millpond.formats.manifest import Metadata
 from millpond.producer import ProducerConfig
 from millpond.queue import read_manifest
-from millpond.retry import RetryPolicy
-from millpond.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

@@ -19,8 +19,8 @@ from millpond import (
     ObjectStore,
     open_store,
 )
-from millpond.arrow import decode_ipc
-from millpond.batch_format import BATCH_FOOTER_SIZE
+from millpond.formats.arrow import decode_ipc
+from millpond.formats.batch import BATCH_FOOTER_SIZE
 from millpond.producer import Producer, WriteHandle
 from millpond.wal import Wal
 from tests.producer.producer_support import (

@@ -10,8 +10,8 @@ import pytest
 
 import millpond.wal
 from millpond import BackpressureError
+from millpond.common.retry import RetryPolicy
 from millpond.producer import Producer, WriteHandle
-from millpond.retry import RetryPolicy
 from tests.producer.producer_support import ControlledStore, all_entries, config, fresh_memory
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from millpond import CompressionType, ConfigError
+from millpond.common.retry import RetryPolicy
 from millpond.producer import ProducerConfig
 from millpond.producer.config import parse_duration, parse_size
-from millpond.retry import RetryPolicy
 
 
 def _config(tmp_path: Path, **kw: object) -> ProducerConfig:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from millpond import open_store
+from millpond.common.retry import RetryPolicy
 from millpond.localstack import MotoS3Server, start_moto
 from millpond.producer import Producer, ProducerConfig, WriteHandle
-from millpond.retry import RetryPolicy
 from tests.producer.producer_support import read_back
 
 OUTAGE_SECONDS = 3.0

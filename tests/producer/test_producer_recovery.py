@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from millpond import ClosedError, FormatError, ObjectStore
-from millpond.batch_format import encode_batch
-from millpond.manifest_format import Metadata, PendingEntry
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.formats.wal import BindBody
 from millpond.producer import Producer
 from millpond.queue import QueueProducer
-from millpond.retry import RetryPolicy
-from millpond.ulids import UlidMinter, batch_location
 from millpond.wal import Wal
-from millpond.wal_format import BindBody
 from tests.producer.producer_support import (
     MANIFEST,
     PREFIX,

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from millpond.errors import ConfigError, FormatError, InvalidInputError
-from millpond.wal import SIDECAR_NAME, Wal, WalRecord
-from millpond.wal_format import (
+from millpond.formats.wal import (
     FILE_HEADER_SIZE,
     RECORD_OVERHEAD,
     BindBody,
@@ -27,6 +26,7 @@ from millpond.wal_format import (
     decode_sidecar,
     encode_data,
 )
+from millpond.wal import SIDECAR_NAME, Wal, WalRecord
 
 
 def _items(count: int, start: int = 0) -> list[tuple[int, bytes, list[bytes]]]:

@@ -8,12 +8,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from millpond.arrow import decode_ipc, unify_tables
-from millpond.batch_format import decode_batch
+from millpond.formats.arrow import decode_ipc, unify_tables
+from millpond.formats.batch import decode_batch
+from millpond.formats.manifest import ManifestEntry
 from millpond.localstack import S3Endpoint
-from millpond.manifest_format import ManifestEntry
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore, open_store
+from millpond.storage.store import ObjectStore, open_store
 
 
 class Queue:

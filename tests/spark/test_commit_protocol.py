@@ -8,21 +8,21 @@ import uuid
 
 import pytest
 
-from millpond.batch_format import encode_batch
-from millpond.clock import SystemClock
+from millpond.common.clock import SystemClock
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import MillpondError, NotFoundError, StorageError
-from millpond.manifest_format import Metadata, PendingEntry
-from millpond.producer.spark_commit import (
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.producer.spark.commit import (
     commit_job,
     commit_micro_batch,
     spark_payload,
     stream_state_path,
 )
-from millpond.producer.spark_upload import TaskCommitMessage, UploadedBatch, UploadStats
+from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
-from millpond.retry import RetryPolicy
-from millpond.store import ForwardingStore, ObjectStore, open_store
-from millpond.ulids import UlidMinter, batch_location
+from millpond.storage.store import ForwardingStore, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

@@ -1,4 +1,4 @@
-"""The demo (``python -m millpond.demo``) end to end, small, and its mismatch checks."""
+"""The demo (``python -m millpond.localstack.demo``) end to end, small, and its mismatch checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from millpond.demo import DemoReport, _verify
+from millpond.localstack.demo import DemoReport, _verify
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "millpond.demo",
+            "millpond.localstack.demo",
             "--rows",
             "30000",
             "--partitions",

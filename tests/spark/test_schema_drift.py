@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from millpond.arrow import unify_tables
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.sinks import open_sink
+from millpond.formats.arrow import unify_tables
 from millpond.localstack import PostgresServer, S3Endpoint
 from tests.spark.spark_support import Queue, sqlite_url
 

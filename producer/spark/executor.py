@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from millpond.errors import ClosedError, ConfigError, MillpondError
-from millpond.producer.spark_commit import spark_payload
-from millpond.producer.spark_options import EXECUTOR_WAL_DIR, SparkWriteSettings
+from millpond.producer.spark.commit import spark_payload
+from millpond.producer.spark.options import EXECUTOR_WAL_DIR, SparkWriteSettings
 
 if TYPE_CHECKING:
     from millpond.producer import Producer

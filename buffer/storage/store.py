@@ -228,11 +228,11 @@ def open_store(
     if isinstance(store, str):
         scheme = urlsplit(store).scheme
         if scheme == "file":
-            from millpond.file_store import FileStore
+            from millpond.storage.file_store import FileStore
 
             return FileStore.from_url(store)
         if scheme in ("s3", "s3a", "memory"):
-            from millpond.obstore_store import ObstoreStore
+            from millpond.storage.obstore_store import ObstoreStore
 
             merged = dict(options or {})
             if scheme != "memory":
@@ -241,7 +241,7 @@ def open_store(
         raise ConfigError(
             "store", f"expected a s3://, file:// or memory:// URL, found {_redact(store)!r}"
         )
-    from millpond.obstore_store import ObstoreStore
+    from millpond.storage.obstore_store import ObstoreStore
 
     return ObstoreStore.wrap(store)
 

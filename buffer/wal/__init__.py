@@ -19,7 +19,7 @@ Durability rules, following Quiver's WAL design and doing better where it is loo
 * :meth:`Wal.release` writes the sidecar to a temp file, fsyncs it, renames it over the old one
   and fsyncs the directory, and only then deletes whole files that hold nothing unreleased.
 
-Recovery (:meth:`Wal.open`, with :func:`millpond.wal_recovery.scan_directory`): take the lock,
+Recovery (:meth:`Wal.open`, with :func:`millpond.wal.recovery.scan_directory`): take the lock,
 read the sidecar (a damaged one means "scan everything"), scan each remaining file, cut a torn tail
 of the newest file back to its last whole record, copy the still-needed records of any file with
 mid-file corruption into the new file (same sequence numbers, fsynced) and move the damaged file
@@ -40,9 +40,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from millpond.common.metrics import LatencySummary
 from millpond.errors import ConfigError, FormatError, StorageError
-from millpond.metrics import LatencySummary
-from millpond.wal_format import (
+from millpond.formats.wal import (
     BindBody,
     DataBody,
     DropBody,
@@ -59,7 +59,7 @@ from millpond.wal_format import (
     encode_file_header,
     encode_sidecar,
 )
-from millpond.wal_recovery import (
+from millpond.wal.recovery import (
     SIDECAR_NAME,
     FileIndex,
     LostRegion,

@@ -21,7 +21,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
+from millpond.common.retry import Backoff, RetryPolicy
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -31,7 +33,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import (
+from millpond.formats.manifest import (
     Manifest,
     PendingEntry,
     append_entries,
@@ -42,9 +44,7 @@ from millpond.manifest_format import (
     remove_through,
     with_epoch,
 )
-from millpond.metrics import Counters
-from millpond.retry import Backoff, RetryPolicy
-from millpond.store import ObjectStore
+from millpond.storage.store import ObjectStore
 
 __all__ = ["ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
 

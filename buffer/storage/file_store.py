@@ -32,7 +32,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
+from millpond.storage.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
 
 __all__ = ["FileStore"]
 

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from millpond.batch_format import CompressionType
+from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, NotFoundError, StorageError
-from millpond.manifest_format import decode_footer
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore, open_store
+from millpond.formats.batch import CompressionType
+from millpond.formats.manifest import decode_footer
+from millpond.storage.store import ObjectStore, open_store
 
 if TYPE_CHECKING:
     from millpond.producer.config import ProducerConfig

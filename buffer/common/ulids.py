@@ -12,7 +12,7 @@ import threading
 
 from ulid import ULID
 
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
 
 __all__ = ["BATCH_SUFFIX", "UlidMinter", "batch_location", "parse_batch_name", "ulid_time_ms"]
 

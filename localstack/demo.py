@@ -1,4 +1,4 @@
-"""``python -m millpond.demo``: the main job, end to end, on real services.
+"""``python -m millpond.localstack.demo``: the main job, end to end, on real services.
 
 1. starts an S3 server in this process (moto, on 127.0.0.1) unless ``--store`` names a real one;
 2. runs a Spark job (``local[2]``) that writes generated rows through ``format("millpond")``:
@@ -11,8 +11,8 @@
 Progress goes to stderr while it runs; the report to stdout (``--output json`` for JSON). Exits
 1 on any mismatch or error. Every service it starts binds 127.0.0.1 and is stopped at the end.
 
-This is the top-level entry point, so it may import the producer, consumer and collector (lazily,
-inside functions): the core never imports it.
+It is an application, not part of the core: it uses every role (producer, consumer, collector,
+Spark) and lives here, next to the local services it starts. The core never imports it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from millpond.cli_common import parse_options
+from millpond.cli.common import parse_options
+from millpond.common.metrics import Counters
 from millpond.errors import MillpondError
-from millpond.metrics import Counters
-from millpond.store import (
+from millpond.storage.store import (
     DeleteFailure,
     ForwardingStore,
     GetResult,
@@ -209,7 +209,7 @@ class Progress:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m millpond.demo",
+        prog="python -m millpond.localstack.demo",
         description="Spark -> millpond on S3 -> consumer -> database, then GC and a report.",
     )
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows to generate")

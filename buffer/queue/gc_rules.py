@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import NotFoundError
-from millpond.manifest_format import Manifest
-from millpond.queue import read_manifest
-from millpond.store import DeleteFailure, ObjectInfo, ObjectStore
-from millpond.ulids import parse_batch_name, ulid_time_ms
+from millpond.formats.manifest import Manifest
+from millpond.queue.cas import read_manifest
+from millpond.storage.store import DeleteFailure, ObjectInfo, ObjectStore
 
 __all__ = ["GcPlan", "GcReport", "KeepReason", "collect_once", "plan_collection"]
 

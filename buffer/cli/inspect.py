@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from millpond.cli_common import add_store_arguments, emit, open_store_from_args
-from millpond.clock import SystemClock
+from millpond.cli.common import add_store_arguments, emit, open_store_from_args
+from millpond.common.clock import SystemClock
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.queue import read_manifest
-from millpond.store import ObjectStore
-from millpond.ulids import parse_batch_name, ulid_time_ms
+from millpond.storage.store import ObjectStore
 
 __all__ = ["add_arguments", "describe", "run"]
 

@@ -17,7 +17,7 @@ import mmap
 from dataclasses import dataclass, field
 
 from millpond.errors import FormatError
-from millpond.wal_format import (
+from millpond.formats.wal import (
     FILE_HEADER_SIZE,
     BindBody,
     DropBody,

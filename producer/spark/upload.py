@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
 
-from millpond.arrow import encode_ipc
-from millpond.batch_format import CompressionType, encode_batch
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -32,10 +32,10 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import Metadata, PendingEntry
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore
-from millpond.ulids import UlidMinter, batch_location
+from millpond.formats.arrow import encode_ipc
+from millpond.formats.batch import CompressionType, encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.storage.store import ObjectStore
 
 __all__ = ["BatchUploader", "TaskCommitMessage", "UploadStats", "UploadedBatch", "put_new_object"]
 

@@ -2,7 +2,7 @@
 
 :func:`scan_directory` reads the released sidecar (a damaged one means "scan everything"),
 deletes files the sidecar says are wholly released, scans every other file with
-:func:`millpond.wal_scan.scan_file`, cuts a torn tail of the newest file back to its last whole
+:func:`millpond.wal.scan.scan_file`, cuts a torn tail of the newest file back to its last whole
 record, and collects mid-file corruption. :class:`~millpond.wal.Wal` then copies what damaged
 files still hold into a fresh file and moves them into ``quarantine/`` (:func:`quarantine`).
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from millpond.errors import FormatError
-from millpond.wal_format import (
+from millpond.formats.wal import (
     FILE_HEADER_SIZE,
     BindBody,
     DropBody,
@@ -31,7 +31,7 @@ from millpond.wal_format import (
     Sidecar,
     decode_sidecar,
 )
-from millpond.wal_scan import BadRegion, ScannedRecord, scan_file
+from millpond.wal.scan import BadRegion, ScannedRecord, scan_file
 
 __all__ = [
     "QUARANTINE_DIR",

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from millpond.errors import ConfigError
-from millpond.store import ObjectStore, open_store
+from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["add_store_arguments", "emit", "open_store_from_args", "parse_options"]
 

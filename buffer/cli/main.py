@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from millpond.errors import FencedError, MillpondError
 
-__all__ = ["EXIT_ERROR", "EXIT_FENCED", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_FENCED", "EXIT_USAGE", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ EXIT_USAGE = 2
 EXIT_FENCED = 3
 
 _COMMANDS = {
-    "inspect": ("millpond.inspect", "show the queue manifest's footer and oldest entry"),
+    "inspect": ("millpond.cli.inspect", "show the queue manifest's footer and oldest entry"),
     "status": ("millpond.consumer.status", "queue length, bytes, oldest entry age, lag"),
     "consume": ("millpond.consumer.service", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
 from millpond.errors import ConfigError
 
 __all__ = ["Backoff", "RetryPolicy"]

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any
 
-from millpond.clock import Clock, SystemClock
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -47,7 +49,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.manifest_format import (
+from millpond.formats.manifest import (
     Footer,
     Metadata,
     PendingEntry,
@@ -56,11 +58,9 @@ from millpond.manifest_format import (
     empty_manifest,
     find_locations,
 )
-from millpond.producer.spark_upload import TaskCommitMessage, UploadStats
+from millpond.producer.spark.upload import TaskCommitMessage, UploadStats
 from millpond.queue import QueueProducer
-from millpond.retry import RetryPolicy
-from millpond.store import ObjectStore
-from millpond.ulids import parse_batch_name, ulid_time_ms
+from millpond.storage.store import ObjectStore
 
 __all__ = [
     "JobReceipt",

@@ -1,0 +1,30 @@
+"""Object storage: the :class:`ObjectStore` interface millpond needs and its implementations.
+
+* :mod:`millpond.storage.store` — the interface, :class:`ForwardingStore` for wrappers, and
+  :func:`open_store` (a store from a URL);
+* :mod:`millpond.storage.obstore_store` — S3 and memory through obstore, the only module that
+  imports obstore;
+* :mod:`millpond.storage.file_store` — a local directory with a compare-and-swap of its own.
+"""
+
+from __future__ import annotations
+
+from millpond.storage.store import (
+    DeleteFailure,
+    ForwardingStore,
+    GetResult,
+    ObjectInfo,
+    ObjectStore,
+    open_store,
+    s3_options_from_env,
+)
+
+__all__ = [
+    "DeleteFailure",
+    "ForwardingStore",
+    "GetResult",
+    "ObjectInfo",
+    "ObjectStore",
+    "open_store",
+    "s3_options_from_env",
+]
