@@ -60,7 +60,23 @@ class StorageError(MillpondError):
 
 
 class CommitStateUnknownError(StorageError):
-    """A write failed in a way that leaves unknown whether it landed (for example a timeout)."""
+    """A write failed in a way that leaves unknown whether it landed (for example a timeout).
+
+    A queue append that gives up this way says what it does know: ``sequences`` has, per entry,
+    the sequence of an entry known to be in the queue (``None`` where unknown), and
+    ``maybe_landed_from`` is the lowest sequence an attempt could have landed at.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sequences: tuple[int | None, ...] | None = None,
+        maybe_landed_from: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.sequences = sequences
+        self.maybe_landed_from = maybe_landed_from
 
 
 class NotFoundError(MillpondError, FileNotFoundError):

@@ -13,7 +13,7 @@ import threading
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.errors import MillpondError
+from millpond.errors import ConfigError, MillpondError
 from millpond.formats.manifest import Manifest
 from millpond.queue.gc_rules import collect_once
 from millpond.storage.store import ObjectStore
@@ -45,7 +45,7 @@ class BackgroundCollector:
         self._manifest_path = manifest_path
         self._prefix = data_path_prefix
         self._interval = interval
-        self._grace_ms = round(grace_period * 1000)
+        self._grace = grace_period
         self._clock = clock
         self._epoch = epoch
         self._stop = threading.Event()
@@ -80,8 +80,8 @@ class BackgroundCollector:
                     self._store,
                     manifest_path=self._manifest_path,
                     data_path_prefix=self._prefix,
-                    now_ms=self._clock.now_ms(),
-                    grace_period_ms=self._grace_ms,
+                    clock=self._clock,
+                    grace_period=self._grace,
                     check_manifest=self._check_epoch,
                 )
             except _EpochMovedError as moved:
@@ -90,6 +90,12 @@ class BackgroundCollector:
                     moved.args[0],
                     self._epoch,
                 )
+                return
+            except ConfigError as err:
+                # Permanent: the consumer checked the claim at start, so only a claim changed
+                # since gets here. Retrying would fail the same way forever.
+                self.counters.add("gc_errors")
+                logger.error("gc stops: %s", err)  # noqa: TRY400 - the message is the point
                 return
             except MillpondError as err:
                 self.counters.add("gc_errors")

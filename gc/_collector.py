@@ -107,6 +107,8 @@ class GarbageCollector:
             deletes that failed.
 
         Raises:
+            ConfigError: the queue's claim names another manifest (two queues on one data
+                prefix) or a longer grace period (nothing deleted).
             FormatError: the manifest is corrupt (nothing deleted).
             StorageError: listing or reading the manifest failed (nothing deleted).
         """
@@ -116,8 +118,8 @@ class GarbageCollector:
                 self._store,
                 manifest_path=config.manifest_path,
                 data_path_prefix=config.data_path_prefix,
-                now_ms=self._clock.now_ms(),
-                grace_period_ms=round(config.gc_grace_period * 1000),
+                clock=self._clock,
+                grace_period=config.gc_grace_period,
                 dry_run=config.dry_run,
             )
         except MillpondError:
@@ -145,16 +147,23 @@ class GarbageCollector:
     ) -> None:
         """Run a pass now and then every ``gc_interval`` seconds until ``stop`` is set.
 
-        A failed pass is logged and retried at the next interval; it never ends the loop.
+        A pass that failed on the store or the data is logged and retried at the next
+        interval; a configuration the queue refuses (``ConfigError``) is permanent and ends the
+        loop by raising.
 
         Args:
             stop: ends the loop when set (default: the collector's own, set by ``close()``).
             on_report: called with each pass's report.
+
+        Raises:
+            ConfigError: the queue refuses this collector (see :meth:`run_once`).
         """
         stop = stop or self._stop
         while not stop.is_set() and not self._stop.is_set():
             try:
                 report = self.run_once()
+            except ConfigError:
+                raise
             except MillpondError as err:
                 logger.warning(
                     "gc pass failed, retrying in %.0f s: %s", self._config.gc_interval, err

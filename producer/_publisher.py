@@ -1,4 +1,4 @@
-"""Publishing staged data: seal batches, upload them, append them to the manifest, release.
+"""Publishing staged data: seal batches and upload them (the committer appends them).
 
 Three kinds of thread share :class:`~millpond.producer._state.State`:
 
@@ -8,24 +8,15 @@ Three kinds of thread share :class:`~millpond.producer._state.State`:
 * **uploaders** (``millpond-upload-N``, ``upload_concurrency`` of them) encode a v1 batch, make
   sure the BIND record is durable (``fdatasync``, usually already done by a data sync), and
   PUT the batch create-if-absent, retrying until it lands (an "already exists" is our own
-  earlier attempt: the ULID is ours);
-* the **committer** (``millpond-committer``) appends every uploaded batch at the head of the
-  line in one CAS (group commit), settles their handles, and releases their WAL region.
+  earlier attempt: the ULID is ours) — or, for a batch that must be written again to refresh
+  its last-modified time, PUT it unconditionally under the same name;
+* the **committer** (``millpond-committer``, :mod:`millpond.producer._committer`) appends every
+  uploaded batch at the head of the line in one CAS (group commit), settles their handles, and
+  releases their WAL region.
 
-Crash-replay idempotency. Because the BIND record is durable before the PUT, a restarted
-producer knows each batch's location. It looks for that location in the manifest before doing
-anything else: found means the crash fell between the manifest append and the WAL release, and
-the batch is only released; not found means it is uploaded again to the *same* location (the
-object, if it landed, holds the same bytes) and appended. The same look happens after any
-append that failed ambiguously. One window remains: the append landed, and before the
-restarted producer read the manifest the consumer had already dequeued the entry. The
-producer cannot see it and appends the location a second time; the consumer's sink records
-each batch location with its rows and skips a location it has already written, so the batch
-reaches the database once.
-
-A batch whose ULID is older than ``remint_after`` and is still not in the manifest gets a
-fresh ULID (a new BIND, a new upload): garbage collection deletes unreferenced batches older
-than its grace period, and must never take one that is about to be enqueued.
+A batch keeps the location its BIND record gave it for good: the sink recognises an already
+written batch by its location. :mod:`millpond.producer._committer` explains how crashes, an
+ambiguous append and a long wait are recovered without ever changing it.
 """
 
 from __future__ import annotations
@@ -36,22 +27,20 @@ from millpond.common.clock import Clock
 from millpond.common.retry import Backoff
 from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 from millpond.errors import (
-    BackpressureError,
     ConflictError,
     FormatError,
     NotFoundError,
     StorageError,
 )
 from millpond.formats.batch import encode_batch
-from millpond.formats.manifest import empty_manifest, find_locations
 from millpond.formats.wal import BindBody
+from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, Staged, State
 from millpond.producer.config import ProducerConfig
-from millpond.queue import QueueProducer
 from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
 
-__all__ = ["Committer", "Sealer", "Uploader"]
+__all__ = ["Sealer", "Uploader", "fail_fatal", "named_at", "pause"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +48,8 @@ _MAX_GROUP = 256  # batches per manifest append
 
 
 class _Binder:
-    """Mints a ULID and writes the binding to the WAL (shared by sealer and committer).
-
-    The uploader makes it durable before the PUT.
-    """
+    """Mints a ULID and writes the binding to the WAL. The uploader makes it durable before
+    the PUT."""
 
     def __init__(self, wal: Wal, config: ProducerConfig, minter: UlidMinter) -> None:
         self._wal = wal
@@ -89,7 +76,7 @@ def _encode(wal: Wal, config: ProducerConfig, records: list[Staged]) -> bytes:
     return payload
 
 
-def _fail_fatal(state: State, err: BaseException, who: str) -> None:
+def fail_fatal(state: State, err: BaseException, who: str) -> None:
     logger.error("%s failed; the producer stops (staged data stays in the WAL): %s", who, err)
     with state.cond:
         state.set_fatal(err)
@@ -137,7 +124,7 @@ class Sealer:
         except Interrupted:
             pass
         except BaseException as err:
-            _fail_fatal(self._state, err, "sealer")
+            fail_fatal(self._state, err, "sealer")
 
     def _next_batch(self) -> Batch | None:
         state = self._state
@@ -167,8 +154,8 @@ class Sealer:
             return None
         unsent = 0
         for batch in state.batches:
-            if batch.recovered and batch.state in (BatchState.UNCERTAIN, BatchState.REMINT):
-                return None  # replayed batches are minted and published first
+            if batch.recovered and batch.state is BatchState.UNCERTAIN:
+                return None  # replayed batches are resolved and published first
             if batch.state in (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING):
                 unsent += 1
         if unsent >= self._max_inflight:
@@ -188,13 +175,20 @@ class Uploader:
     """The body of one ``millpond-upload-N`` thread."""
 
     def __init__(
-        self, state: State, wal: Wal, config: ProducerConfig, store: ObjectStore, clock: Clock
+        self,
+        state: State,
+        wal: Wal,
+        config: ProducerConfig,
+        store: ObjectStore,
+        clock: Clock,
+        session: QueueSession,
     ) -> None:
         self._state = state
         self._wal = wal
         self._config = config
         self._store = store
         self._clock = clock
+        self._session = session
 
     def run(self) -> None:
         state = self._state
@@ -210,6 +204,12 @@ class Uploader:
                     location = batch.location
                     records = list(batch.records)
                     payload = batch.payload
+                    overwrite = batch.overwrite
+                    complete = batch.complete
+                if overwrite and not complete:
+                    # Some records this BIND counted were lost with a damaged WAL file: an
+                    # object that landed before holds them all, and is written back as it is.
+                    payload = self._existing(batch, location)
                 if payload is None:  # replayed, or dropped and re-queued: encode now
                     try:
                         payload = _encode(self._wal, self._config, records)
@@ -221,12 +221,20 @@ class Uploader:
                     # The BIND record must be durable before the PUT: a replay has to find the
                     # same location. Usually a data sync has covered it already (a no-op).
                     self._wal.sync()
-                if not self._put(batch, location, payload):
+                times = self._put(batch, location, payload, overwrite=overwrite)
+                if times is None:
                     continue
+                uploaded_at, landed_at = times
                 with state.cond:
-                    if batch.dropped or batch.location != location:
+                    if batch.dropped:
                         continue
-                    batch.uploaded = True
+                    batch.uploaded_at = uploaded_at
+                    if overwrite:
+                        # A collector that listed the old copy may still delete this one until
+                        # its delete window has passed: appending before then could leave the
+                        # entry pointing at nothing.
+                        batch.overwrite = False
+                        batch.settle_until = landed_at + self._session.delete_window
                     batch.state = BatchState.UPLOADED
                     batch.payload = None
                     for record in records:
@@ -236,29 +244,66 @@ class Uploader:
         except Interrupted:
             pass
         except BaseException as err:
-            _fail_fatal(state, err, "uploader")
+            fail_fatal(state, err, "uploader")
 
-    def _put(self, batch: Batch, location: str, payload: bytes) -> bool:
-        """PUT until it lands; False when the batch was dropped meanwhile."""
+    def _put(
+        self, batch: Batch, location: str, payload: bytes, *, overwrite: bool
+    ) -> tuple[float, float] | None:
+        """PUT until it lands; ``(uploaded_at, landed_at)``, or None when dropped meanwhile.
+
+        ``uploaded_at`` is no later than the object's last-modified time: the start of this
+        round, or, when the object was already there, no later than the batch was named.
+        """
         state = self._state
-        backoff = self._config.retry.start(self._clock)
+        clock = self._clock
+        backoff = self._config.retry.start(clock)
+        started = clock.monotonic()
+        existed = False
         while True:
             if batch.dropped:
-                return False
+                return None
             try:
-                self._store.put_if_absent(location, payload)
+                if overwrite:
+                    self._store.put(location, payload)
+                else:
+                    self._store.put_if_absent(location, payload)
             except ConflictError:
-                pass  # our own earlier attempt (or a replay's): the ULID is ours
+                existed = True  # our own earlier attempt (or a replay's): the ULID is ours
             except StorageError as err:
                 state.counters.add("put_retries")
-                backoff = _pause(backoff, self._config, self._clock, f"PUT {location}", err)
+                backoff = pause(backoff, self._config, clock, f"PUT {location}", err)
                 continue
             state.counters.add("uploads")
             state.counters.add("bytes_uploaded", len(payload))
-            return True
+            uploaded_at = min(started, named_at(batch, clock)) if existed else started
+            return uploaded_at, clock.monotonic()
+
+    def _existing(self, batch: Batch, location: str) -> bytes | None:
+        """The object's bytes if it is there (read with retries), else ``None``."""
+        backoff = self._config.retry.start(self._clock)
+        while not batch.dropped:
+            try:
+                return self._store.get(location).data
+            except NotFoundError:
+                return None
+            except StorageError as err:
+                backoff = pause(backoff, self._config, self._clock, f"GET {location}", err)
+        return None
 
 
-def _pause(
+def named_at(batch: Batch, clock: Clock) -> float:
+    """When the batch was named, on the monotonic clock, from the wall time in its ULID.
+
+    A wall clock that stands before the name (it was stepped back) gives minus infinity: the
+    batch is then treated as old, which only costs a re-upload.
+    """
+    age_ms = clock.now_ms() - batch.minted_ms
+    if age_ms < 0:
+        return float("-inf")
+    return clock.monotonic() - age_ms / 1000
+
+
+def pause(
     backoff: Backoff, config: ProducerConfig, clock: Clock, what: str, err: Exception
 ) -> Backoff:
     """Back off before the next attempt; after a spent round, log and start another."""
@@ -274,275 +319,3 @@ def _pause(
     fresh = config.retry.start(clock)
     fresh.sleep()
     return fresh
-
-
-def _landed_sequences(batches: list[Batch], found: dict[str, int]) -> dict[Batch, int]:
-    """Sequences of batches whose ambiguous append landed, inferred from its other batches."""
-    landed: dict[Batch, int] = {}
-    for batch in batches:
-        group = batch.append_group
-        if group is None or batch.location in found:
-            continue
-        for index, other in enumerate(group):
-            if other.location in found:
-                landed[batch] = found[other.location] - index + group.index(batch)
-                break
-    return landed
-
-
-class Committer:
-    """The body of the ``millpond-committer`` thread."""
-
-    def __init__(
-        self,
-        state: State,
-        wal: Wal,
-        config: ProducerConfig,
-        store: ObjectStore,
-        queue: QueueProducer,
-        binder: _Binder,
-        clock: Clock,
-    ) -> None:
-        self._state = state
-        self._wal = wal
-        self._config = config
-        self._store = store
-        self._queue = queue
-        self._binder = binder
-        self._clock = clock
-        self._backoff: Backoff | None = None
-        self._last_append = float("-inf")
-
-    def run(self) -> None:
-        try:
-            while True:
-                work = self._next_work()
-                if work is None:
-                    return
-                kind, batches = work
-                if kind == "verify":
-                    self._verify(batches)
-                elif kind == "remint":
-                    self._remint(batches[0])
-                else:
-                    self._append(batches)
-        except Interrupted:
-            pass
-        except BaseException as err:
-            _fail_fatal(self._state, err, "committer")
-
-    def _next_work(self) -> tuple[str, list[Batch]] | None:
-        state = self._state
-        with state.cond:
-            while True:
-                if state.stop.is_set() or state.fatal is not None:
-                    return None
-                for batch in state.batches:
-                    if batch.state is BatchState.REMINT:
-                        return "remint", [batch]
-                if state.batches:
-                    head = state.batches[0]
-                    if head.state is BatchState.UNCERTAIN:
-                        group = []
-                        for batch in state.batches:
-                            if batch.state is not BatchState.UNCERTAIN:
-                                break
-                            group.append(batch)
-                        return "verify", group + state.unsettled
-                    if head.state is BatchState.UPLOADED:
-                        linger = self._linger(head)
-                        if linger > 0:
-                            # More uploads may land meanwhile and share this append's CAS.
-                            state.committer_wake.wait(linger)
-                            continue
-                        return self._append_group()
-                if state.unsettled:
-                    return "verify", list(state.unsettled)
-                state.committer_wake.wait()
-
-    def _linger(self, head: Batch) -> float:
-        """Seconds to hold an uploaded batch back for ``commit_interval`` (0: append now)."""
-        interval = self._config.commit_interval
-        state = self._state
-        if interval <= 0 or state.closing:
-            return 0.0
-        if head.records[0].ordinal <= state.flush_target:
-            # flush() does not wait out the interval, but appends what it flushes in as few
-            # CAS as the uploads allow: it cannot finish before its last upload anyway.
-            return interval if self._flush_uploads_pending() else 0.0
-        return self._last_append + interval - self._clock.monotonic()
-
-    def _flush_uploads_pending(self) -> bool:
-        in_flight = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
-        target = self._state.flush_target
-        return any(
-            batch.state in in_flight and batch.records[0].ordinal <= target
-            for batch in self._state.batches
-        )
-
-    def _append_group(self) -> tuple[str, list[Batch]]:
-        group: list[Batch] = []
-        for batch in self._state.batches:
-            if batch.state is not BatchState.UPLOADED or len(group) == _MAX_GROUP:
-                break
-            if self._stale(batch):
-                if not group:
-                    batch.state = BatchState.REMINT
-                    return "remint", [batch]
-                break
-            group.append(batch)
-        for batch in group:
-            batch.state = BatchState.APPENDING
-        return "append", group
-
-    def _stale(self, batch: Batch) -> bool:
-        age_ms = int(self._state.clock.now_ms()) - batch.minted_ms
-        return bool(age_ms > self._config.remint_after * 1000)
-
-    # -- the three kinds of work ----------------------------------------------------------
-
-    def _append(self, group: list[Batch]) -> None:
-        self._last_append = self._clock.monotonic()
-        state = self._state
-        try:
-            sequences = self._queue.append([batch.pending_entry() for batch in group])
-        except (StorageError, Interrupted) as err:
-            with state.cond:
-                for batch in group:
-                    batch.state = BatchState.UNCERTAIN
-                    batch.append_group = group
-                state.space.notify_all()  # drop_oldest may now drop them
-            if isinstance(err, Interrupted):
-                raise
-            logger.warning(
-                "manifest append of %s batches failed (%s); checking the manifest before retrying",
-                len(group),
-                err,
-            )
-            self._pause("manifest append", err)
-            return
-        self._backoff = None
-        with state.cond:
-            state.counters.add("manifest_appends")
-            for batch, sequence in zip(group, sequences, strict=True):
-                state.batches.remove(batch)
-                self._settle_committed(batch, sequence, batch.location)
-        self._release()
-
-    def _verify(self, batches: list[Batch]) -> None:
-        state = self._state
-        locations = {location for batch in batches for location in batch.locations}
-        try:
-            try:
-                raw = self._store.get(self._config.manifest_path).data
-            except NotFoundError:
-                raw = empty_manifest()
-            state.counters.add("manifest_reads")
-            found = find_locations(raw, locations)
-        except StorageError as err:
-            self._pause("manifest read", err)
-            return
-        self._backoff = None
-        with state.cond:
-            landed = _landed_sequences(batches, found)
-            for batch in batches:
-                hit = next((loc for loc in reversed(batch.locations) if loc in found), None)
-                if hit is None and batch in landed:
-                    # Another batch of the same append is in the manifest: this one landed
-                    # too, and the consumer has already dequeued it.
-                    self._settle_dequeued(batch, landed[batch])
-                elif hit is not None:
-                    if batch.dropped:
-                        state.unsettled.remove(batch)
-                        logger.info("dropped batch %s had landed after all", hit)
-                    else:
-                        state.batches.remove(batch)
-                    self._settle_committed(batch, found[hit], hit)
-                    batch.append_group = None
-                elif batch.dropped:
-                    state.unsettled.remove(batch)
-                    self._count_unsettled_drop(batch)
-                elif batch.uploaded and not self._stale(batch):
-                    batch.state = BatchState.UPLOADED
-                elif batch.reusable and not self._stale(batch):
-                    batch.state = BatchState.SEALED
-                    if batch is state.batches[0]:
-                        state.upload_queue.appendleft(batch)
-                    else:
-                        state.upload_queue.append(batch)
-                else:
-                    batch.state = BatchState.REMINT
-            state.upload_wake.notify_all()
-            state.sealer_wake.notify_all()  # replayed batches resolved: new ones may follow
-        self._release()
-
-    def _remint(self, batch: Batch) -> None:
-        state = self._state
-        old = batch.location
-        location, minted_ms = self._binder.bind(batch)
-        with state.cond:
-            if batch.dropped:
-                return
-            if old:
-                batch.prior_locations.append(old)
-            batch.location = location
-            batch.minted_ms = minted_ms
-            batch.uploaded = False
-            batch.reusable = True
-            batch.state = BatchState.SEALED
-            if state.batches and batch is state.batches[0]:
-                state.upload_queue.appendleft(batch)
-            else:
-                state.upload_queue.append(batch)
-            state.counters.add("batches_reminted")
-            state.upload_wake.notify_all()
-        logger.info("batch %s re-minted as %s", old or "(replayed)", location)
-
-    # -- helpers --------------------------------------------------------------------------
-
-    def _settle_committed(self, batch: Batch, sequence: int, location: str) -> None:
-        state = self._state
-        state.counters.add("batches_committed")
-        state.counters.add("entries_committed", batch.entry_count)
-        state.settle_durable(batch, sequence, location)
-
-    def _settle_dequeued(self, batch: Batch, sequence: int) -> None:
-        state = self._state
-        if batch.dropped:
-            state.unsettled.remove(batch)
-        else:
-            state.batches.remove(batch)
-        batch.append_group = None
-        self._settle_committed(batch, sequence, batch.location)
-
-    def _count_unsettled_drop(self, batch: Batch) -> None:
-        state = self._state
-        entries = batch.entry_count
-        state.counters.add("batches_dropped")
-        state.counters.add("records_dropped", len(batch.records))
-        state.counters.add("entries_dropped", entries)
-        logger.warning(
-            "drop_oldest: batch %s (%s entries) was dropped and is not in the manifest",
-            batch.location,
-            entries,
-        )
-        state.settle_failed(
-            batch.records,
-            BackpressureError(
-                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
-                "before these entries were published"
-            ),
-        )
-
-    def _release(self) -> None:
-        state = self._state
-        with state.cond:
-            watermark = state.watermark(self._wal.next_seq)
-        self._wal.release(watermark)
-        with state.cond:
-            state.space.notify_all()  # the WAL writer may be waiting for space
-
-    def _pause(self, what: str, err: Exception) -> None:
-        if self._backoff is None:
-            self._backoff = self._config.retry.start(self._clock)
-        self._backoff = _pause(self._backoff, self._config, self._clock, what, err)

@@ -52,7 +52,7 @@ COUNTER_NAMES = (
     "cas_conflicts",
     "batches_committed",
     "entries_committed",
-    "batches_reminted",
+    "batches_refreshed",
     "batches_dropped",
     "entries_dropped",
     "records_dropped",
@@ -139,33 +139,47 @@ class BatchState(enum.Enum):
     """Inside a manifest append."""
     UNCERTAIN = "uncertain"
     """An append failed ambiguously (or the batch was replayed): look in the manifest first."""
-    REMINT = "remint"
-    """Not in the manifest and its ULID is too old (or its object cannot be trusted): it needs
-    a fresh ULID and a new upload."""
 
 
 @dataclass(slots=True, eq=False)
 class Batch:
-    """A group of staged records published as one object and one manifest entry."""
+    """A group of staged records published as one object and one manifest entry.
+
+    A batch keeps its location for good once it is bound: the sink recognises a batch it has
+    already written by its location, so a recovery path that gave the same records a new one
+    could write them twice. An object that may be old enough for GC is written again under
+    the same name instead (``overwrite``).
+    """
 
     records: list[Staged]
     location: str = ""
     minted_ms: int = 0
+    """Wall-clock milliseconds in the location's ULID: when the batch was named."""
     state: BatchState = BatchState.BINDING
     prior_locations: list[str] = field(default_factory=list)
-    uploaded: bool = False
-    """Whether the object at ``location`` is known to be written."""
-    reusable: bool = True
-    """Whether ``location`` may be written again (a replayed batch whose records all
-    survived); otherwise a replayed batch gets a fresh ULID."""
+    """Locations of earlier bindings of the same records (WALs of older versions re-minted)."""
+    uploaded_at: float | None = None
+    """Monotonic seconds; no later than the object's last write landed (its last-modified
+    time). ``None`` until this process has written it (or found it written)."""
+    overwrite: bool = False
+    """The next upload writes the object again, unconditionally, to refresh its last-modified
+    time (same name, same records)."""
+    settle_until: float | None = None
+    """After an overwrite: not appended before this monotonic time (the collectors' delete
+    window), and only once a HEAD has found the object."""
+    complete: bool = True
+    """Whether every record its BIND counted survived (a replayed batch may have lost some to
+    WAL corruption: then an existing object, which holds them all, is kept as it is)."""
     dropped: bool = False
     payload: bytes | None = None
     """The encoded batch, from sealing until it is uploaded."""
     recovered: bool = False
     """Replayed from the WAL on start."""
     append_group: list[Batch] | None = None
-    """The batches of the last (ambiguous) manifest append this batch was part of: one CAS
-    writes all of them or none, so finding any of them in the manifest settles them all."""
+    """The batches of the last (ambiguous) manifest append this batch was part of, in order:
+    resolved together (:mod:`millpond.queue.landed`)."""
+    append_from: int = 0
+    """The lowest sequence that ambiguous append could have landed at (0: unknown)."""
 
     @property
     def first_seq(self) -> int:

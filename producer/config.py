@@ -97,10 +97,13 @@ class ProducerConfig:
     so that more uploaded batches share one compare-and-swap: fewer object-store requests per
     GiB, more latency. ``flush()`` and ``close()`` do not wait for it. Default 0 (append as soon
     as a batch is uploaded)."""
-    remint_after: float = 300.0
-    """Seconds; a batch still not in the manifest this long after its ULID was minted is
-    uploaded again under a fresh ULID, so GC (grace period: 10 min by the RFC) can never delete
-    a batch about to be enqueued. Default 300."""
+    reupload_after: float | None = None
+    """Seconds; a batch still not in the manifest this long after its object was last written
+    is written again under the same name (so its last-modified time is fresh) and appended
+    only after the collectors' delete window has passed: garbage collection can never take a
+    batch about to be appended, and the batch keeps the location the sink may already have
+    recorded. At most half the queue's GC grace period (checked at start against the queue's
+    claim). Default: half the queue's grace period (300 s for the RFC's 10 minutes)."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
@@ -143,7 +146,8 @@ class ProducerConfig:
         _check_int("upload_concurrency", self.upload_concurrency, 1)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError("retry", f"expected a RetryPolicy, found {type(self.retry).__name__}")
-        _check_positive_float("remint_after", self.remint_after)
+        if self.reupload_after is not None:
+            _check_positive_float("reupload_after", self.reupload_after)
         interval = self.commit_interval
         if not (isinstance(interval, (int, float)) and 0 <= interval < 3600):
             raise ConfigError(
@@ -296,7 +300,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "wal_rotate_bytes": parse_size,
     "size_cap_policy": _parse_lower,
     "upload_concurrency": _parse_int,
-    "remint_after": parse_duration,
+    "reupload_after": parse_duration,
     "commit_interval": parse_duration,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {

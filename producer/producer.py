@@ -27,8 +27,10 @@ from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
 from millpond.errors import BackpressureError, ClosedError, InvalidInputError
 from millpond.formats.batch import MAX_RECORD_BYTES
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
-from millpond.producer._publisher import Committer, Sealer, Uploader, _Binder
+from millpond.producer._committer import Committer
+from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
+from millpond.producer._session import QueueSession
 from millpond.producer._stager import WalWriter
 from millpond.producer._state import (
     Batch,
@@ -66,9 +68,15 @@ class Producer:
     def __init__(self, config: ProducerConfig) -> None:
         """Open the store and the WAL, replay the WAL, and start the background threads.
 
+        When the store answers, the queue's claim and the store's clock are checked here; when
+        it does not, before the first append (staging goes on meanwhile).
+
         Raises:
-            ConfigError: a bad setting, or ``wal_dir`` is held by another live producer.
-            FormatError: the WAL was written by another millpond version.
+            ConfigError: a bad setting, ``wal_dir`` is held by another live producer, or the
+                queue refuses this producer (another queue's data prefix, a ``reupload_after``
+                its GC grace period cannot cover, a clock too far from the store's).
+            FormatError: the WAL was written by another millpond version, or the queue's
+                claim object is corrupt.
             StorageError: the WAL directory cannot be used.
         """
         if not isinstance(config, ProducerConfig):
@@ -88,7 +96,9 @@ class Producer:
         self._handle_lock = threading.Lock()  # shared by this producer's handles
         self._close_lock = threading.Lock()
         self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
+        self._session = QueueSession(self._store, config, self._clock)
         try:
+            self._session.try_open()
             self._replay()
         except BaseException:
             self._wal.close()
@@ -102,17 +112,17 @@ class Producer:
         )
         binder = _Binder(self._wal, config, UlidMinter(config.clock))
         writer = WalWriter(state, self._wal, config)
+        committer = Committer(
+            state, self._wal, config, self._store, queue, self._session, self._clock
+        )
         bodies: list[tuple[str, Any]] = [
             ("millpond-wal-writer", writer.run),
             ("millpond-wal-syncer", writer.run_syncer),
             ("millpond-sealer", Sealer(state, self._wal, config, binder).run),
-            (
-                "millpond-committer",
-                Committer(state, self._wal, config, self._store, queue, binder, self._clock).run,
-            ),
+            ("millpond-committer", committer.run),
         ]
         for i in range(config.upload_concurrency):
-            uploader = Uploader(state, self._wal, config, self._store, self._clock)
+            uploader = Uploader(state, self._wal, config, self._store, self._clock, self._session)
             bodies.append((f"millpond-upload-{i}", uploader.run))
         self._threads = [
             threading.Thread(target=run, name=name, daemon=True) for name, run in bodies
@@ -164,7 +174,7 @@ class Producer:
                         minted_ms=ulid_time_ms(ulid) if ulid else 0,
                         state=BatchState.UNCERTAIN,
                         prior_locations=list(bound.prior_locations),
-                        reusable=bound.complete,
+                        complete=bound.complete,
                         recovered=True,
                     )
                 )

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.localstack import S3Endpoint
+from millpond.storage.store import ForwardingStore, ObjectInfo, ObjectStore
 
-__all__ = ["ManualClock", "StoreTarget", "unique_root"]
+__all__ = ["ManualClock", "StoreTarget", "TestClockStore", "unique_root"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,3 +84,67 @@ class ManualClock:
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
+
+
+class TestClockStore(ForwardingStore):
+    """A real store that reports last-modified times on a test's clock.
+
+    Garbage collection compares an object's last-modified time with the store's clock, which a
+    test that moves a ``ManualClock`` cannot move. Through this wrapper, a write stamps the
+    object with ``clock.now_ms()``; an object written around it reports the time its ULID name
+    carries (a producer whose clock agrees with the store's), and anything else the real time.
+    Only the times are the test's; every byte goes to the real store.
+    """
+
+    __test__ = False  # not a test class, despite the name
+
+    def __init__(self, inner: ObjectStore, clock: Any) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self._stamps: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _stamp(self, path: str) -> None:
+        with self._lock:
+            self._stamps[path] = int(self.clock.now_ms())
+
+    def backdate(self, path: str, seconds: float) -> None:
+        """Make ``path`` look last written ``seconds`` before now."""
+        with self._lock:
+            self._stamps[path] = int(self.clock.now_ms()) - round(seconds * 1000)
+
+    def written_before(self, seconds: float) -> datetime:
+        """The moment ``seconds`` before now, on this store's clock."""
+        return datetime.fromtimestamp((self.clock.now_ms() - seconds * 1000) / 1000, tz=UTC)
+
+    def _time(self, info: ObjectInfo) -> ObjectInfo:
+        with self._lock:
+            stamp = self._stamps.get(info.path)
+        if stamp is None:
+            ulid = parse_batch_name(info.path.rpartition("/")[2])
+            if ulid is None:
+                return info
+            stamp = ulid_time_ms(ulid)
+        moment = datetime.fromtimestamp(stamp / 1000, tz=UTC)
+        return ObjectInfo(info.path, info.size, moment, info.etag)
+
+    def put(self, path: str, data: bytes) -> str | None:
+        etag = self.inner.put(path, data)
+        self._stamp(path)
+        return etag
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        etag = self.inner.put_if_absent(path, data)
+        self._stamp(path)
+        return etag
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        new = self.inner.put_if_match(path, data, etag)
+        self._stamp(path)
+        return new
+
+    def head(self, path: str) -> ObjectInfo:
+        return self._time(self.inner.head(path))
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
+        return [self._time(info) for info in self.inner.list(prefix, recursive=recursive)]

@@ -33,6 +33,7 @@ __all__ = [
     "empty_manifest",
     "encode_entry",
     "find_locations",
+    "first_sequence",
     "remove_through",
     "with_epoch",
 ]
@@ -273,6 +274,23 @@ def find_locations(raw: bytes, locations: set[str], *, from_sequence: int = 0) -
         if location in locations:
             found[location] = sequence
     return found
+
+
+def first_sequence(
+    raw: bytes | memoryview, footer: Footer | None = None, *, name: str = "manifest"
+) -> int:
+    """The lowest sequence still in the queue: the first entry's, or ``next_sequence`` when the
+    queue is empty. Every sequence below it has been dequeued. Reads one entry header only.
+
+    Raises:
+        FormatError: the footer or the first entry's framing is invalid.
+    """
+    footer = footer if footer is not None else decode_footer(raw, name=name)
+    if footer.entry_count == 0:
+        return footer.next_sequence
+    for _start, _end, sequence in _entry_spans(raw, footer, name=name):
+        return sequence
+    return footer.next_sequence
 
 
 def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manifest:

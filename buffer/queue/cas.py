@@ -8,11 +8,11 @@ every read and dequeue, so an older consumer gets ``FencedError``.
 
 Ambiguous writes. A write that failed on the wire, or a precondition failure on a request
 obstore retried, may mean our own write landed. Before appending again, the producer looks for
-its locations among the entries at or after the sequence it tried to write; only if they are
-absent does it append. One window remains: if the write landed and the consumer dequeued those
-entries before the re-read, the producer cannot see them and appends them again. The consumer
-closes that window by recording each batch location with its rows and skipping a location it
-has already written.
+its locations among the entries at or after the sequence it tried to write
+(:mod:`millpond.queue.landed`): what is there, or provably dequeued, is settled; only the rest
+is appended. If the write landed and the consumer dequeued all of it before the re-read, the
+producer cannot tell and appends the same locations again; the sink, which records each batch
+location with its rows, skips a location it has already written.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from millpond.formats.manifest import (
     decode_footer,
     decode_manifest,
     empty_manifest,
-    find_locations,
     remove_through,
     with_epoch,
 )
+from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 
 __all__ = ["ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
@@ -147,82 +147,128 @@ class QueueProducer:
     def counters(self) -> Counters:
         return self._cas.counters
 
-    def append(self, entries: Sequence[PendingEntry]) -> range:
-        """Append ``entries`` in one CAS; returns the sequences they were given.
+    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]:
+        """Append ``entries`` in one CAS; returns the sequence each entry was given.
+
+        Returns only when every entry is provably in the queue (in the manifest, or already
+        dequeued by the consumer), in the order given. After a write whose outcome is unknown
+        it looks before writing again (:func:`~millpond.queue.landed.resolve_landing`): a group
+        that landed is not appended twice, and when only a prefix landed (an earlier, delayed
+        request of ours) only the rest is appended — so the sequences are contiguous except in
+        that case. A group that may have landed and been dequeued whole is appended again under
+        the same locations, which the sink recognises.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
             FormatError: the stored manifest is corrupt.
-            StorageError: the retry budget ran out; nothing or everything may have landed, and
-                a later ``append`` of the same entries checks which.
+            MillpondError: the manifest holds the group's locations in a way one append of
+                them cannot explain (something else wrote them).
+            CommitStateUnknownError: the retry budget ran out after a write that may have
+                landed: ``sequences`` holds what is known per entry, ``maybe_landed_from`` where
+                the rest may be. A caller that appends the same entries again (as the producer
+                does) gets them settled by the same look; one that gives up must not claim they
+                are absent.
+            StorageError: the retry budget ran out before any write could have landed.
         """
         if not entries:
             raise InvalidInputError("entries: expected at least one entry, found none")
-        locations = {entry.location for entry in entries}
-        if len(locations) != len(entries):
+        locations = [entry.location for entry in entries]
+        if len(set(locations)) != len(entries):
             raise InvalidInputError("entries: expected distinct locations, found duplicates")
         cas = self._cas
         backoff = cas.retry.start(cas.clock)
         current = self._cached
+        result: list[int | None] = [None] * len(entries)
+        todo = list(range(len(entries)))  # indices not yet known to be in the queue
         # Lowest sequence an attempt of ours could have landed at; set once a write may have.
         maybe_landed_from: int | None = None
         while True:
-            if current is None or maybe_landed_from is not None:
-                try:
-                    current = cas.read()
-                except StorageError as err:
-                    cas.backoff(backoff, "manifest read", err)
-                    continue
-                if maybe_landed_from is not None and current is not None:
-                    landed = self._landed(current, entries, maybe_landed_from)
-                    if landed is not None:
-                        self._cached = current
-                        return landed
-            base = current.data if current is not None else empty_manifest()
-            data, sequences = append_entries(base, entries)
-            attempt_from = sequences.start
             try:
-                etag = cas.write(current, data)
-            except (ConflictError, CommitStateUnknownError) as err:
-                # Either way our write may be in the manifest (a retried request can fail its
-                # precondition on our own landed write): look before appending again.
-                if maybe_landed_from is None or attempt_from < maybe_landed_from:
-                    maybe_landed_from = attempt_from
-                self._cached = None
-                cas.backoff(backoff, "manifest append", err)
-                continue
+                if current is None or maybe_landed_from is not None:
+                    try:
+                        current = cas.read()
+                    except StorageError as err:
+                        cas.backoff(backoff, "manifest read", err)
+                        continue
+                    if maybe_landed_from is not None and current is not None:
+                        todo = self._settle_landed(
+                            current, entries, todo, result, maybe_landed_from
+                        )
+                        maybe_landed_from = None
+                        if not todo:
+                            self._cached = current
+                            return tuple(_filled(result))
+                base = current.data if current is not None else empty_manifest()
+                data, sequences = append_entries(base, [entries[i] for i in todo])
+                try:
+                    etag = cas.write(current, data)
+                except (ConflictError, CommitStateUnknownError) as err:
+                    # Either way our write may be in the manifest (a retried request can fail
+                    # its precondition on our own landed write): look before appending again.
+                    maybe_landed_from = sequences.start
+                    self._cached = None
+                    cas.backoff(backoff, "manifest append", err)
+                    continue
+                except StorageError as err:
+                    self._cached = None
+                    current = None
+                    cas.backoff(backoff, "manifest append", err)
+                    continue
             except StorageError as err:
-                self._cached = None
-                current = None
-                cas.backoff(backoff, "manifest append", err)
-                continue
+                if maybe_landed_from is None and all(seq is None for seq in result):
+                    raise
+                # Out of retries after a write that may have landed, or with part of the group
+                # known to be in: say what is known.
+                raise CommitStateUnknownError(
+                    str(err), sequences=tuple(result), maybe_landed_from=maybe_landed_from
+                ) from err
+            for index, sequence in zip(todo, sequences, strict=True):
+                result[index] = sequence
             self._cached = _Raw(data, etag) if etag is not None else None
-            return sequences
+            return tuple(_filled(result))
 
-    def _landed(
-        self, current: _Raw, entries: Sequence[PendingEntry], from_sequence: int
-    ) -> range | None:
-        order = {entry.location: index for index, entry in enumerate(entries)}
-        found = find_locations(current.data, set(order), from_sequence=from_sequence)
-        if not found:
-            return None
-        # One CAS writes the whole group or nothing, so any of our locations present means all
-        # of them landed; the missing ones were already dequeued by the consumer.
-        firsts = {sequence - order[location] for location, sequence in found.items()}
-        if len(firsts) != 1:
-            raise MillpondError(
-                f"{self._cas.path}: the locations of one append are not contiguous in the "
-                "manifest; it was written by something else"
-            )
-        first = firsts.pop()
-        logger.info(
-            "append to %s had landed already at sequence %s (%s of %s entries still queued)",
-            self._cas.path,
-            first,
-            len(found),
-            len(entries),
+    def _settle_landed(
+        self,
+        current: _Raw,
+        entries: Sequence[PendingEntry],
+        todo: list[int],
+        result: list[int | None],
+        from_sequence: int,
+    ) -> list[int]:
+        """Record which of ``todo`` landed; return the indices still to append."""
+        landing = resolve_landing(
+            current.data,
+            [entries[i].location for i in todo],
+            from_sequence=from_sequence,
+            name=self._cas.path,
         )
-        return range(first, first + len(entries))
+        if landing.status is LandingStatus.UNKNOWN:
+            logger.warning(
+                "append to %s: none of %s entries is in the manifest, but entries from sequence "
+                "%s on were dequeued since; appending the same locations again (the sink skips "
+                "a location it has written)",
+                self._cas.path,
+                len(todo),
+                from_sequence,
+            )
+        elif landing.status in (LandingStatus.LANDED, LandingStatus.PARTIAL):
+            logger.info(
+                "append to %s had landed already for %s of %s entries (%s since dequeued)",
+                self._cas.path,
+                len(todo) - len(landing.missing),
+                len(todo),
+                len(landing.dequeued),
+            )
+        for position, sequence in enumerate(landing.sequences):
+            if sequence is not None:
+                result[todo[position]] = sequence
+        return [todo[position] for position in landing.missing]
+
+
+def _filled(result: list[int | None]) -> list[int]:
+    out = [sequence for sequence in result if sequence is not None]
+    assert len(out) == len(result)
+    return out
 
 
 class QueueConsumer:

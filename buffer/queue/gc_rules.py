@@ -16,6 +16,23 @@ A batch object may be deleted only if all of these hold:
   does not apply, as the RFC says;
 - its ULID time is older than the grace period, relative to now (a producer's CAS retries may
   delay the append of an object whose name is older than the queue's head).
+
+Millpond is stricter than the RFC in three ways, so an RFC peer's objects are safe with it and
+its own guarantees need nothing from a peer:
+
+- the object's **last-modified time in the store** must be older than the grace period too,
+  measured against the store's own clock (:mod:`millpond.storage.store_time`). A producer that
+  recovers a batch long after naming it writes it again *under the same name* rather than
+  giving it a new one (which the sink could not recognise as already written), and that fresh
+  write is what protects it;
+- a location a **hold** names is kept like a referenced one (:mod:`millpond.queue.holds`);
+- a pass sends **no delete later than half the queue's delete window** after its listing
+  began (:class:`~millpond.queue.claim.QueueClaim`): a producer that rewrote an object waits
+  the whole window before appending it, so a pass working from a listing older than the
+  rewrite cannot delete it after the append.
+
+Order of a pass: store clock probe, listing, holds, manifest. Everything read later can only
+make a pass keep more.
 """
 
 from __future__ import annotations
@@ -27,18 +44,35 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from millpond.common.clock import Clock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import NotFoundError
 from millpond.formats.manifest import Manifest
 from millpond.queue.cas import read_manifest
+from millpond.queue.claim import (
+    CLOCK_PROBE,
+    QueueClaim,
+    default_delete_window,
+    internal_path,
+    open_claim,
+)
+from millpond.queue.holds import held_locations
 from millpond.storage.store import DeleteFailure, ObjectInfo, ObjectStore
+from millpond.storage.store_time import probe_store_time, to_ms
 
-__all__ = ["GcPlan", "GcReport", "KeepReason", "collect_once", "plan_collection"]
+__all__ = [
+    "GcPlan",
+    "GcReport",
+    "KeepReason",
+    "collect_once",
+    "plan_collection",
+]
 
 logger = logging.getLogger(__name__)
 
 # The queue floor when no entry has a ULID name: no object can be older than it.
 _NOTHING_IS_OLDER = -(1 << 63)
+_DELETE_CHUNK = 1000
 
 
 class KeepReason(StrEnum):
@@ -54,6 +88,14 @@ class KeepReason(StrEnum):
     """Its ULID time is not older than the oldest entry in the manifest."""
     IN_GRACE_PERIOD = "in_grace_period"
     """Its ULID time is within the grace period."""
+    RECENTLY_WRITTEN = "recently_written"
+    """Its last-modified time in the store is within the grace period (or unknown): it may have
+    been written again by a producer about to append it."""
+    HELD = "held"
+    """A hold names it: a writer will append exactly this location (Spark stream commits)."""
+    OUT_OF_TIME = "out_of_time"
+    """Deletable, but the pass ran past half the delete window after its listing; the next pass
+    takes it."""
     NO_MANIFEST = "no_manifest"
     """There is no manifest at the configured path: nothing is deleted, in case the path is
     wrong and the objects belong to a queue whose manifest lives elsewhere."""
@@ -85,6 +127,9 @@ class GcReport:
     """Whether deletion was skipped."""
     manifest_epoch: int | None = None
     """Epoch of the manifest snapshot the pass used; ``None`` when there was no manifest."""
+    store_clock_offset_ms: float | None = None
+    """Store clock minus this collector's clock, as the probe measured it (``None`` when the
+    pass did not probe: a dry run)."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -97,6 +142,7 @@ class GcReport:
             "failures": [{"path": f.path, "reason": f.reason} for f in self.failures],
             "dry_run": self.dry_run,
             "manifest_epoch": self.manifest_epoch,
+            "store_clock_offset_ms": self.store_clock_offset_ms,
         }
 
 
@@ -107,15 +153,20 @@ def plan_collection(
     data_path_prefix: str,
     now_ms: int,
     grace_period_ms: int,
+    store_now_ms: int | None = None,
+    held: frozenset[str] | set[str] = frozenset(),
 ) -> GcPlan:
-    """Apply the RFC's rules to a listing and a manifest snapshot. Pure.
+    """Apply the RFC's rules, and millpond's stricter ones, to a listing. Pure.
 
     Args:
         objects: the listing, paths relative to the store root.
         manifest: the manifest snapshot.
         data_path_prefix: where batch objects live, e.g. ``"ingest"``.
-        now_ms: the current wall-clock time in milliseconds.
+        now_ms: the current wall-clock time in milliseconds (for ULID times).
         grace_period_ms: minimum age, in milliseconds, of a deletable object.
+        store_now_ms: the store's clock (a lower bound), for last-modified times; ``None``
+            skips the last-modified rule (a plan made only to look at the RFC's rules).
+        held: locations holds name.
 
     Returns:
         The objects to delete and the count of kept objects per reason.
@@ -148,12 +199,21 @@ def plan_collection(
         if info.path in referenced:
             kept[KeepReason.REFERENCED] += 1
             continue
+        if info.path in held:
+            kept[KeepReason.HELD] += 1
+            continue
         created_ms = ulid_time_ms(ulid)
         if queue_floor_ms is not None and created_ms >= queue_floor_ms:
             kept[KeepReason.NOT_OLDER_THAN_QUEUE] += 1
             continue
         if now_ms - created_ms <= grace_period_ms:
             kept[KeepReason.IN_GRACE_PERIOD] += 1
+            continue
+        if store_now_ms is not None and (
+            info.last_modified is None
+            or store_now_ms - to_ms(info.last_modified) <= grace_period_ms
+        ):
+            kept[KeepReason.RECENTLY_WRITTEN] += 1
             continue
         delete.append(info.path)
     return GcPlan(delete=tuple(delete), kept=dict(kept))
@@ -164,25 +224,26 @@ def collect_once(
     *,
     manifest_path: str,
     data_path_prefix: str,
-    now_ms: int,
-    grace_period_ms: int,
+    clock: Clock,
+    grace_period: float,
     dry_run: bool = False,
     check_manifest: Callable[[Manifest], None] | None = None,
 ) -> GcReport:
-    """One collection pass: list, read the manifest, plan, delete.
+    """One collection pass: probe the store clock, list, read holds and manifest, plan, delete.
 
-    The listing comes *before* the manifest read: an object enqueued while the pass runs is
-    then seen as referenced, and an object dequeued meanwhile was already consumed. Reading
-    the manifest first would leave a window where a just-enqueued object is listed but not
-    yet in the snapshot.
+    The listing comes *before* the holds and the manifest: an object enqueued while the pass
+    runs is then seen as referenced, and an object dequeued meanwhile was already consumed.
+    Reading the manifest first would leave a window where a just-enqueued object is listed but
+    not yet in the snapshot. A dry run writes nothing (no clock probe: it compares
+    last-modified times against this collector's clock).
 
     Args:
         store: the object store.
         manifest_path: the queue manifest, read without fencing (GC only observes it).
         data_path_prefix: where batch objects live.
-        now_ms: the current wall-clock time in milliseconds.
-        grace_period_ms: minimum age, in milliseconds, of a deletable object.
-        dry_run: plan only, delete nothing.
+        clock: this collector's clock (ULID times; the deadline of its deletes).
+        grace_period: minimum age, in seconds, of a deletable object.
+        dry_run: plan only, write nothing.
         check_manifest: called with the snapshot before anything is deleted; raising from it
             aborts the pass (the consumer uses it to stop once its epoch is gone).
 
@@ -190,12 +251,27 @@ def collect_once(
         The report; failed deletes are in ``failures``, not raised.
 
     Raises:
-        FormatError: the manifest is corrupt (nothing is deleted).
-        StorageError: listing or reading the manifest failed (nothing is deleted).
+        ConfigError: the queue's claim names another manifest, or asks for a longer grace
+            period than ``grace_period`` (nothing is deleted).
+        FormatError: the manifest, the claim or a hold is corrupt (nothing is deleted).
+        StorageError: the store failed before any delete (nothing is deleted).
     """
     prefix = data_path_prefix.strip("/")
+    started = clock.monotonic()
+    now_ms = clock.now_ms()
+    grace_ms = round(grace_period * 1000)
+    claim = open_claim(store, data_path_prefix=prefix, manifest_path=manifest_path)
+    if claim is not None:
+        claim.check_gc_grace(grace_period, store_url=store.url)
+    offset_ms: float | None = None
+    if dry_run:
+        store_now_ms = now_ms
+    else:
+        probe = probe_store_time(store, internal_path(prefix, CLOCK_PROBE), clock)
+        store_now_ms, offset_ms = probe.stamp_ms, probe.offset_ms
     # Only objects directly under the prefix: nested prefixes may hold other queues.
     listing = store.list(prefix, recursive=False)
+    held = held_locations(store, prefix)
     try:
         snapshot = read_manifest(store, manifest_path)
     except NotFoundError:
@@ -209,27 +285,63 @@ def collect_once(
         )
     if check_manifest is not None:
         check_manifest(snapshot.manifest)
+    if claim is None and not dry_run:
+        # A queue no millpond role has claimed yet (written by an RFC peer, or older): claim
+        # it, so a second queue pointed at this prefix is refused from now on.
+        claim = open_claim(
+            store,
+            data_path_prefix=prefix,
+            manifest_path=manifest_path,
+            create=QueueClaim(
+                manifest_path=manifest_path, gc_grace_period=grace_period, created_ms=now_ms
+            ),
+        )
     plan = plan_collection(
         listing,
         snapshot.manifest,
         data_path_prefix=prefix,
         now_ms=now_ms,
-        grace_period_ms=grace_period_ms,
+        grace_period_ms=grace_ms,
+        store_now_ms=store_now_ms,
+        held=held,
     )
+    kept = dict(plan.kept)
     failures: list[DeleteFailure] = []
+    deleted: list[str] = []
     if plan.delete and not dry_run:
-        failures = store.delete_many(plan.delete)
+        window = claim.delete_window if claim is not None else default_delete_window(grace_period)
+        deadline = started + window / 2
+        for begin in range(0, len(plan.delete), _DELETE_CHUNK):
+            chunk = plan.delete[begin : begin + _DELETE_CHUNK]
+            if clock.monotonic() >= deadline:
+                # A producer that rewrote one of these since our listing waits out the whole
+                # window before appending it; deleting later could take its fresh copy.
+                left = len(plan.delete) - begin
+                kept[KeepReason.OUT_OF_TIME] = kept.get(KeepReason.OUT_OF_TIME, 0) + left
+                logger.warning(
+                    "gc: pass ran past half the delete window (%.1f s); %s deletes left for the "
+                    "next pass",
+                    window / 2,
+                    left,
+                )
+                break
+            chunk_failures = store.delete_many(chunk)
+            failed = {failure.path for failure in chunk_failures}
+            deleted.extend(path for path in chunk if path not in failed)
+            failures.extend(chunk_failures)
         for failure in failures:
             logger.warning(
                 "gc: could not delete %s (%s); retrying next pass", failure.path, failure.reason
             )
-    failed = {failure.path for failure in failures}
+    elif dry_run:
+        deleted = list(plan.delete)
     return GcReport(
         started_ms=now_ms,
         listed=len(listing),
-        deleted=tuple(path for path in plan.delete if path not in failed),
-        kept=plan.kept,
+        deleted=tuple(deleted),
+        kept=kept,
         failures=tuple(failures),
         dry_run=dry_run,
         manifest_epoch=snapshot.manifest.epoch,
+        store_clock_offset_ms=offset_ms,
     )

@@ -168,13 +168,13 @@ def commit_job(
         job_id,
         len(entries),
         stats.rows,
-        sequences.start,
-        sequences.stop - 1,
+        sequences[0],
+        sequences[-1],
     )
     return JobReceipt(
         job_id,
-        sequences.start,
-        sequences.stop - 1,
+        sequences[0],
+        sequences[-1],
         len(ordered),
         stats,
         queue.counters.snapshot(),
@@ -238,7 +238,7 @@ class MicroBatchOutcome:
 
     status: str
     """``appended``, ``reappended`` (case 3), ``skipped`` (already enqueued) or ``empty``."""
-    sequences: range | None = None
+    sequences: tuple[int, ...] | None = None
     """Where the entries went, when known."""
 
 
@@ -389,7 +389,7 @@ def _recover(
         first = min(found.values())
         # Worth a line at WARNING: the driver died between our append and Spark's commit log.
         logger.warning("%s: already enqueued at sequence %s; skipping the re-run", where, first)
-        return MicroBatchOutcome("skipped", range(first, first + len(found)))
+        return MicroBatchOutcome("skipped", tuple(range(first, first + len(found))))
     dequeued_since = _dequeued_through(manifest, footer, name=state_path) >= state.next_sequence
     gone = [loc for loc in sorted(locations) if not _exists(store, loc)]
     if not gone:

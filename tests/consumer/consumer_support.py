@@ -84,7 +84,7 @@ class QueueWriter:
 
     def enqueue(self, location: str, metadata: Iterable[Metadata] = ()) -> int:
         sequences = self.queue.append([PendingEntry(location, tuple(metadata))])
-        return sequences.start
+        return sequences[0]
 
     def append(
         self, records: Sequence[bytes], *, payload: bytes = b"", ingestion_ms: int | None = None

@@ -10,7 +10,7 @@ from consumer_support import FAST_RETRY, QueueWriter, open_target
 
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.storage.store import ObjectStore
-from tests.support import ManualClock
+from tests.support import ManualClock, TestClockStore
 
 
 @pytest.fixture
@@ -37,7 +37,11 @@ def test_consumer_collects_what_it_dequeued(store: ObjectStore) -> None:
     waiting = writer.append([b"later"])[1]
     consumer = Consumer(
         ConsumerConfig(
-            store=store, gc_interval=0.05, gc_grace_period=60.0, clock=clock, retry=FAST_RETRY
+            store=TestClockStore(store, clock),
+            gc_interval=0.05,
+            gc_grace_period=60.0,
+            clock=clock,
+            retry=FAST_RETRY,
         )
     )
     consumer.initialize()
@@ -72,7 +76,11 @@ def test_collector_stops_when_the_consumer_is_fenced(store: ObjectStore) -> None
     writer.append([b"a"])
     old = Consumer(
         ConsumerConfig(
-            store=store, gc_interval=0.05, gc_grace_period=1.0, clock=clock, retry=FAST_RETRY
+            store=TestClockStore(store, clock),
+            gc_interval=0.05,
+            gc_grace_period=1.0,
+            clock=clock,
+            retry=FAST_RETRY,
         )
     )
     old.initialize()

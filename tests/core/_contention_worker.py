@@ -35,7 +35,7 @@ def run_queue(store: ObjectStore, worker: int, count: int) -> dict[str, object]:
             batch_location("ingest", minter.mint()),
             (Metadata(0, int(time.time() * 1000), f"w{worker}-{i}".encode()),),
         )
-        sequences.append(producer.append([entry]).start)
+        sequences.append(producer.append([entry])[0])
     counters = producer.counters.snapshot()
     return {"sequences": sequences, **counters}
 

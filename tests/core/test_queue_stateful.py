@@ -67,11 +67,11 @@ class QueueMachine(RuleBasedStateMachine):
         # A fresh name per example: named memory stores are shared within the process.
         return ObstoreStore.from_url(f"memory://sm-{uuid.uuid4().hex}")
 
-    def _append_model(self, group: list[PendingEntry]) -> range:
+    def _append_model(self, group: list[PendingEntry]) -> tuple[int, ...]:
         start = self.model.next_sequence
         self.model.queued.extend(group)
         self.model.appended.extend(e.location for e in group)
-        return range(start, start + len(group))
+        return tuple(range(start, start + len(group)))
 
     # --- producers -----------------------------------------------------------------------
 

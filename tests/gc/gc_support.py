@@ -38,7 +38,7 @@ def put_batch(store: ObjectStore, ms: int, prefix: str = PREFIX) -> str:
     return location
 
 
-def enqueue(store: ObjectStore, *locations: str) -> range:
+def enqueue(store: ObjectStore, *locations: str) -> tuple[int, ...]:
     return QueueProducer(store, MANIFEST, retry=FAST_RETRY).append(
         [PendingEntry(loc, (Metadata(0, T0, b""),)) for loc in locations]
     )
@@ -51,7 +51,8 @@ def dequeue(store: ObjectStore, through: int) -> None:
 
 
 def paths(store: ObjectStore) -> set[str]:
-    return {info.path for info in store.list("", recursive=True)}
+    """Every object, but millpond's own bookkeeping (``_millpond/``: claim, clock probe)."""
+    return {info.path for info in store.list("", recursive=True) if "_millpond/" not in info.path}
 
 
 class FailingDeletes(ForwardingStore):

@@ -36,7 +36,7 @@ from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig, KeepReason
 from millpond.queue import QueueProducer
 from millpond.storage.store import ObjectStore
-from tests.support import ManualClock
+from tests.support import ManualClock, TestClockStore
 
 HOUR_MS = 3_600_000
 
@@ -47,7 +47,12 @@ def store(store_target: Any) -> ObjectStore:
 
 
 def _collector(store: ObjectStore, clock: Any, **overrides: Any) -> GarbageCollector:
-    options: dict[str, Any] = {"store": store, "clock": clock, "gc_grace_period": 60.0}
+    # The store reports last-modified times on the test's clock (GC's last-modified rule).
+    options: dict[str, Any] = {
+        "store": TestClockStore(store, clock),
+        "clock": clock,
+        "gc_grace_period": 60.0,
+    }
     options.update(overrides)
     return GarbageCollector(GarbageCollectorConfig(**options))
 
@@ -405,6 +410,8 @@ def test_gc_command_once_dry_run_and_interval(tmp_path: Any) -> None:
     live = put_batch(store, old_ms + 10)
     enqueue(store, live)
     strangers = _strangers(store)
+    for path in [*orphans, live]:  # written two hours ago, as their names say
+        os.utime(tmp_path / "store" / path, (old_ms / 1000, old_ms / 1000))
 
     dry = _cli("gc", url, "--once", "--dry-run", "--output", "json")
     assert dry.returncode == 0, dry.stderr

@@ -28,6 +28,19 @@ def fresh_memory() -> ObjectStore:
     return open_store(f"memory://producer-{uuid.uuid4().hex}")
 
 
+def claim_queue(store: ObjectStore, *, grace: float = 60.0, delete_window: float = 0.2) -> Any:
+    """Create the queue's claim with a short GC delete window, so a batch written again under
+    its name is appended after ``delete_window`` seconds instead of the default 30."""
+    from millpond.queue.claim import QueueClaim, open_claim
+
+    claim = QueueClaim(
+        manifest_path=MANIFEST, gc_grace_period=grace, gc_delete_window=delete_window
+    )
+    created = open_claim(store, data_path_prefix=PREFIX, manifest_path=MANIFEST, create=claim)
+    assert created == claim, f"the queue was already claimed: {created}"
+    return claim
+
+
 def config(store: Any, wal_dir: Path, **kw: Any) -> ProducerConfig:
     """A config for tests: fast retries, short flush interval."""
     kw.setdefault("retry", FAST_RETRY)
@@ -67,6 +80,8 @@ class ControlledStore(ForwardingStore):
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         if path == self.manifest_path:
             return self._manifest_write(lambda: self.inner.put_if_absent(path, data))
+        if not path.endswith(".batch"):  # millpond's own objects (the queue's claim)
+            return self.inner.put_if_absent(path, data)
         self.calls["batch_put"] += 1
         if self.fail_puts:
             raise StorageError(f"{path}: injected PUT failure")

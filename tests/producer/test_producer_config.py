@@ -68,7 +68,7 @@ def test_rotation_default_scales_with_a_small_cap(tmp_path: Path) -> None:
         ("size_cap_policy", "drop_newest", "'backpressure' or 'drop_oldest'"),
         ("upload_concurrency", 0, ">= 1"),
         ("retry", {"max_attempts": 3}, "RetryPolicy"),
-        ("remint_after", 0, "> 0"),
+        ("reupload_after", 0, "> 0"),
         ("store_options", {"k": 1}, "str to str"),
         ("clock", object(), "Clock"),
     ],
@@ -94,7 +94,7 @@ def test_from_options_parses_strings(tmp_path: Path) -> None:
             "wal_rotate_bytes": "16m",
             "size_cap_policy": "drop_oldest",
             "upload_concurrency": "2",
-            "remint_after": "2m",
+            "reupload_after": "2m",
             "store_options.aws_region": "eu-west-1",
             "retry.max_attempts": "7",
             "retry.max_elapsed": "3s",
@@ -108,7 +108,7 @@ def test_from_options_parses_strings(tmp_path: Path) -> None:
     assert config.wal_max_bytes == 1 << 30
     assert config.wal_rotate_bytes == 16 << 20
     assert config.size_cap_policy == "drop_oldest"
-    assert config.remint_after == 120.0
+    assert config.reupload_after == 120.0
     assert dict(config.store_options) == {"aws_region": "eu-west-1"}
     assert config.retry.max_attempts == 7
     assert config.retry.max_elapsed == 3.0

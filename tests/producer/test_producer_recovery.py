@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from millpond import ClosedError, FormatError, ObjectStore
+from millpond.common.clock import SystemClock
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.formats.batch import encode_batch
@@ -26,10 +27,12 @@ from tests.producer.producer_support import (
     PREFIX,
     ControlledStore,
     all_entries,
+    claim_queue,
     config,
     fresh_memory,
     read_back,
 )
+from tests.support import TestClockStore
 
 _CALLS = [(1_700_000_000_000 + i, b"m%d" % i, [b"e%d-a" % i, b"e%d-b" % i]) for i in range(3)]
 
@@ -119,39 +122,63 @@ def test_crash_after_bind_before_put_uses_the_bound_location(tmp_path: Path) -> 
     assert [p.location for p in read_back(store)] == [location]
 
 
-def test_stale_binding_is_reminted(tmp_path: Path) -> None:
-    store = fresh_memory()
+def test_stale_binding_is_written_again_under_its_name(tmp_path: Path) -> None:
+    store = TestClockStore(fresh_memory(), SystemClock())
+    claim_queue(store, delete_window=0.2)
     location = _stage(tmp_path / "wal", bind=True, stale=True)
     store.put_if_absent(location, _batch_bytes())
+    store.backdate(location, 3600)  # uploaded an hour ago: GC could take it any moment
     with Producer(config(store, tmp_path / "wal")) as producer:
         producer.flush(timeout=10)
-        assert producer.metrics()["batches_reminted"] == 1
+        assert producer.metrics()["batches_refreshed"] == 1
     [published] = read_back(store)
-    assert published.location != location
+    # The same name, so a sink that wrote it before the crash recognises it; written again,
+    # so its last-modified time protects it from GC until the append.
+    assert published.location == location
     assert published.entries == _expected_entries()
+    assert store.head(location).last_modified > store.written_before(60)
 
 
-def test_stale_binding_already_in_the_manifest_is_not_reminted(tmp_path: Path) -> None:
+def test_stale_binding_already_in_the_manifest_is_not_written_again(tmp_path: Path) -> None:
     store = fresh_memory()
+    claim_queue(store, delete_window=0.2)
     location = _stage(tmp_path / "wal", bind=True, stale=True)
     store.put_if_absent(location, _batch_bytes())
     QueueProducer(store, MANIFEST).append([_entry(location)])
     with Producer(config(store, tmp_path / "wal")) as producer:
         producer.flush(timeout=10)
-        assert producer.metrics()["batches_reminted"] == 0
+        assert producer.metrics()["batches_refreshed"] == 0
+        assert producer.metrics()["uploads"] == 0
     assert [p.location for p in read_back(store)] == [location]
 
 
-def test_binding_with_lost_records_gets_a_fresh_location(tmp_path: Path) -> None:
+def test_binding_with_lost_records_keeps_its_location(tmp_path: Path) -> None:
     store = fresh_memory()
-    # The BIND counted 4 records but only 3 survived: the old object may hold the lost one,
-    # so the same name must not be reused for different content.
+    # The BIND counted 4 records but only 3 survived. The batch keeps its name (the sink may
+    # know it); with no object there, the survivors are what gets uploaded.
     location = _stage(tmp_path / "wal", bind=True, count=4)
     with Producer(config(store, tmp_path / "wal")) as producer:
         producer.flush(timeout=10)
     [published] = read_back(store)
-    assert published.location != location
+    assert published.location == location
     assert published.entries == _expected_entries()
+
+
+def test_binding_with_lost_records_keeps_the_whole_object(tmp_path: Path) -> None:
+    store = TestClockStore(fresh_memory(), SystemClock())
+    claim_queue(store, delete_window=0.2)
+    location = _stage(tmp_path / "wal", bind=True, count=4, stale=True)
+    # The object that landed before the crash holds all four records: it is written back as
+    # it is, never replaced by the three the WAL still has.
+    whole = encode_batch([*_expected_entries(), b"lost-from-the-wal"])
+    store.put_if_absent(location, whole)
+    store.backdate(location, 3600)
+    with Producer(config(store, tmp_path / "wal")) as producer:
+        producer.flush(timeout=10)
+        assert producer.metrics()["batches_refreshed"] == 1
+    [published] = read_back(store)
+    assert published.location == location
+    assert published.entries == [*_expected_entries(), b"lost-from-the-wal"]
 
 
 def test_unbound_records_are_batched_afresh(tmp_path: Path) -> None:

@@ -1,0 +1,407 @@
+"""The committer: append uploaded batches in order, and recover every way an append can fail.
+
+The body of the ``millpond-committer`` thread. It appends every uploaded batch at the head of
+the line in one CAS (group commit), settles their handles and releases their WAL region.
+
+**A batch never changes its location.** The consumer's sink records each location it writes
+and skips one it has seen, so a batch that may already be in the queue — or may have been in it
+and consumed — must come back under the same name, never a new one. Each recovery path keeps it:
+
+* *Crash between the append and the WAL release.* The BIND record is durable before the PUT,
+  so a restarted producer knows each batch's location and looks for it in the manifest first
+  (:meth:`Committer._verify`): found, the batch is only released; not found, it is uploaded
+  again to the same location (the object, if it landed, holds the same records) and appended.
+  If the append had landed and the consumer had already dequeued it, the producer cannot see
+  it and appends the location a second time: the sink skips it.
+* *An append whose outcome is unknown.* The same look, through
+  :func:`~millpond.queue.landed.resolve_landing`: members of the group found in the manifest, or
+  provably dequeued, are settled; only a missing suffix (an earlier request for a prefix of the
+  group that landed late) is appended again.
+* *A batch that waited too long.* Garbage collection may delete an unreferenced object whose
+  ULID *and* last-modified time are older than the grace period. A batch whose object was last
+  written more than ``reupload_after`` ago (half the queue's grace period) is written again
+  under the same name — refreshing its last-modified time — and appended only after the
+  collectors' delete window has passed and a HEAD has found it: a collector that listed the old
+  copy has finished deleting by then (:mod:`millpond.queue.gc_rules`). A replayed batch is aged
+  by the time in its ULID, which is no later than its first upload.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import takewhile
+
+from millpond.common.clock import Clock
+from millpond.common.retry import Backoff
+from millpond.errors import (
+    BackpressureError,
+    CommitStateUnknownError,
+    NotFoundError,
+    StorageError,
+)
+from millpond.formats.manifest import empty_manifest, find_locations
+from millpond.producer._publisher import fail_fatal, named_at, pause
+from millpond.producer._session import QueueSession
+from millpond.producer._state import Batch, BatchState, Interrupted, State
+from millpond.producer.config import ProducerConfig
+from millpond.queue import QueueProducer
+from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.storage.store import ObjectStore
+from millpond.wal import Wal
+
+__all__ = ["Committer"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_GROUP = 256  # batches per manifest append
+
+
+class Committer:
+    """The body of the ``millpond-committer`` thread."""
+
+    def __init__(
+        self,
+        state: State,
+        wal: Wal,
+        config: ProducerConfig,
+        store: ObjectStore,
+        queue: QueueProducer,
+        session: QueueSession,
+        clock: Clock,
+    ) -> None:
+        self._state = state
+        self._wal = wal
+        self._config = config
+        self._store = store
+        self._queue = queue
+        self._session = session
+        self._clock = clock
+        self._backoff: Backoff | None = None
+        self._last_append = float("-inf")
+
+    def run(self) -> None:
+        try:
+            # The queue's claim and timing contract come first: staleness is measured against
+            # them, and a queue that refuses this producer must stop it before anything moves.
+            self._session.ensure()
+            while True:
+                work = self._next_work()
+                if work is None:
+                    return
+                kind, batches = work
+                if kind == "verify":
+                    self._verify(batches)
+                elif kind == "confirm":
+                    self._confirm(batches[0])
+                else:
+                    self._append(batches)
+        except Interrupted:
+            pass
+        except BaseException as err:
+            fail_fatal(self._state, err, "committer")
+
+    def _next_work(self) -> tuple[str, list[Batch]] | None:
+        state = self._state
+        with state.cond:
+            while True:
+                if state.stop.is_set() or state.fatal is not None:
+                    return None
+                if state.batches:
+                    head = state.batches[0]
+                    if head.state is BatchState.UNCERTAIN:
+                        group = list(
+                            takewhile(lambda b: b.state is BatchState.UNCERTAIN, state.batches)
+                        )
+                        return "verify", group + state.unsettled
+                    if head.state is BatchState.UPLOADED:
+                        if head.settle_until is not None:
+                            delay = head.settle_until - self._clock.monotonic()
+                            if delay > 0:
+                                state.committer_wake.wait(delay)
+                                continue
+                            return "confirm", [head]
+                        if self._needs_refresh(head):
+                            self._refresh(head)
+                            continue
+                        linger = self._linger(head)
+                        if linger > 0:
+                            # More uploads may land meanwhile and share this append's CAS.
+                            state.committer_wake.wait(linger)
+                            continue
+                        return "append", self._append_group()
+                if state.unsettled:
+                    return "verify", list(state.unsettled)
+                state.committer_wake.wait()
+
+    def _linger(self, head: Batch) -> float:
+        """Seconds to hold an uploaded batch back for ``commit_interval`` (0: append now)."""
+        interval = self._config.commit_interval
+        state = self._state
+        if interval <= 0 or state.closing:
+            return 0.0
+        if head.records[0].ordinal <= state.flush_target:
+            # flush() does not wait out the interval, but appends what it flushes in as few
+            # CAS as the uploads allow: it cannot finish before its last upload anyway.
+            return interval if self._flush_uploads_pending() else 0.0
+        return self._last_append + interval - self._clock.monotonic()
+
+    def _flush_uploads_pending(self) -> bool:
+        in_flight = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
+        target = self._state.flush_target
+        return any(
+            batch.state in in_flight and batch.records[0].ordinal <= target
+            for batch in self._state.batches
+        )
+
+    def _append_group(self) -> list[Batch]:
+        group: list[Batch] = []
+        for batch in self._state.batches:
+            if (
+                batch.state is not BatchState.UPLOADED
+                or len(group) == _MAX_GROUP
+                or batch.settle_until is not None
+                or self._needs_refresh(batch)
+            ):
+                break
+            group.append(batch)
+        for batch in group:
+            batch.state = BatchState.APPENDING
+        return group
+
+    def _needs_refresh(self, batch: Batch) -> bool:
+        """Whether the batch's object may be too old to be safe from GC until its append."""
+        uploaded_at = batch.uploaded_at
+        if uploaded_at is None:
+            return True
+        return self._clock.monotonic() - uploaded_at > self._session.reupload_after
+
+    def _refresh(self, batch: Batch) -> None:
+        """Queue the batch to be written again under its name (holding ``state.cond``)."""
+        state = self._state
+        batch.overwrite = True
+        batch.settle_until = None
+        batch.state = BatchState.SEALED
+        if state.batches and batch is state.batches[0]:
+            state.upload_queue.appendleft(batch)
+        else:
+            state.upload_queue.append(batch)
+        state.counters.add("batches_refreshed")
+        state.upload_wake.notify_all()
+        logger.info(
+            "batch %s waited longer than reupload_after (%.0f s) for its append; writing it "
+            "again under the same name",
+            batch.location,
+            self._session.reupload_after,
+        )
+
+    # -- the three kinds of work ----------------------------------------------------------
+
+    def _append(self, group: list[Batch]) -> None:
+        self._last_append = self._clock.monotonic()
+        state = self._state
+        try:
+            sequences = self._queue.append([batch.pending_entry() for batch in group])
+        except CommitStateUnknownError as err:
+            self._after_unknown_append(group, err)
+            self._pause("manifest append", err)
+            return
+        except StorageError as err:
+            # Nothing could have landed (no write was ever in doubt): append them again.
+            with state.cond:
+                for batch in group:
+                    batch.state = BatchState.UPLOADED
+                state.space.notify_all()
+            logger.warning("manifest append of %s batches failed (%s); retrying", len(group), err)
+            self._pause("manifest append", err)
+            return
+        except Interrupted:
+            with state.cond:
+                self._mark_uncertain(group, 0)
+            raise
+        self._backoff = None
+        with state.cond:
+            state.counters.add("manifest_appends")
+            for batch, sequence in zip(group, sequences, strict=True):
+                state.batches.remove(batch)
+                self._settle_committed(batch, sequence)
+        self._release()
+
+    def _after_unknown_append(self, group: list[Batch], err: CommitStateUnknownError) -> None:
+        """Settle what the append knows landed; the rest is looked for before anything else."""
+        state = self._state
+        known = err.sequences or (None,) * len(group)
+        with state.cond:
+            rest: list[Batch] = []
+            for batch, sequence in zip(group, known, strict=True):
+                if sequence is not None:
+                    state.batches.remove(batch)
+                    self._settle_committed(batch, sequence)
+                else:
+                    rest.append(batch)
+            self._mark_uncertain(rest, err.maybe_landed_from or 0)
+        logger.warning(
+            "manifest append of %s batches may or may not have landed (%s); checking the "
+            "manifest before retrying",
+            len(rest),
+            err,
+        )
+        self._release()
+
+    def _mark_uncertain(self, group: list[Batch], from_sequence: int) -> None:
+        for batch in group:
+            batch.state = BatchState.UNCERTAIN
+            batch.append_group = group
+            batch.append_from = from_sequence
+        self._state.space.notify_all()  # drop_oldest may now drop them
+
+    def _confirm(self, batch: Batch) -> None:
+        """After writing an object again and waiting out the delete window: is it there?"""
+        try:
+            self._store.head(batch.location)
+        except NotFoundError:
+            found = False
+        except StorageError as err:
+            self._pause(f"HEAD {batch.location}", err)
+            return
+        else:
+            found = True
+        self._backoff = None
+        with self._state.cond:
+            if batch.dropped or batch.settle_until is None:
+                return
+            if found:
+                batch.settle_until = None
+            else:
+                # A collector working from a listing older than our write took it: again.
+                logger.warning("batch %s vanished after it was written again", batch.location)
+                self._refresh(batch)
+            self._state.committer_wake.notify()
+
+    def _verify(self, batches: list[Batch]) -> None:
+        state = self._state
+        try:
+            try:
+                raw = self._store.get(self._config.manifest_path).data
+            except NotFoundError:
+                raw = empty_manifest()
+            state.counters.add("manifest_reads")
+        except StorageError as err:
+            self._pause("manifest read", err)
+            return
+        self._backoff = None
+        with state.cond:
+            for group in _groups(batches):
+                if len(group) == 1 and group[0].prior_locations:
+                    self._resolve_rebound(group[0], raw)
+                    continue
+                landing = resolve_landing(
+                    raw,
+                    [batch.location for batch in group],
+                    from_sequence=group[0].append_from,
+                    name=self._config.manifest_path,
+                )
+                for batch, sequence in zip(group, landing.sequences, strict=True):
+                    if sequence is not None:
+                        self._settle_landed(batch, sequence)
+                    else:
+                        self._not_landed(batch, landing.status)
+            state.upload_wake.notify_all()
+            state.sealer_wake.notify_all()  # replayed batches resolved: new ones may follow
+        self._release()
+
+    def _resolve_rebound(self, batch: Batch, raw: bytes) -> None:
+        """A replayed batch an older version bound to several locations: any one may be in."""
+        found = find_locations(raw, set(batch.locations))
+        hit = next((loc for loc in reversed(batch.locations) if loc in found), None)
+        if hit is None:
+            self._not_landed(batch, LandingStatus.UNKNOWN)
+            return
+        batch.location = hit
+        self._settle_landed(batch, found[hit])
+
+    def _settle_landed(self, batch: Batch, sequence: int) -> None:
+        state = self._state
+        if batch.dropped:
+            state.unsettled.remove(batch)
+            logger.info("dropped batch %s had landed after all", batch.location)
+        else:
+            state.batches.remove(batch)
+        batch.append_group = None
+        self._settle_committed(batch, sequence)
+
+    def _not_landed(self, batch: Batch, status: LandingStatus) -> None:
+        state = self._state
+        batch.append_group = None
+        batch.append_from = 0
+        if batch.dropped:
+            state.unsettled.remove(batch)
+            self._count_unsettled_drop(batch, status)
+        elif batch.uploaded_at is not None:
+            batch.state = BatchState.UPLOADED  # the committer refreshes it if it waited long
+        else:
+            # Replayed and not in the queue: upload it (again) under its bound name, writing it
+            # over any old copy if its name says it may be old enough for GC.
+            limit = self._session.reupload_after
+            batch.overwrite = self._clock.monotonic() - named_at(batch, self._clock) > limit
+            if batch.overwrite:
+                state.counters.add("batches_refreshed")
+            batch.state = BatchState.SEALED
+            if batch is state.batches[0]:
+                state.upload_queue.appendleft(batch)
+            else:
+                state.upload_queue.append(batch)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _settle_committed(self, batch: Batch, sequence: int) -> None:
+        state = self._state
+        state.counters.add("batches_committed")
+        state.counters.add("entries_committed", batch.entry_count)
+        state.settle_durable(batch, sequence, batch.location)
+
+    def _count_unsettled_drop(self, batch: Batch, status: LandingStatus) -> None:
+        state = self._state
+        entries = batch.entry_count
+        state.counters.add("batches_dropped")
+        state.counters.add("records_dropped", len(batch.records))
+        state.counters.add("entries_dropped", entries)
+        logger.warning(
+            "drop_oldest: batch %s (%s entries) was dropped and is not in the manifest%s",
+            batch.location,
+            entries,
+            " (it may have been appended and consumed)" if status is LandingStatus.UNKNOWN else "",
+        )
+        state.settle_failed(
+            batch.records,
+            BackpressureError(
+                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
+                "before these entries were published"
+            ),
+        )
+
+    def _release(self) -> None:
+        state = self._state
+        with state.cond:
+            watermark = state.watermark(self._wal.next_seq)
+        self._wal.release(watermark)
+        with state.cond:
+            state.space.notify_all()  # the WAL writer may be waiting for space
+
+    def _pause(self, what: str, err: Exception) -> None:
+        if self._backoff is None:
+            self._backoff = self._config.retry.start(self._clock)
+        self._backoff = pause(self._backoff, self._config, self._clock, what, err)
+
+
+def _groups(batches: list[Batch]) -> list[list[Batch]]:
+    """The batches to verify, as the append groups they were in (singletons otherwise)."""
+    groups: list[list[Batch]] = []
+    seen: set[int] = set()
+    for batch in batches:
+        group = batch.append_group
+        if group is None:
+            groups.append([batch])
+        elif id(group) not in seen:
+            seen.add(id(group))
+            groups.append([member for member in group if member in batches])
+    return groups

