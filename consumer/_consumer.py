@@ -11,6 +11,11 @@ has been delivered, with a conditional GET (an unchanged manifest costs a 304). 
 ``read_ahead`` batch objects are fetched and decoded on a thread pool while batches are handed
 out strictly in sequence order.
 
+Fencing. Every ``next_batch()`` and every ``ack()`` first checks that the manifest still
+carries this consumer's epoch: a conditional GET of its 22-byte footer, a 304 when nothing
+changed. Once a newer consumer's ``initialize()`` has returned, this one delivers and acks
+nothing more: its next call raises ``FencedError``.
+
 Bad entries. An entry whose location is not ``{data_path_prefix}/{ULID}.batch``, whose object
 is missing, or whose bytes are corrupt raises an error naming the sequence and location. The
 consumer does not skip it and does not retry by itself: the next ``next_batch()`` call tries the
@@ -97,6 +102,7 @@ class Consumer:
         self._next = 0
         self._acked = -1
         self._dequeued = -1
+        self._known = -1  # the highest sequence ever put in the cache
         self._initialized = False
         self._closed = False
         self._fenced: FencedError | None = None
@@ -187,7 +193,7 @@ class Consumer:
             self._acked = acked
             self._dequeued = first - 1
             self._next = acked + 1
-            self._cache.extend(e for e in manifest.entries if e.sequence > acked)
+            self._cache_new(manifest, after=acked)
             self._pool = ThreadPoolExecutor(
                 self._config.read_ahead, thread_name_prefix="millpond-read"
             )
@@ -228,7 +234,9 @@ class Consumer:
         with self._lock:
             self._check_ready()
             if not self._cache and not self._inflight:
-                self._refresh()
+                self._refresh()  # checks the epoch too
+            else:
+                self._guard(self._queue.check_fence)
             self._top_up()
             if not self._inflight:
                 return None
@@ -266,8 +274,10 @@ class Consumer:
         Raises:
             InvalidInputError: ``sequence`` is not the one after the last acked, or was not
                 delivered yet.
-            FencedError: another consumer took over (when this ack dequeues).
-            StorageError: the dequeue ran out of retries; the ack itself is kept.
+            FencedError: another consumer took over.
+            StorageError: the fencing check failed (the ack is not recorded:
+                ``acked_sequence`` tells), or the dequeue ran out of retries (the ack is kept;
+                the next ack, ``flush()`` or ``close()`` dequeues again).
             ClosedError: the consumer was closed.
         """
         with self._lock:
@@ -282,6 +292,7 @@ class Consumer:
                     f"sequence: expected a delivered sequence (below {self._next}), "
                     f"found {sequence}"
                 )
+            self._guard(self._queue.check_fence)
             self._acked = sequence
             self.counters.add("acks")
             if self._acked - self._dequeued >= self._config.ack_batch_size:
@@ -398,7 +409,14 @@ class Consumer:
                 f"{self._config.manifest_path}: entries {self._next}..{first - 1} were removed "
                 f"before this consumer (epoch {self._queue.epoch}) read them"
             )
-        self._cache.extend(e for e in manifest.entries if e.sequence >= self._next)
+        self._cache_new(manifest, after=max(self._known, self._next - 1))
+
+    def _cache_new(self, manifest: Manifest, *, after: int) -> None:
+        """Cache the manifest's entries past ``after`` that were never cached before."""
+        fresh = [e for e in manifest.entries if e.sequence > after]
+        self._cache.extend(fresh)
+        if fresh:
+            self._known = fresh[-1].sequence
 
     def _top_up(self) -> None:
         pool = self._pool
@@ -466,6 +484,7 @@ class Consumer:
     def _reset(self) -> None:
         self._shutdown()
         self._cache.clear()
+        self._known = -1
         self._initialized = False
         self._fenced = None
 

@@ -11,9 +11,10 @@ one transaction (``--max-group``), each with its own progress row, so a backlog 
 commit per few batches instead of one per batch.
 
 Retries: an idle queue is polled with backoff (``--poll-interval`` caps the pause); a store
-or database that is down is retried with capped backoff for as long as it takes, because a
-batch is only acked after its transaction committed and a retried transaction either commits
-once or finds its sequence already recorded. ``--exit-when-idle`` drains the queue and exits,
+or database that is down is retried with capped backoff for as long as it takes — reads,
+writes, acks and their dequeues alike — because a batch is only acked after its transaction
+committed and a retried transaction either commits once or finds its sequence already
+recorded. ``--exit-when-idle`` drains the queue and exits,
 for a consumer run as a scheduled job.
 """
 
@@ -125,19 +126,37 @@ class ConsumerService:
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
         except FencedError:
+            self._close_quietly("fenced")
             raise
-        except MillpondError as err:
-            logger.error(  # noqa: TRY400 - the message is the point; the CLI prints it too
-                "stopping after sequence %s; nothing after it is written: %s",
-                self.stats.last_sequence,
-                err,
-            )
+        except BaseException as err:
+            if isinstance(err, MillpondError):
+                logger.error(  # noqa: TRY400 - the message is the point; the CLI prints it too
+                    "stopping after sequence %s; nothing after it is written: %s",
+                    self.stats.last_sequence,
+                    err,
+                )
+            # Dequeue what was written and acked, even when stopping on bad data; a failure
+            # there must not hide why the service stopped.
+            self._close_quietly(type(err).__name__)
             raise
-        finally:
-            # Dequeue what was written and acked, even when stopping on bad data.
-            consumer.close()
+        self._close_quietly(None)
         self._log_progress(final=True)
         return self.stats
+
+    def _close_quietly(self, stopping_on: str | None) -> None:
+        """Close the consumer (its final dequeue); log, never raise, what that hits.
+
+        Nothing is lost when the final dequeue fails: every acked batch is in the sink, and
+        the next consumer resumes after the sink's last sequence and dequeues what is left.
+        """
+        try:
+            self._consumer.close()
+        except MillpondError as err:
+            logger.warning(
+                "final dequeue failed%s; the next consumer dequeues what this one wrote: %s",
+                f" while stopping on {stopping_on}" if stopping_on else "",
+                err,
+            )
 
     def _loop(self, stop: threading.Event, *, until_idle: bool) -> None:
         consumer = self._consumer
@@ -193,7 +212,8 @@ class ConsumerService:
                 if results is None:
                     return False
                 for batch, written in zip(group, results, strict=True):
-                    self._consumer.ack(batch.sequence)
+                    if not self._ack(batch, stop):
+                        return False
                     self._count(batch, written, 0)
                 self._count_rows(self._sink.rows_written - rows_before)
                 return True
@@ -206,9 +226,25 @@ class ConsumerService:
             )
             if one is None:
                 return False
-            self._consumer.ack(batch.sequence)
+            if not self._ack(batch, stop):
+                return False
             self._count(batch, one, self._sink.rows_written - rows_before)
         return True
+
+    def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
+        """Ack a written batch, retrying for as long as the store is down; ``False`` when stopped
+        first (the batch is in the sink, so nothing is lost).
+
+        An ack that was recorded but whose dequeue failed is not repeated: the next ack (or the
+        final ``close()``) dequeues it with the rest.
+        """
+
+        def ack() -> bool:
+            if self._consumer.acked_sequence != batch.sequence:
+                self._consumer.ack(batch.sequence)
+            return True
+
+        return self._with_retry(stop, f"ack sequence {batch.sequence}", ack) is not None
 
     def _count(self, batch: ConsumedBatch, written: bool, rows: int) -> None:
         for stats in (self.stats, self._window):

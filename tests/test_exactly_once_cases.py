@@ -28,12 +28,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
 from millpond.consumer.sinks import open_sink
-from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.errors import CommitStateUnknownError, FencedError, FormatError, StorageError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.formats.wal import BindBody
@@ -233,3 +235,143 @@ def test_remint_after_dequeue_does_not_duplicate_rows(tmp_path: Path) -> None:
         producer.flush(timeout=30)
     _consume_all(store, sink_url)
     assert sorted(_sink_payloads(sink_url)) == sorted(entries)
+
+
+# --- case 2 ----------------------------------------------------------------------------------
+
+
+def _enqueue(store: ObjectStore, count: int) -> list[str]:
+    locations = []
+    queue = QueueProducer(store, MANIFEST, retry=_FAST)
+    for i in range(count):
+        location = batch_location("ingest", UlidMinter().mint())
+        store.put_if_absent(location, encode_batch([b"entry-%d" % i]))
+        queue.append([PendingEntry(location, (Metadata(0, i, b""),))])
+        locations.append(location)
+    return locations
+
+
+def test_fenced_consumer_stops_delivering_at_once() -> None:
+    store = fresh_memory()
+    _enqueue(store, 50)
+    older = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=_FAST))
+    older.initialize()
+    first = older.next_batch()  # 50 entries cached, a few fetched ahead
+    assert first is not None
+    newer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=_FAST))
+    newer.initialize()
+    # From the moment the newer initialize() returned, the older delivers and acks nothing.
+    with pytest.raises(FencedError):
+        older.ack(first.sequence)
+    with pytest.raises(FencedError):
+        older.next_batch()
+    older.close()
+    delivered = []
+    while (batch := newer.next_batch()) is not None:
+        delivered.append(batch.sequence)
+        newer.ack(batch.sequence)
+    newer.close()
+    assert delivered == list(range(50))
+
+
+def test_fenced_consumer_stops_before_its_next_delivery() -> None:
+    store = fresh_memory()
+    _enqueue(store, 5)
+    older = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=_FAST))
+    older.initialize()
+    batch = older.next_batch()
+    assert batch is not None
+    older.ack(batch.sequence)
+    Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=_FAST)).initialize()
+    with pytest.raises(FencedError):
+        older.next_batch()
+
+
+# --- case 9 ----------------------------------------------------------------------------------
+
+
+class DownAfterTakeover(ForwardingStore):
+    """Once ``armed``, the store goes down for manifest writes right after the next one (the
+    consumer's epoch bump) lands, until ``down`` is cleared."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.down = False
+        self.refused = 0
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        if path != MANIFEST:
+            return self.inner.put_if_match(path, data, etag)
+        if self.down:
+            self.refused += 1
+            raise StorageError(f"{path}: injected outage")
+        result = self.inner.put_if_match(path, data, etag)
+        if self.armed:
+            self.armed, self.down = False, True
+        return result
+
+
+def test_service_survives_the_store_down_during_a_dequeue(tmp_path: Path) -> None:
+    store = DownAfterTakeover(fresh_memory())
+    _enqueue(store, 6)
+    sink_url = f"sqlite://{tmp_path / 'sink.db'}"
+    # A dequeue gives up after 0.2 s here (60 s by default): then the store stays down longer.
+    short = RetryPolicy(max_attempts=1000, max_elapsed=0.2, base_delay=0.001, max_delay=0.01)
+    consumer = Consumer(
+        ConsumerConfig(store=store, gc_enabled=False, retry=short, ack_batch_size=2)
+    )
+    errors: list[BaseException] = []
+    store.armed = True
+
+    def run() -> None:
+        try:
+            with open_sink(sink_url, entry_format="opaque") as sink:
+                service = ConsumerService(
+                    consumer, sink, poll_min=0.01, retry_initial_delay=0.01, retry_max_delay=0.05
+                )
+                service.run(threading.Event(), until_idle=True)
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # Several dequeue rounds run out of retries while the store is down.
+    wait_for(lambda: store.refused >= 60 or None, timeout=30, what="refused dequeues")
+    assert thread.is_alive()
+    assert not errors
+    store.down = False
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert errors == []
+    assert sorted(_sink_payloads(sink_url)) == sorted(b"entry-%d" % i for i in range(6))
+    assert _queued(store) == []
+
+
+class CorruptBatch(DownAfterTakeover):
+    """Serves garbage for one batch object."""
+
+    def __init__(self, inner: ObjectStore, corrupt: str) -> None:
+        super().__init__(inner)
+        self.corrupt = corrupt
+
+    def get(self, path: str) -> GetResult:
+        if path == self.corrupt:
+            return GetResult(b"not a batch", None)
+        return self.inner.get(path)
+
+
+def test_service_close_does_not_hide_why_it_stopped(tmp_path: Path) -> None:
+    inner = fresh_memory()
+    locations = _enqueue(inner, 3)
+    store = CorruptBatch(inner, corrupt=locations[1])
+    short = RetryPolicy(max_attempts=1000, max_elapsed=0.2, base_delay=0.001, max_delay=0.01)
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=short))
+    store.armed = True  # the final dequeue of the acked first batch fails too
+    with (
+        open_sink(f"sqlite://{tmp_path / 'sink.db'}", entry_format="opaque") as sink,
+        pytest.raises(FormatError, match=locations[1]),
+    ):
+        ConsumerService(consumer, sink, poll_min=0.01, retry_initial_delay=0.01).run(
+            threading.Event(), until_idle=True
+        )

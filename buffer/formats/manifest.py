@@ -30,6 +30,7 @@ __all__ = [
     "append_entries",
     "decode_footer",
     "decode_manifest",
+    "decode_tail",
     "empty_manifest",
     "encode_entry",
     "find_locations",
@@ -184,6 +185,28 @@ def decode_footer(raw: bytes | memoryview, *, name: str = "manifest") -> Footer:
             f"{start} bytes",
             field="entry_count",
             offset=start,
+        )
+    return Footer(entry_count=entry_count, next_sequence=next_sequence, epoch=epoch)
+
+
+def decode_tail(tail: bytes | memoryview, *, name: str = "manifest") -> Footer:
+    """The footer from the manifest's last :data:`FOOTER_SIZE` bytes alone.
+
+    Checks the size and the version; the entries are not there to check the counts against.
+
+    Raises:
+        FormatError: not a footer's size, or an unknown version.
+    """
+    if len(tail) != FOOTER_SIZE:
+        raise FormatError(
+            f"{name}: footer: expected the last {FOOTER_SIZE} bytes, found {len(tail)}",
+            field="footer",
+        )
+    entry_count, next_sequence, epoch, version = _FOOTER.unpack_from(tail, 0)
+    if version != MANIFEST_VERSION:
+        raise FormatError(
+            f"{name}: version at footer byte 20: expected {MANIFEST_VERSION}, found {version}",
+            field="version",
         )
     return Footer(entry_count=entry_count, next_sequence=next_sequence, epoch=epoch)
 

@@ -34,11 +34,13 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import (
+    FOOTER_SIZE,
     Manifest,
     PendingEntry,
     append_entries,
     decode_footer,
     decode_manifest,
+    decode_tail,
     empty_manifest,
     remove_through,
     with_epoch,
@@ -95,7 +97,7 @@ class _CasLoop:
         self.retry = retry or RetryPolicy()
         self.clock = clock or SystemClock()
         self.counters = counters or Counters(
-            "manifest_reads", "manifest_writes", "cas_conflicts", "cas_retries"
+            "manifest_reads", "manifest_writes", "cas_conflicts", "cas_retries", "fence_checks"
         )
 
     def read(self) -> _Raw | None:
@@ -286,6 +288,9 @@ class QueueConsumer:
         self._cas = _CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
         self._epoch: int | None = None
         self._last: ManifestSnapshot | None = None
+        # The ETag of the newest manifest state seen to carry this consumer's epoch: a
+        # conditional request against it answers "still ours" with a 304.
+        self._fence_etag: str | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -316,7 +321,7 @@ class QueueConsumer:
                 current = cas.read()
                 base = current.data if current is not None else empty_manifest()
                 epoch = decode_footer(base, name=cas.path).epoch + 1
-                cas.write(current, with_epoch(base, epoch))
+                etag = cas.write(current, with_epoch(base, epoch))
             except StorageError as err:
                 cas.backoff(backoff, "epoch bump", err)
                 continue
@@ -325,8 +330,30 @@ class QueueConsumer:
                 continue
             self._epoch = epoch
             self._last = None
+            self._fence_etag = etag
             logger.info("consumer holds epoch %s of %s", epoch, cas.path)
             return epoch
+
+    def check_fence(self) -> None:
+        """Raise ``FencedError`` if another consumer has initialized since; one request.
+
+        A conditional GET of the manifest's last 22 bytes (its footer): a 304 when nothing
+        changed since this consumer last saw its own epoch there, else the footer alone.
+
+        Raises:
+            FencedError: another consumer initialized after this one.
+            FormatError: the manifest's footer is corrupt.
+            NotFoundError: the manifest is gone.
+            StorageError: the store failed.
+        """
+        if self._epoch is None:
+            raise MillpondError("consumer is not initialized: call initialize() first")
+        got = self._cas.store.get_tail(self._cas.path, FOOTER_SIZE, self._fence_etag)
+        self._cas.counters.add("fence_checks")
+        if got is None:
+            return
+        self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
+        self._fence_etag = got.etag
 
     def read(self) -> ManifestSnapshot:
         """Read and decode the manifest, checking the epoch.
@@ -389,7 +416,7 @@ class QueueConsumer:
             if removed == 0:
                 return removed_before
             try:
-                cas.write(current, data)
+                etag = cas.write(current, data)
             except (CommitStateUnknownError, ConflictError) as err:
                 # Our write may have landed (a retried request can fail its precondition on
                 # our own write); if so the re-read finds nothing left to remove.
@@ -399,12 +426,14 @@ class QueueConsumer:
             except StorageError as err:
                 cas.backoff(backoff, "dequeue", err)
                 continue
+            self._fence_etag = etag
             return removed
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
         snapshot = ManifestSnapshot(decode_manifest(data, name=self._cas.path), etag, len(data))
         self._check_epoch(snapshot.manifest.epoch)
         self._last = snapshot
+        self._fence_etag = etag
         return snapshot
 
     def _check_epoch(self, found: int) -> None:

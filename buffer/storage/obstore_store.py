@@ -128,6 +128,19 @@ class ObstoreStore(ObjectStore):
         data = _call(path, lambda: bytes(result.bytes()))
         return GetResult(data=data, etag=result.meta.get("e_tag"))
 
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        options: dict[str, Any] = {"range": {"suffix": length}}
+        if etag is not None:
+            options["if_none_match"] = etag
+        try:
+            result = obstore.get(self._store, path, options=cast("Any", options))
+        except obx.NotModifiedError:
+            return None
+        except _STORE_ERRORS as err:
+            _translate(path, err)
+        data = _call(path, lambda: bytes(result.bytes()))
+        return GetResult(data=data, etag=result.meta.get("e_tag"))
+
     def head(self, path: str) -> ObjectInfo:
         meta = _call(path, lambda: obstore.head(self._store, path))
         return _info(meta)

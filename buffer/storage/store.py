@@ -96,6 +96,22 @@ class ObjectStore(ABC):
             StorageError: the store failed.
         """
 
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        """The last ``length`` bytes of an object, unless its ETag is still ``etag``.
+
+        ``None`` means unchanged. The ETag returned is the whole object's. Stores that can ask
+        for a suffix range with a precondition do so in one request (the consumer checks the
+        manifest's epoch this way on every call: a 304, or 22 bytes).
+
+        Raises:
+            NotFoundError: no object at ``path``.
+            StorageError: the store failed.
+        """
+        got = self.get_if_changed(path, etag)
+        if got is None:
+            return None
+        return GetResult(data=got.data[-length:], etag=got.etag)
+
     @abstractmethod
     def head(self, path: str) -> ObjectInfo:
         """Size, time and ETag of one object.
@@ -173,6 +189,9 @@ class ForwardingStore(ObjectStore):
 
     def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
         return self.inner.get_if_changed(path, etag)
+
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        return self.inner.get_tail(path, length, etag)
 
     def head(self, path: str) -> ObjectInfo:
         return self.inner.head(path)
