@@ -107,8 +107,8 @@ def _run_consumer(store: Any, pg_url: str, expected_rows: int) -> dict[str, Any]
         progress_table=f"bench_progress_{suffix}",
         sequence_column=None,
     )
-    sink.last_sequence()  # connect outside the timing, as the baseline does
     consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False))
+    sink.last_sequence(consumer.queue)  # connect outside the timing, as the baseline does
     service = ConsumerService(consumer, sink)
     with stopwatch() as sw:
         stats = service.run(threading.Event(), until_idle=True)

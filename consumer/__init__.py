@@ -4,7 +4,7 @@
 from millpond.consumer import Consumer, ConsumerConfig
 
 with Consumer(ConsumerConfig(store="s3://bucket")) as consumer:
-    consumer.initialize(last_acked_sequence=sink.last_sequence())
+    consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
     while (batch := consumer.next_batch()) is not None:
         sink.write(batch)                 # rows + sequence + location in one transaction
         consumer.ack(batch.sequence)

@@ -29,6 +29,9 @@ class ConsumedBatch:
     metadata: tuple[Metadata, ...] = ()
     """Per-range metadata items: item ``i`` covers entries from its ``start_index`` up to the
     next item's (or the end)."""
+    queue: str = ""
+    """The identity of the queue it came from (store URL and manifest path, see
+    :func:`millpond.queue.claim.queue_identity`): what a sink keys its progress by."""
 
     def metadata_for(self, index: int) -> Metadata | None:
         """The metadata item covering entry ``index``, or ``None`` when none does."""

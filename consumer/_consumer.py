@@ -49,7 +49,8 @@ from millpond.errors import (
 )
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
-from millpond.queue import QueueConsumer
+from millpond.queue import QueueConsumer, read_manifest
+from millpond.queue.claim import QueueClaim, open_claim, queue_identity
 from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["Backlog", "Consumer"]
@@ -119,6 +120,11 @@ class Consumer:
         return self._config
 
     @property
+    def queue(self) -> str:
+        """This queue's identity (store URL and manifest path): what sinks key progress by."""
+        return queue_identity(self._store.url, self._config.manifest_path)
+
+    @property
     def epoch(self) -> int | None:
         """The epoch this consumer holds, or ``None`` before :meth:`initialize`."""
         return self._queue.epoch
@@ -148,7 +154,13 @@ class Consumer:
                 sequence resumes right after it (what a sink stored with its last batch).
                 Entries up to it still in the manifest are dequeued at once.
 
+        Nothing is written, and no other consumer is fenced, when the queue refuses this one:
+        its claim names another manifest (two queues on one data prefix), its GC grace period
+        is shorter than the queue's, or ``last_acked_sequence`` is not below the queue's
+        ``next_sequence``.
+
         Raises:
+            ConfigError: the queue refuses this consumer (see above), naming the setting.
             InvalidInputError: ``last_acked_sequence`` is negative, not below the manifest's
                 ``next_sequence`` (the sink is ahead of this queue), or below the queue's
                 first entry minus one (entries it never saw were dequeued).
@@ -169,6 +181,10 @@ class Consumer:
         with self._lock:
             self._check_open()
             self._reset()
+            self._open_claim()
+            # Refuse a sink that is ahead of the queue before taking over: an operator's
+            # mistake must not fence the consumer that is right.
+            self._check_ahead(last_acked_sequence, self._peek_next_sequence())
             self._queue.initialize()
             snapshot = self._guard(self._queue.read)
             manifest = snapshot.manifest
@@ -177,13 +193,7 @@ class Consumer:
                 acked = first - 1
             else:
                 acked = last_acked_sequence
-                if acked >= manifest.next_sequence:
-                    raise InvalidInputError(
-                        f"last_acked_sequence: expected < next_sequence "
-                        f"{manifest.next_sequence} of {self._config.manifest_path}, found "
-                        f"{acked}: the sink is ahead of this queue (another queue, or a "
-                        "manifest that was recreated)"
-                    )
+                self._check_ahead(acked, manifest.next_sequence)
                 if acked < first - 1:
                     raise InvalidInputError(
                         f"last_acked_sequence: expected >= {first - 1} (the queue starts at "
@@ -392,6 +402,41 @@ class Consumer:
             logger.warning("consumer fenced: %s", err)
             raise
 
+    def _open_claim(self) -> None:
+        """Read the queue's claim (a consumer that collects makes it, with its grace period)
+        and check this consumer against it."""
+        config = self._config
+        grace = config.gc_grace_period
+        create = None
+        if config.gc_enabled:
+            create = QueueClaim(
+                manifest_path=config.manifest_path,
+                gc_grace_period=grace,
+                created_ms=self._clock.now_ms(),
+            )
+        claim = open_claim(
+            self._store,
+            data_path_prefix=self._prefix,
+            manifest_path=config.manifest_path,
+            create=create,
+        )
+        if claim is not None and config.gc_enabled:
+            claim.check_gc_grace(grace, store_url=self._store.url)
+
+    def _peek_next_sequence(self) -> int:
+        try:
+            return read_manifest(self._store, self._config.manifest_path).manifest.next_sequence
+        except NotFoundError:
+            return 0
+
+    def _check_ahead(self, acked: int | None, next_sequence: int) -> None:
+        if acked is not None and acked >= next_sequence:
+            raise InvalidInputError(
+                f"last_acked_sequence: expected < next_sequence {next_sequence} of "
+                f"{self.queue}, found {acked}: the sink is ahead of this queue (a manifest "
+                "that was recreated, or a sink restored from another queue)"
+            )
+
     def _first_available(self, manifest: Manifest) -> int:
         first = manifest.first_sequence
         return first if first is not None else manifest.next_sequence
@@ -473,6 +518,7 @@ class Consumer:
             sequence=entry.sequence,
             location=location,
             metadata=entry.metadata,
+            queue=self.queue,
         )
 
     def _dequeue(self) -> None:

@@ -104,8 +104,12 @@ class ConsumerService:
         consumer = self._consumer
         self._started = self._clock.monotonic()
         try:
+            # The sink refuses here, before this consumer takes over or dequeues anything, if it
+            # holds another queue's progress.
             start = self._with_retry(
-                stop, "read the sink's last sequence", self._sink.last_sequence
+                stop,
+                "read the sink's last sequence",
+                functools.partial(self._sink.last_sequence, consumer.queue),
             )
             if stop.is_set():
                 return self.stats

@@ -427,7 +427,7 @@ def _consume_phase(
     begin = time.monotonic()
     rows = batches = 0
     with open_sink(sink_url, table=args.table) as sink, Consumer(config) as consumer:
-        consumer.initialize(last_acked_sequence=sink.last_sequence())
+        consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
         while (batch := consumer.next_batch()) is not None:
             sink.write(batch)
             consumer.ack(batch.sequence)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sqlite3
 import threading
 import time
@@ -34,17 +35,30 @@ from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
-from millpond.consumer.sinks import open_sink
-from millpond.errors import CommitStateUnknownError, FencedError, FormatError, StorageError
+from millpond.consumer.sinks import SinkError, open_sink
+from millpond.errors import (
+    CommitStateUnknownError,
+    ConfigError,
+    FencedError,
+    FormatError,
+    StorageError,
+)
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.formats.wal import BindBody
+from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.localstack._process import wait_for
 from millpond.producer import Producer
 from millpond.queue import QueueProducer, read_manifest
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
 from millpond.wal import Wal
-from tests.producer.producer_support import MANIFEST, all_entries, config, fresh_memory
+from tests.producer.producer_support import (
+    MANIFEST,
+    all_entries,
+    config,
+    fresh_memory,
+    read_back,
+)
 
 _ONE_ATTEMPT = RetryPolicy(max_attempts=1, max_elapsed=5.0, base_delay=0.001, max_delay=0.001)
 _FAST = RetryPolicy(max_attempts=1000, max_elapsed=60.0, base_delay=0.001, max_delay=0.05)
@@ -375,3 +389,67 @@ def test_service_close_does_not_hide_why_it_stopped(tmp_path: Path) -> None:
         ConsumerService(consumer, sink, poll_min=0.01, retry_initial_delay=0.01).run(
             threading.Event(), until_idle=True
         )
+
+
+# --- case 4 ----------------------------------------------------------------------------------
+
+
+def _epoch(store: ObjectStore) -> int:
+    return read_manifest(store, MANIFEST).manifest.epoch
+
+
+def test_sink_holding_another_queues_progress_is_refused(tmp_path: Path) -> None:
+    q = fresh_memory()
+    _enqueue(q, 10)
+    x_db = tmp_path / "x.db"
+    _consume_all(q, f"sqlite://{x_db}")
+    assert len(_sink_payloads(f"sqlite://{x_db}")) == 10  # sequences 0..9 recorded
+    # Another queue, pointed at a copy of that database.
+    q4 = fresh_memory()
+    _enqueue(q4, 10)
+    copy = tmp_path / "copy.db"
+    shutil.copyfile(x_db, copy)
+    epoch = _epoch(q4)
+    with pytest.raises(SinkError, match="holds the rows and progress of queue") as refused:
+        _consume_all(q4, f"sqlite://{copy}")
+    message = str(refused.value)
+    assert q.url in message
+    assert q4.url in message
+    # Refused before anything happened to q4: nothing dequeued, no consumer fenced.
+    assert len(_queued(q4)) == 10
+    assert _epoch(q4) == epoch
+    # Side by side: q4 into its own table of the same database.
+    consumer = Consumer(ConsumerConfig(store=q4, gc_enabled=False, retry=_FAST))
+    with open_sink(f"sqlite://{copy}", entry_format="opaque", table="q4_rows") as sink:
+        ConsumerService(consumer, sink, poll_min=0.01).run(threading.Event(), until_idle=True)
+    with contextlib.closing(sqlite3.connect(copy)) as conn:
+        theirs = sorted(bytes(r[0]) for r in conn.execute("SELECT payload FROM q4_rows"))
+        ours = sorted(bytes(r[0]) for r in conn.execute("SELECT payload FROM millpond_rows"))
+    assert theirs == sorted(b"entry-%d" % i for i in range(10))
+    assert ours == theirs  # q's rows, untouched (the same payloads, another queue)
+    assert _queued(q4) == []
+
+
+# --- case 7 ----------------------------------------------------------------------------------
+
+
+def test_two_queues_sharing_a_data_prefix_are_refused(tmp_path: Path) -> None:
+    store = fresh_memory()
+    with Producer(config(store, tmp_path / "a")) as producer:  # queue A claims "ingest"
+        producer.produce([b"a"]).wait(timeout=30)
+    other = "other/manifest"  # queue B: its own manifest, but the same data prefix
+    with pytest.raises(ConfigError, match="data_path_prefix") as by_producer:
+        Producer(config(store, tmp_path / "b", manifest_path=other))
+    with pytest.raises(ConfigError, match="data_path_prefix") as by_consumer:
+        Consumer(
+            ConsumerConfig(store=store, manifest_path=other, gc_enabled=False, retry=_FAST)
+        ).initialize()
+    collector = GarbageCollector(
+        GarbageCollectorConfig(store=store, manifest_path=other, gc_grace_period=0.0)
+    )
+    with pytest.raises(ConfigError, match="data_path_prefix") as by_collector:
+        collector.run_once()
+    for refused in (by_producer, by_consumer, by_collector):
+        assert MANIFEST in str(refused.value)
+        assert other in str(refused.value)
+    assert [p.entries for p in read_back(store)] == [[b"a"]]

@@ -313,7 +313,9 @@ def collect_once(
         deadline = started + window / 2
         for begin in range(0, len(plan.delete), _DELETE_CHUNK):
             chunk = plan.delete[begin : begin + _DELETE_CHUNK]
-            if clock.monotonic() >= deadline:
+            # A zero window (a zero grace period) means no producer may write to this queue
+            # (they refuse to start), so nothing is rewritten and there is no deadline.
+            if window > 0 and clock.monotonic() >= deadline:
                 # A producer that rewrote one of these since our listing waits out the whole
                 # window before appending it; deleting later could take its fresh copy.
                 left = len(plan.delete) - begin

@@ -10,7 +10,7 @@ first schema, extended and widened as schemas drift) and opaque entries into row
 from millpond.consumer.sinks import open_sink
 
 with open_sink("postgresql://app@db:5432/warehouse", table="events") as sink:
-    consumer.initialize(last_acked_sequence=sink.last_sequence())
+    consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
     ...
 ```
 """

@@ -14,6 +14,17 @@ race on one batch (a fenced one that has not noticed yet, and its successor) ser
 progress row: the second blocks until the first commits, then finds the row and skips. A
 skipped batch still gets a ``duplicate`` row, so :meth:`last_sequence` covers it and a resumed
 consumer does not look for entries that were dequeued after being skipped.
+
+Progress is keyed by the queue. Sequences and locations only mean something within one queue,
+so each target table belongs to exactly one: ``{progress_table}_queues`` records, per target
+table, the identity of the queue whose rows it holds (store URL and manifest path). A consumer
+of another queue pointed at that table is refused by :meth:`last_sequence` — before its
+consumer takes over or dequeues anything — and by every write, naming both queues. Several
+queues write into one database side by side, each into its own table.
+
+The progress rows are kept for good: they are how a batch appended again (a producer recovering
+after its first append was consumed) is recognised however late it comes back. Deleting old
+rows by hand shortens that horizon to what is left.
 """
 
 from __future__ import annotations
@@ -95,6 +106,7 @@ class AdbcSink(ABC):
         self._description = description
         self._table = TableName.parse("table", table)
         self._progress = TableName.parse("progress_table", progress_table)
+        self._owners = TableName(name=f"{self._progress.name}_queues", schema=self._progress.schema)
         self._entry_format = EntryFormat.parse(entry_format)
         if sequence_column is not None and not sequence_column:
             raise ConfigError("sequence_column", "expected a column name or None, found ''")
@@ -116,22 +128,31 @@ class AdbcSink(ABC):
         """The target table, ``[schema.]name``."""
         return str(self._table)
 
-    def last_sequence(self) -> int | None:
-        """The highest sequence recorded for this table, or ``None``.
+    def last_sequence(self, queue: str) -> int | None:
+        """The highest sequence of ``queue`` recorded for this table, or ``None``.
+
+        The first call for a table makes it ``queue``'s.
+
+        Args:
+            queue: the consumer's queue identity (``Consumer.queue``).
 
         Raises:
-            SinkError: the database failed.
+            SinkError: the table belongs to another queue (permanent, naming both), or the
+                database failed.
         """
-        rows = self._transaction(
-            lambda cur: self._fetch(
+
+        def work(cur: Any) -> int | None:
+            self._own(cur, queue)
+            rows = self._fetch(
                 cur,
                 f"SELECT max(sequence) FROM {self._progress.sql} WHERE target_table = "
                 f"{self._param(1)}",
                 (str(self._table),),
             )
-        )
-        value = rows[0][0] if rows else None
-        return int(value) if value is not None else None
+            value = rows[0][0] if rows else None
+            return int(value) if value is not None else None
+
+        return self._transaction(work)
 
     def write(self, batch: ConsumedBatch) -> bool:
         """Write the batch's rows, sequence and location in one transaction.
@@ -238,10 +259,52 @@ class AdbcSink(ABC):
 
     # -- the transaction -------------------------------------------------------------------
 
+    def _own(self, cur: Any, queue: str) -> None:
+        """Make the target table ``queue``'s if it is nobody's; refuse it if it is another's."""
+        now_ms = time.time_ns() // 1_000_000
+        table = str(self._table)
+        p = self._param
+        claimed = self._fetch(
+            cur,
+            f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
+            f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING RETURNING queue",
+            (table, queue, now_ms),
+        )
+        if claimed:
+            # Progress rows older than any owner record would be of an unknown queue.
+            legacy = self._fetch(
+                cur,
+                f"SELECT count(*) FROM {self._progress.sql} WHERE target_table = {p(1)}",
+                (table,),
+            )
+            if legacy and int(legacy[0][0]):
+                raise SinkError(
+                    f"{self._description}: table {table} has {int(legacy[0][0])} progress rows "
+                    f"in {self._progress} but no record of the queue they belong to; this "
+                    f"consumer reads {queue}. If they are that queue's, record it: INSERT INTO "
+                    f"{self._owners} VALUES ('{table}', '{queue}', 0)",
+                    transient=False,
+                )
+            return
+        owner = self._fetch(
+            cur, f"SELECT queue FROM {self._owners.sql} WHERE target_table = {p(1)}", (table,)
+        )
+        found = str(owner[0][0]) if owner else None
+        if found != queue:
+            raise SinkError(
+                f"{self._description}: table {table} holds the rows and progress of queue "
+                f"{found}; this consumer reads queue {queue}. Sequences of one queue mean "
+                "nothing to another: give this queue its own table (--table); queues share a "
+                "database side by side, never a table",
+                transient=False,
+            )
+
     def _write(
         self, cur: Any, batches: Sequence[ConsumedBatch], rows: Sequence[pa.Table]
     ) -> list[bool]:
         now_ms = time.time_ns() // 1_000_000
+        for queue in sorted({batch.queue for batch in batches}):
+            self._own(cur, queue)
         # A location repeated inside the group is a duplicate of its first occurrence.
         seen: set[str] = set()
         candidates: list[ConsumedBatch] = []
@@ -417,6 +480,11 @@ class AdbcSink(ABC):
             cur.execute(
                 f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(self._progress.name + '_location')} "
                 f"ON {self._progress.sql} (target_table, location) WHERE NOT duplicate"
+            )
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {self._owners.sql} ("
+                "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
+                "claimed_at_ms BIGINT NOT NULL)"
             )
             self._commit(conn, cur)
         except BaseException:

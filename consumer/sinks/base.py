@@ -3,7 +3,8 @@
 Exactly-once delivery (RFC, "Delivery guarantees") rests on one rule: a sink writes a batch's
 rows, its sequence and its location in one transaction. On restart the consumer resumes after
 :meth:`Sink.last_sequence`; a batch whose location is already recorded is skipped, so a batch
-that a recovering producer enqueued twice lands once.
+that a recovering producer enqueued twice lands once. Progress belongs to one queue: a sink
+holding another queue's refuses to resume (or write) for this one.
 """
 
 from __future__ import annotations
@@ -67,11 +68,15 @@ class Sink(Protocol):
         """Rows committed by this sink object since it was opened."""
         ...
 
-    def last_sequence(self) -> int | None:
-        """The highest sequence recorded, or ``None`` when nothing ever was.
+    def last_sequence(self, queue: str) -> int | None:
+        """The highest sequence of ``queue`` recorded, or ``None`` when nothing ever was.
+
+        Args:
+            queue: the identity of the queue being consumed (``Consumer.queue``).
 
         Raises:
-            SinkError: the database failed.
+            SinkError: the sink holds another queue's progress (permanent, naming both), or
+                the database failed.
         """
         ...
 

@@ -42,8 +42,8 @@ class CountingSink:
     def rows_written(self) -> int:
         return int(self.inner.rows_written)
 
-    def last_sequence(self) -> int | None:
-        result: int | None = self.inner.last_sequence()
+    def last_sequence(self, queue: str) -> int | None:
+        result: int | None = self.inner.last_sequence(queue)
         return result
 
     def write(self, batch: ConsumedBatch) -> bool:
@@ -200,7 +200,7 @@ def test_write_many_is_all_or_nothing(database: Database) -> None:
     with database.sink() as sink:
         with pytest.raises(FormatError, match="unified"):
             sink.write_many([good, clash])
-        assert sink.last_sequence() is None
+        assert sink.last_sequence("") is None
         assert sink.write_many([good, repeat]) == [True, False]
-        assert sink.last_sequence() == 2
+        assert sink.last_sequence("") == 2
     assert database.query(f'SELECT n FROM "{database.table}"') == [(1,)]

@@ -33,7 +33,7 @@ def _arrow_batch(sequence: int, table: pa.Table, location: str | None = None) ->
 
 def test_write_records_rows_sequence_and_location_once(database: Database) -> None:
     with database.sink() as sink:
-        assert sink.last_sequence() is None
+        assert sink.last_sequence("") is None
         assert sink.write(_arrow_batch(0, pa.table({"n": [1, 2, 3]}))) is True
         assert sink.write(_arrow_batch(1, pa.table({"n": [4]}))) is True
         # The same batch again (a resumed or fenced twin): skipped.
@@ -43,7 +43,7 @@ def test_write_records_rows_sequence_and_location_once(database: Database) -> No
             2, pa.table({"n": [4]}), location="ingest/00000000000000000000000001.batch"
         )
         assert sink.write(again) is False
-        assert sink.last_sequence() == 2
+        assert sink.last_sequence("") == 2
         assert sink.rows_written == 4
     rows = database.query(f'SELECT n, _millpond_sequence FROM "{database.table}" ORDER BY n')
     assert rows == [(1, 0), (2, 0), (3, 0), (4, 1)]
@@ -92,7 +92,7 @@ def test_opaque_entries_become_one_row_each(database: Database) -> None:
     )
     with database.sink() as sink:
         assert sink.write(batch)
-        assert sink.last_sequence() == 7
+        assert sink.last_sequence("") == 7
     rows = database.query(
         "SELECT sequence, entry_index, payload, ingestion_time_ms, metadata "
         f'FROM "{database.table}" ORDER BY entry_index'
@@ -114,7 +114,7 @@ def test_mixed_entries_need_an_explicit_format(database: Database) -> None:
         sink.write(batch)
     with database.sink(entry_format=EntryFormat.OPAQUE) as sink:
         assert sink.write(batch)
-        assert sink.last_sequence() == 0
+        assert sink.last_sequence("") == 0
 
 
 def test_a_failed_transaction_leaves_nothing(
@@ -129,7 +129,7 @@ def test_a_failed_transaction_leaves_nothing(
         monkeypatch.setattr(sink, "_prepare", explode)
         with pytest.raises(RuntimeError):
             sink.write(_arrow_batch(1, pa.table({"n": [2]})))
-        assert sink.last_sequence() == 0
+        assert sink.last_sequence("") == 0
         monkeypatch.undo()
         assert sink.write(_arrow_batch(1, pa.table({"n": [2]})))
     assert database.query(f'SELECT n FROM "{database.table}" ORDER BY n') == [(1,), (2,)]
@@ -172,7 +172,7 @@ def test_unreconcilable_column_types_are_a_permanent_error(
         with pytest.raises(SinkError, match="'n'") as info:
             sink.write(_arrow_batch(1, pa.table({"n": ["text"]})))
         assert not info.value.transient
-        assert sink.last_sequence() == 0
+        assert sink.last_sequence("") == 0
 
 
 def test_a_dropped_connection_reconnects(postgres_database: Database) -> None:
@@ -186,14 +186,14 @@ def test_a_dropped_connection_reconnects(postgres_database: Database) -> None:
         )
         assert terminated
         assert sink.write(_arrow_batch(1, pa.table({"n": [2]})))
-        assert sink.last_sequence() == 1
+        assert sink.last_sequence("") == 1
     assert database.query(f'SELECT n FROM "{database.table}" ORDER BY n') == [(1,), (2,)]
 
 
 def test_an_unreachable_database_is_a_transient_error() -> None:
     sink = PostgresSink("postgresql://postgres:pw@127.0.0.1:1/millpond")
     with pytest.raises(SinkError) as info:
-        sink.last_sequence()
+        sink.last_sequence("")
     assert info.value.transient
     assert "pw@" not in str(info.value)
 

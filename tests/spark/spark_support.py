@@ -66,7 +66,7 @@ class Queue:
             store=self.url, store_options=self.endpoint.store_options(), gc_enabled=False
         )
         with open_sink(sink_url, table=table) as sink, Consumer(config) as consumer:
-            consumer.initialize(last_acked_sequence=sink.last_sequence())
+            consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
             while (batch := consumer.next_batch()) is not None:
                 sink.write(batch)
                 consumer.ack(batch.sequence)
