@@ -88,13 +88,12 @@ def for_sqlite(values: pa.ChunkedArray, column: ColumnType) -> tuple[pa.ChunkedA
 
 def decimal_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
     """Exact decimals (or integers) as plain-notation text: ``'12300'``, ``'-0.01'``."""
-    if pa.types.is_integer(values.type):
-        return _cast(values, pa.string())
-    if values.type.scale >= 0:
-        return _cast(values, pa.string())
-    # Arrow writes negative-scale decimals in scientific notation ('1.23E+4').
-    text = [None if v is None else format(v, "f") for v in values.to_pylist()]
-    return pa.chunked_array([pa.array(text, pa.string())], pa.string())
+    text = _cast(values, pa.string())
+    if pa.types.is_integer(values.type) or not pc.any(pc.match_substring(text, "E")).as_py():
+        return text
+    # Arrow writes some decimals in scientific notation ('1.23E+4', '1E-10').
+    plain = [None if v is None else format(v, "f") for v in values.to_pylist()]
+    return pa.chunked_array([pa.array(plain, pa.string())], pa.string())
 
 
 def json_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
