@@ -329,6 +329,7 @@ def check_database(kind: str, url: str, table: str, copies: int) -> None:
         expected_types = POSTGRES_TYPES
     else:
         path = url.removeprefix("sqlite://")
+        path = "/" + path.lstrip("/")
         rows = sqlite_rows(path, table)
         types = sqlite_types(path, table)
         expected = SQLITE_VALUES

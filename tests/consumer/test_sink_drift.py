@@ -155,7 +155,9 @@ def test_widening_is_applied_with_alter(database: Database) -> None:
         sink.write(
             _batch(
                 2,
-                pa.table({"n": pa.array([2.0, 2.5], pa.float64()), "d": pa.array([7, 7], pa.int32())}),
+                pa.table(
+                    {"n": pa.array([2.0, 2.5], pa.float64()), "d": pa.array([7, 7], pa.int32())}
+                ),
             )
         )
     after = _column_types(database)
