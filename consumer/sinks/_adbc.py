@@ -411,7 +411,7 @@ class AdbcSink(ABC):
             except SinkError as err:
                 if not err.transient or attempt == _QUICK_RETRIES - 1:
                     raise
-                logger.debug("transient sink error, retrying at once: %s", err)
+                logger.warning("%s; retrying at once", err)
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 

@@ -24,12 +24,12 @@ from millpond.consumer.sinks.errors import ErrorClass, classify_sqlite
 from millpond.consumer.sinks.types import SQLITE, ColumnType, Dialect
 from millpond.errors import ConfigError
 
-__all__ = ["SQLiteSink"]
+__all__ = ["DEFAULT_BUSY_TIMEOUT_MS", "SQLiteSink"]
 
 logger = logging.getLogger(__name__)
 
-# How long a writer waits for another process's lock before SQLite reports "busy".
-_BUSY_TIMEOUT_MS = 30_000
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+"""How long a writer waits for another process's lock before SQLite reports "busy"."""
 _MAX_PARAMS = 500  # bound parameters per statement, well under SQLite's limit
 
 
@@ -44,8 +44,12 @@ class SQLiteSink(AdbcSink):
         entry_format: EntryFormat | str = EntryFormat.AUTO,
         sequence_column: str | None = "_millpond_sequence",
         progress_table: str = "millpond_progress",
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     ) -> None:
         """Open (lazily) the database at ``path``; it is created on first use.
+
+        ``busy_timeout_ms`` is how long a write waits for another process's lock before it
+        fails with ``SQLITE_BUSY`` (transient: the service retries with backoff).
 
         Raises:
             ConfigError: a bad table name or entry format, or adbc-driver-sqlite missing.
@@ -57,6 +61,7 @@ class SQLiteSink(AdbcSink):
                 "sink", "SQLite sink needs adbc-driver-sqlite: pip install 'millpond[sqlite]'"
             ) from err
         self._path = Path(path)
+        self._busy_timeout_ms = busy_timeout_ms
         if str(path) in ("", ":memory:"):
             raise ConfigError("sink", f"expected a database file path, found {str(path)!r}")
         super().__init__(
@@ -79,7 +84,7 @@ class SQLiteSink(AdbcSink):
         cur = conn.cursor()
         try:
             # The timeout first: switching to WAL takes a lock another process may hold.
-            cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            cur.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             cur.fetchall()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.fetchall()
