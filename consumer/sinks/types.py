@@ -364,6 +364,8 @@ class SparkType:
 
     spark: str
     arrow: pa.DataType
+    arrow_text: str = ""
+    """How the README shows the Arrow type (default: ``str(arrow)``)."""
 
 
 SPARK_TYPES: tuple[SparkType, ...] = (
@@ -374,16 +376,20 @@ SPARK_TYPES: tuple[SparkType, ...] = (
     SparkType("long (bigint)", pa.int64()),
     SparkType("float", pa.float32()),
     SparkType("double", pa.float64()),
-    SparkType("decimal(p,s), p ≤ 38, s < 0 allowed", pa.decimal128(38, 10)),
+    SparkType("decimal(p,s), p ≤ 38, s < 0 allowed", pa.decimal128(38, 10), "decimal128(p, s)"),
     SparkType("string, char(n), varchar(n)", pa.string()),
     SparkType("binary", pa.binary()),
     SparkType("date", pa.date32()),
-    SparkType("timestamp (any session zone)", pa.timestamp("us", tz="Etc/UTC")),
+    SparkType(
+        "timestamp",
+        pa.timestamp("us", tz="Etc/UTC"),
+        "timestamp[us, tz=<session time zone>]",
+    ),
     SparkType("timestamp_ntz", pa.timestamp("us")),
     SparkType("interval day to second", pa.duration("us")),
-    SparkType("array<T>", pa.list_(pa.int32())),
-    SparkType("map<K,V>", pa.map_(pa.string(), pa.int32())),
-    SparkType("struct<...>", pa.struct([("x", pa.int32())])),
+    SparkType("array<T>", pa.list_(pa.int32()), "list<T>"),
+    SparkType("map<K,V>", pa.map_(pa.string(), pa.int32()), "map<K, V>"),
+    SparkType("struct<...>", pa.struct([("x", pa.int32())]), "struct<...>"),
     SparkType("void (NULL literal)", pa.null()),
 )
 """Every Spark SQL type ``format("millpond")`` writes. Not writable: ``interval year to
@@ -415,6 +421,6 @@ def mapping_markdown() -> str:
                     else dialect.sql_type(example)
                 )
                 cells += [f"`{sql}`", dialect.values[column.kind]]
-        arrow = "`decimal128(p, s)`" if pa.types.is_decimal(row.arrow) else f"`{row.arrow}`"
+        arrow = f"`{row.arrow_text or row.arrow}`"
         lines.append(f"| {row.spark} | {arrow} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

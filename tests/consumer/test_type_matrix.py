@@ -10,9 +10,10 @@ import pytest
 from consumer_support import Database
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
+from millpond.consumer.sinks.types import POSTGRES, SQLITE, column_type, mapping_markdown
 from millpond.formats.arrow import encode_ipc
 from millpond.producer import Producer, ProducerConfig
-from tests.type_matrix import arrow_table, check_database
+from tests.type_matrix import POSTGRES_TYPES, SQLITE_TYPES, arrow_table, check_database
 
 ZONES = ["Etc/UTC", "America/New_York"]
 
@@ -51,3 +52,23 @@ def test_the_matrix_in_two_zones_lands_as_documented(database: Database) -> None
         assert sink.write(batches[0])
         assert sink.write(batches[1])
     check_database(database.kind, database.url, database.table, copies=2)
+
+
+def test_the_readme_shows_the_mapping_the_code_applies() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    shown = readme.split("<!-- types:begin -->\n", 1)[1].split("<!-- types:end -->", 1)[0]
+    assert shown == mapping_markdown(), "regenerate the README table from mapping_markdown()"
+
+
+def test_the_mapping_declares_the_types_the_matrix_reads_back() -> None:
+    """The README table comes from the dialects; the matrix checks the reflected types against
+    hand-written ones. Both must be the same types."""
+    schema = arrow_table("Etc/UTC").schema
+    for name, expected in POSTGRES_TYPES.items():
+        column = column_type(schema.field(name).type)
+        assert column is not None
+        assert POSTGRES.sql_type(column) == expected, name
+    for name, expected in SQLITE_TYPES.items():
+        column = column_type(schema.field(name).type)
+        assert column is not None
+        assert SQLITE.sql_type(column) == expected, name
