@@ -58,13 +58,41 @@ def decode_ipc(data: bytes | memoryview, *, name: str = "entry") -> pa.Table:
 def unify_tables(tables: Sequence[pa.Table]) -> pa.Table:
     """Concatenate tables whose schemas drifted: superset of columns, widest types, nulls.
 
+    A column that is all-null (Arrow ``null`` type) in some tables takes the type the others
+    give it. Time-zone-aware timestamps are instants whatever their zone is called
+    (``Etc/UTC``, ``UTC``, ``America/New_York``): they are unified under the zone of the first
+    table that has one, which changes no value.
+
     Raises:
         FormatError: two schemas cannot be reconciled (say, a string and an int column of
             the same name).
     """
     if not tables:
         return pa.table({})
+    tables = _same_zones(tables)
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
         raise FormatError(f"schemas cannot be unified: {err}", field="schema") from err
+
+
+def _same_zones(tables: Sequence[pa.Table]) -> Sequence[pa.Table]:
+    zones: dict[str, str] = {}
+    for table in tables:
+        for field in table.schema:
+            if pa.types.is_timestamp(field.type) and field.type.tz is not None:
+                zones.setdefault(field.name, field.type.tz)
+    if not zones:
+        return tables
+    out: list[pa.Table] = []
+    for table in tables:
+        for index, field in enumerate(table.schema):
+            zone = zones.get(field.name)
+            dtype = field.type
+            if zone is not None and pa.types.is_timestamp(dtype) and dtype.tz not in (None, zone):
+                wanted = pa.timestamp(dtype.unit, tz=zone)
+                table = table.set_column(
+                    index, field.with_type(wanted), table.column(index).cast(wanted)
+                )
+        out.append(table)
+    return out

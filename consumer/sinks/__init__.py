@@ -17,13 +17,13 @@ with open_sink("postgresql://app@db:5432/warehouse", table="events") as sink:
 
 from __future__ import annotations
 
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from millpond.consumer.sinks._adbc import AdbcSink
 from millpond.consumer.sinks._rows import OPAQUE_SCHEMA, batch_rows, detect_format
 from millpond.consumer.sinks.base import EntryFormat, Sink, SinkError
 from millpond.consumer.sinks.postgres import PostgresSink, redact
-from millpond.consumer.sinks.sqlite import SQLiteSink
+from millpond.consumer.sinks.sqlite import DEFAULT_BUSY_TIMEOUT_MS, SQLiteSink
 from millpond.errors import ConfigError
 
 __all__ = [
@@ -49,7 +49,8 @@ def open_sink(
     sequence_column: str | None = "_millpond_sequence",
     progress_table: str = "millpond_progress",
 ) -> AdbcSink:
-    """A sink from a URL: ``sqlite:///absolute/path.db`` or ``postgresql://...``.
+    """A sink from a URL: ``sqlite:///absolute/path.db[?busy_timeout_ms=N]`` or
+    ``postgresql://...`` (libpq's URL, ``?options=-c lock_timeout=...`` and all).
 
     Args:
         url: where the database is.
@@ -67,8 +68,18 @@ def open_sink(
         path = unquote(parts.path)
         if parts.netloc or not path.startswith("/"):
             raise ConfigError("sink", f"expected sqlite:///absolute/path.db, found {url!r}")
+        query = parse_qs(parts.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"busy_timeout_ms"})
+        if unknown:
+            raise ConfigError("sink", f"expected only busy_timeout_ms in {url!r}, found {unknown}")
+        timeout = query.get("busy_timeout_ms", [str(DEFAULT_BUSY_TIMEOUT_MS)])[-1]
+        if not timeout.isdigit():
+            raise ConfigError(
+                "busy_timeout_ms", f"expected milliseconds (an integer), found {timeout!r}"
+            )
         return SQLiteSink(
             path,
+            busy_timeout_ms=int(timeout),
             table=table,
             entry_format=entry_format,
             sequence_column=sequence_column,

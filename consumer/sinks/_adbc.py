@@ -42,7 +42,10 @@ import pyarrow as pa
 from millpond.common.metrics import Counters
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer.sinks._rows import batch_rows
+from millpond.consumer.sinks._schema import SchemaPlan, plan_schema, unreconcilable
 from millpond.consumer.sinks.base import EntryFormat, SinkError
+from millpond.consumer.sinks.errors import ErrorClass
+from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
 from millpond.formats.arrow import unify_tables
 
@@ -114,7 +117,7 @@ class AdbcSink(ABC):
         self._conn: Any = None
         # The target table's columns as the database reports them, or None when unknown.
         # Cleared on every failed transaction: DDL that rolled back must not stay cached.
-        self._columns: dict[str, pa.DataType] | None = None
+        self._columns: dict[str, ColumnType] | None = None
         self.counters = Counters("batches_written", "batches_skipped", "rows_written")
 
     # -- Sink ------------------------------------------------------------------------------
@@ -186,7 +189,13 @@ class AdbcSink(ABC):
             batch_rows(batch, self._entry_format, sequence_column=self._sequence_column)
             for batch in batches
         ]
-        written = self._transaction(lambda cur: self._write(cur, batches, rows))
+        try:
+            written = self._transaction(lambda cur: self._write(cur, batches, rows))
+        except SinkError as err:
+            if err.transient:
+                raise
+            # Permanent: the service stops here, so the message names the batch to look at.
+            raise SinkError(f"{_describe(batches)}: {err}", transient=False) from err
         for batch, table, ok in zip(batches, rows, written, strict=True):
             if ok:
                 self.counters.add("batches_written")
@@ -233,25 +242,38 @@ class AdbcSink(ABC):
     def _param(self, index: int) -> str:
         """The placeholder of the 1-based parameter ``index``."""
 
+    @property
     @abstractmethod
-    def _sql_type(self, column: str, dtype: pa.DataType) -> str:
-        """The column type to declare for an Arrow type."""
+    def _dialect(self) -> Dialect:
+        """How this database spells column types."""
 
     @abstractmethod
-    def _reflect(self, conn: Any, cur: Any) -> dict[str, pa.DataType] | None:
-        """The target table's columns, or ``None`` when it does not exist."""
+    def _name_key(self, name: str) -> str:
+        """A column name as the database compares names (two names, one key: one column)."""
 
     @abstractmethod
-    def _widen(self, column: str, existing: pa.DataType, incoming: pa.DataType) -> str | None:
-        """An ``ALTER COLUMN ... TYPE`` statement when ``incoming`` needs a wider column."""
+    def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
+        """The target table's columns in order, or ``None`` when it does not exist."""
 
     @abstractmethod
-    def _conform(self, rows: pa.Table, columns: dict[str, pa.DataType]) -> pa.Table:
-        """The rows cast to what the table's columns accept."""
+    def _lock_schema(self, cur: Any) -> None:
+        """Serialize DDL on the target table with other writers until the transaction ends."""
 
     @abstractmethod
-    def _is_transient(self, err: Exception) -> bool:
-        """Whether a driver error means "try again later"."""
+    def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
+        """Change a column's type (``empty``: it holds only NULLs, nothing to convert)."""
+
+    @abstractmethod
+    def _conform(self, rows: pa.Table, columns: dict[str, ColumnType]) -> pa.Table:
+        """The rows (already named as the table's columns) in what the columns take."""
+
+    @abstractmethod
+    def _classify(self, err: Exception) -> ErrorClass:
+        """A driver error's class: transient (retry) or permanent (stop)."""
+
+    def _ingest(self, cur: Any, rows: pa.Table) -> None:
+        """Bulk-insert conformed rows into the target table."""
+        cur.adbc_ingest(self._table.name, rows, mode="append", db_schema_name=self._table.schema)
 
     @abstractmethod
     def _driver_errors(self) -> tuple[type[Exception], ...]:
@@ -332,9 +354,7 @@ class AdbcSink(ABC):
         if tables:
             combined = tables[0] if len(tables) == 1 else unify_tables(tables)
             combined = self._prepare(cur, combined)
-            cur.adbc_ingest(
-                self._table.name, combined, mode="append", db_schema_name=self._table.schema
-            )
+            self._ingest(cur, combined)
         return [batch.sequence in claimed for batch in batches]
 
     def _insert_progress(
@@ -370,39 +390,79 @@ class AdbcSink(ABC):
         )
 
     def _prepare(self, cur: Any, rows: pa.Table) -> pa.Table:
-        """Create or evolve the target table for ``rows``; return them conformed to it."""
-        columns = self._columns
+        """Create or evolve the target table for ``rows``; return them conformed to it.
+
+        Raises:
+            SinkError: permanent when the rows cannot go into the table (see
+                :func:`plan_schema`); the driver's errors otherwise.
+        """
+        columns = self._columns if self._columns is not None else self._reflect(cur)
+        plan = self._plan(rows, columns)
+        if plan.has_ddl:
+            # Another consumer may be changing the same table (or did, and our cached columns
+            # are stale): take the schema lock, then decide again on what the table is now.
+            self._lock_schema(cur)
+            columns = self._reflect(cur)
+            plan = self._plan(rows, columns)
+            if plan.has_ddl:
+                self._apply(cur, plan)
+                columns = self._reflect(cur)
         if columns is None:
-            columns = self._reflect(self._conn, cur)
-        if columns is None:
+            raise SinkError(f"table {self._table} is missing after it was created", transient=True)
+        self._columns = columns
+        kept = [name for name in rows.column_names if plan.targets.get(name) is not None]
+        rows = rows.select(kept).rename_columns([str(plan.targets[name]) for name in kept])
+        return self._conform(rows, columns)
+
+    def _plan(self, rows: pa.Table, columns: dict[str, ColumnType] | None) -> SchemaPlan:
+        return plan_schema(
+            rows,
+            columns,
+            name_key=self._name_key,
+            table=str(self._table),
+            database=self._dialect.name,
+        )
+
+    def _apply(self, cur: Any, plan: SchemaPlan) -> None:
+        dialect = self._dialect
+        if plan.create is not None:
             definitions = ", ".join(
-                f"{quote(field.name)} {self._sql_type(field.name, field.type)}"
-                for field in rows.schema
+                f"{quote(name)} {dialect.sql_type(column)}" for name, column in plan.create
             )
             cur.execute(f"CREATE TABLE IF NOT EXISTS {self._table.sql} ({definitions})")
-            columns = self._reflect(self._conn, cur) or {}
-            logger.info("created table %s with %s columns", self._table, len(columns))
-        changed = False
-        for field in rows.schema:
-            existing = columns.get(field.name)
-            if existing is None:
+            logger.info("created table %s with %s columns", self._table, len(plan.create))
+        for change in plan.changes:
+            if change.action == "add":
                 # Drifted schema: a new column, nullable so older rows read as NULL.
                 cur.execute(
-                    f"ALTER TABLE {self._table.sql} ADD COLUMN {quote(field.name)} "
-                    f"{self._sql_type(field.name, field.type)}"
+                    f"ALTER TABLE {self._table.sql} ADD COLUMN {quote(change.column)} "
+                    f"{dialect.sql_type(change.new)}"
                 )
-                logger.info("added column %s to %s", field.name, self._table)
-                changed = True
+                logger.info("added column %s %s to %s", change.column, change.new, self._table)
                 continue
-            statement = self._widen(field.name, existing, field.type)
-            if statement is not None:
-                cur.execute(statement)
-                logger.info("widened column %s of %s for %s", field.name, self._table, field.type)
-                changed = True
-        if changed:
-            columns = self._reflect(self._conn, cur) or {}
-        self._columns = columns
-        return self._conform(rows, columns)
+            empty = change.action == "retype_if_empty"
+            if empty and not self._holds_only_nulls(cur, change.column):
+                assert change.existing is not None
+                raise unreconcilable(
+                    str(self._table), change, dialect.name, dialect.sql_type(change.existing)
+                )
+            self._retype(cur, change.column, change.new, empty=empty)
+            logger.info(
+                "changed column %s of %s from %s to %s%s",
+                change.column,
+                self._table,
+                change.existing,
+                change.new,
+                " (it held only NULLs)" if empty else "",
+            )
+
+    def _holds_only_nulls(self, cur: Any, column: str) -> bool:
+        rows = self._fetch(
+            cur,
+            f"SELECT 1 FROM {self._table.sql} WHERE {quote(column)} IS NOT NULL LIMIT 1",
+            (),
+        )
+        return not rows
 
     def _transaction(self, work: Callable[[Any], _T]) -> _T:
         # A few quick retries absorb the races of two consumers creating the same table and
@@ -414,7 +474,7 @@ class AdbcSink(ABC):
             except SinkError as err:
                 if not err.transient or attempt == _QUICK_RETRIES - 1:
                     raise
-                logger.debug("transient sink error, retrying at once: %s", err)
+                logger.warning("%s; retrying at once", err)
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 
@@ -449,11 +509,12 @@ class AdbcSink(ABC):
                 logger.debug("closing a cursor failed", exc_info=True)
 
     def _translate(self, err: Exception) -> SinkError:
-        transient = self._is_transient(err)
+        error_class = self._classify(err)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return SinkError(
-            f"{self._description} table {self._table}: {type(err).__name__}: {first}",
-            transient=transient,
+            f"{self._description} table {self._table}: {type(err).__name__}: {first} "
+            f"[{error_class}]",
+            transient=error_class.transient,
         )
 
     def _connection(self) -> Any:
@@ -507,6 +568,12 @@ class AdbcSink(ABC):
         cur.execute(sql, params)
         rows: list[tuple[Any, ...]] = cur.fetchall()
         return rows
+
+
+def _describe(batches: Sequence[ConsumedBatch]) -> str:
+    if len(batches) == 1:
+        return f"sequence {batches[0].sequence} ({batches[0].location})"
+    return f"sequences {batches[0].sequence}..{batches[-1].sequence}"
 
 
 def _close_quietly(conn: Any) -> None:

@@ -14,18 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from millpond.consumer.sinks._adbc import AdbcSink, quote
-from millpond.consumer.sinks.base import EntryFormat
+from millpond.consumer.sinks._schema import ascii_casefold
+from millpond.consumer.sinks._values import for_sqlite
+from millpond.consumer.sinks.base import EntryFormat, SinkError
+from millpond.consumer.sinks.errors import ErrorClass, classify_sqlite
+from millpond.consumer.sinks.types import SQLITE, ColumnType, Dialect
 from millpond.errors import ConfigError
 
-__all__ = ["SQLiteSink"]
+__all__ = ["DEFAULT_BUSY_TIMEOUT_MS", "SQLiteSink"]
 
 logger = logging.getLogger(__name__)
 
-# How long a writer waits for another process's lock before SQLite reports "busy".
-_BUSY_TIMEOUT_MS = 30_000
-_TRANSIENT_WORDS = ("locked", "busy", "duplicate column", "already exists")
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+"""How long a writer waits for another process's lock before SQLite reports "busy"."""
+_MAX_PARAMS = 500  # bound parameters per statement, well under SQLite's limit
 
 
 class SQLiteSink(AdbcSink):
@@ -39,8 +44,12 @@ class SQLiteSink(AdbcSink):
         entry_format: EntryFormat | str = EntryFormat.AUTO,
         sequence_column: str | None = "_millpond_sequence",
         progress_table: str = "millpond_progress",
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     ) -> None:
         """Open (lazily) the database at ``path``; it is created on first use.
+
+        ``busy_timeout_ms`` is how long a write waits for another process's lock before it
+        fails with ``SQLITE_BUSY`` (transient: the service retries with backoff).
 
         Raises:
             ConfigError: a bad table name or entry format, or adbc-driver-sqlite missing.
@@ -52,6 +61,7 @@ class SQLiteSink(AdbcSink):
                 "sink", "SQLite sink needs adbc-driver-sqlite: pip install 'millpond[sqlite]'"
             ) from err
         self._path = Path(path)
+        self._busy_timeout_ms = busy_timeout_ms
         if str(path) in ("", ":memory:"):
             raise ConfigError("sink", f"expected a database file path, found {str(path)!r}")
         super().__init__(
@@ -74,7 +84,7 @@ class SQLiteSink(AdbcSink):
         cur = conn.cursor()
         try:
             # The timeout first: switching to WAL takes a lock another process may hold.
-            cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            cur.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
             cur.fetchall()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.fetchall()
@@ -95,41 +105,82 @@ class SQLiteSink(AdbcSink):
     def _param(self, index: int) -> str:
         return "?"
 
-    def _sql_type(self, column: str, dtype: pa.DataType) -> str:
-        if pa.types.is_dictionary(dtype):
-            dtype = dtype.value_type
-        if pa.types.is_boolean(dtype):
-            return "BOOLEAN"
-        if pa.types.is_integer(dtype):
-            return "INTEGER"
-        if pa.types.is_floating(dtype):
-            return "REAL"
-        if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
-            return "TEXT"
-        if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype):
-            return "BLOB"
-        # No declared type: no affinity, so SQLite keeps values exactly as the driver binds
-        # them (a TEXT column would turn integer timestamps into strings).
-        return ""
+    @property
+    def _dialect(self) -> Dialect:
+        return SQLITE
 
-    def _reflect(self, conn: Any, cur: Any) -> dict[str, pa.DataType] | None:
+    def _name_key(self, name: str) -> str:
+        return ascii_casefold(name)
+
+    def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
         schema = f"{quote(self._table.schema)}." if self._table.schema else ""
         cur.execute(f"PRAGMA {schema}table_info({quote(self._table.name)})")
         rows = cur.fetchall()
         if not rows:
             return None
-        # SQLite columns take any value; only the names matter here.
-        return {str(row[1]): pa.null() for row in rows}
+        return {str(row[1]): SQLITE.parse(str(row[2] or "")) for row in rows}
 
-    def _widen(self, column: str, existing: pa.DataType, incoming: pa.DataType) -> str | None:
-        return None  # dynamic typing: a column already holds any value
+    def _lock_schema(self, cur: Any) -> None:
+        pass  # BEGIN IMMEDIATE already holds the database's write lock
 
-    def _conform(self, rows: pa.Table, columns: dict[str, pa.DataType]) -> pa.Table:
-        return rows
+    def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
+        # SQLite cannot change a column's type: add a column of the new type, copy the values
+        # over (the new column's affinity converts them), drop the old one. The column moves
+        # to the end of the table.
+        table = self._table.sql
+        old = f"{column}__millpond_old"
+        cur.execute(f"ALTER TABLE {table} RENAME COLUMN {quote(column)} TO {quote(old)}")
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN {quote(column)} {SQLITE.sql_type(new)}")
+        if not empty:
+            cur.execute(f"UPDATE {table} SET {quote(column)} = {quote(old)}")
+        cur.execute(f"ALTER TABLE {table} DROP COLUMN {quote(old)}")
 
-    def _is_transient(self, err: Exception) -> bool:
-        text = str(err).lower()
-        return any(word in text for word in _TRANSIENT_WORDS)
+    def _conform(self, rows: pa.Table, columns: dict[str, ColumnType]) -> pa.Table:
+        arrays: list[pa.ChunkedArray] = []
+        for name, values in zip(rows.column_names, rows.columns, strict=True):
+            try:
+                arrays.append(for_sqlite(values, columns[name])[0])
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
+                raise SinkError(
+                    f"table {self._table}, column {name!r}: cannot store {values.type} values "
+                    f"in SQLite ({err})",
+                    transient=False,
+                ) from err
+        return pa.Table.from_arrays(arrays, names=rows.column_names)
+
+    def _ingest(self, cur: Any, rows: pa.Table) -> None:
+        nans = {
+            name: pc.indices_nonzero(pc.fill_null(pc.is_nan(values), False)).to_pylist()
+            for name, values in zip(rows.column_names, rows.columns, strict=True)
+            if pa.types.is_floating(values.type)
+        }
+        nans = {name: positions for name, positions in nans.items() if positions}
+        if not nans:
+            super()._ingest(cur, rows)
+            return
+        # SQLite stores a NaN real as NULL: the rows go in as they are, then their NaN
+        # cells become the text 'NaN'. Appended rows take rowids above the largest one.
+        table = self._table.sql
+        base = self._fetch(cur, f"SELECT coalesce(max(rowid), 0) FROM {table}", ())[0][0]
+        super()._ingest(cur, rows)
+        added = self._fetch(cur, f"SELECT count(*) FROM {table} WHERE rowid > ?", (base,))
+        if added[0][0] != rows.num_rows:
+            raise SinkError(
+                f"table {self._table}: cannot place NaN values: expected {rows.num_rows} new "
+                f"rows after rowid {base}, found {added[0][0]}",
+                transient=False,
+            )
+        for name, positions in nans.items():
+            for start in range(0, len(positions), _MAX_PARAMS):
+                chunk = positions[start : start + _MAX_PARAMS]
+                cur.execute(
+                    f"UPDATE {table} SET {quote(name)} = 'NaN' WHERE rowid IN "
+                    f"({', '.join('?' * len(chunk))})",
+                    tuple(base + 1 + position for position in chunk),
+                )
+
+    def _classify(self, err: Exception) -> ErrorClass:
+        return classify_sqlite(getattr(err, "vendor_code", None), str(err))
 
     def _driver_errors(self) -> tuple[type[Exception], ...]:
         import adbc_driver_manager

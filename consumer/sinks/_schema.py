@@ -1,0 +1,178 @@
+"""Schema drift, decided before anything is written: which columns to create, add or retype.
+
+Pure: a batch's Arrow schema and the table's reflected columns in, a :class:`SchemaPlan` out.
+The sink runs the plan's DDL in the write transaction (so a crash leaves neither the rows nor
+the change) and then conforms the rows to the columns.
+
+Names are compared the way the database compares them (``name_key``): SQLite folds ASCII
+case, PostgreSQL cuts identifiers at 63 bytes. Two batch columns that the database would take
+for one are refused, naming both; a batch column that matches a table column under those rules
+is written into it under the table's spelling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.consumer.sinks.base import SinkError
+from millpond.consumer.sinks.types import (
+    ColumnType,
+    Kind,
+    UnsupportedTypeError,
+    column_type,
+    reconcile,
+)
+
+__all__ = ["ColumnChange", "SchemaPlan", "ascii_casefold", "plan_schema", "postgres_identifier"]
+
+_POSTGRES_NAMEDATALEN = 63  # bytes PostgreSQL keeps of an identifier
+
+
+def ascii_casefold(name: str) -> str:
+    """SQLite's identifier comparison: ASCII letters fold case, nothing else does."""
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def postgres_identifier(name: str) -> str:
+    """The identifier PostgreSQL stores for ``name``: at most 63 bytes, whole characters."""
+    data = name.encode("utf-8")
+    if len(data) <= _POSTGRES_NAMEDATALEN:
+        return name
+    return data[:_POSTGRES_NAMEDATALEN].decode("utf-8", errors="ignore")
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnChange:
+    """One DDL step."""
+
+    action: str
+    """``add``, ``retype`` (widen), or ``retype_if_empty`` (only if the column holds no value:
+    a column created for values that never came, or for an all-null batch)."""
+    column: str
+    """The column's name in the table (the batch's spelling for ``add``)."""
+    new: ColumnType
+    existing: ColumnType | None = None
+    incoming: pa.DataType | None = None
+    """The batch's Arrow type (for messages)."""
+
+
+@dataclass(slots=True)
+class SchemaPlan:
+    """What the table needs before the rows go in, and where each batch column goes."""
+
+    create: list[tuple[str, ColumnType]] | None = None
+    """Columns of a table to create (``None``: the table exists)."""
+    changes: list[ColumnChange] = field(default_factory=list)
+    targets: dict[str, str | None] = field(default_factory=dict)
+    """Batch column -> table column (``None``: an all-null column with no table column yet,
+    left out until a batch brings values)."""
+
+    @property
+    def has_ddl(self) -> bool:
+        return self.create is not None or bool(self.changes)
+
+
+def plan_schema(
+    rows: pa.Table,
+    columns: Mapping[str, ColumnType] | None,
+    *,
+    name_key: Callable[[str], str],
+    table: str,
+    database: str,
+) -> SchemaPlan:
+    """Decide the DDL for writing ``rows`` into a table with ``columns``.
+
+    Args:
+        rows: the batch's rows.
+        columns: the table's columns in order, or ``None`` when it does not exist.
+        name_key: how the database compares column names.
+        table: the table's name, for messages.
+        database: ``SQLite`` or ``PostgreSQL``, for messages.
+
+    Raises:
+        SinkError: permanent: two batch columns are one column in the database, a column's
+            Arrow type has no column type, or a type cannot be reconciled with the table's.
+    """
+    seen: dict[str, str] = {}
+    for name in rows.column_names:
+        key = name_key(name)
+        if key in seen:
+            raise SinkError(
+                f"table {table}: the batch's columns {seen[key]!r} and {name!r} are the same "
+                f"column in {database} ({_why_same(database)}); rename one of them",
+                transient=False,
+            )
+        seen[key] = name
+    plan = SchemaPlan()
+    existing = {name_key(name): name for name in columns or {}}
+    if columns is None:
+        plan.create = []
+    for schema_field, values in zip(rows.schema, rows.columns, strict=True):
+        name = schema_field.name
+        try:
+            incoming = column_type(schema_field.type)
+        except UnsupportedTypeError as err:
+            raise SinkError(
+                f"table {table}, column {name!r}: {err}; {database} has no column type for it",
+                transient=False,
+            ) from err
+        actual = existing.get(name_key(name))
+        if actual is None or columns is None:
+            if incoming is None:
+                plan.targets[name] = None
+                continue
+            plan.targets[name] = name
+            if plan.create is not None:
+                plan.create.append((name, incoming))
+            else:
+                plan.changes.append(ColumnChange("add", name, incoming))
+            continue
+        plan.targets[name] = actual
+        if incoming is None:
+            continue
+        current = columns[actual]
+        if incoming.kind is Kind.STRING and current.length is not None:
+            incoming = ColumnType(Kind.STRING, length=_longest(values))
+        wanted = reconcile(current, incoming)
+        if wanted is None:
+            plan.changes.append(
+                ColumnChange("retype_if_empty", actual, incoming, current, schema_field.type)
+            )
+        elif wanted != current:
+            plan.changes.append(ColumnChange("retype", actual, wanted, current, schema_field.type))
+    if plan.create == []:
+        # Every column is all-null so far: create them as text; the first batch with values
+        # retypes them (they hold nothing but NULLs).
+        plan.create = [(name, ColumnType(Kind.STRING)) for name in rows.column_names]
+        plan.targets = {name: name for name in rows.column_names}
+    return plan
+
+
+def unreconcilable(table: str, change: ColumnChange, database: str, sql: str) -> SinkError:
+    """The permanent error for a column whose values cannot take the batch's type."""
+    return SinkError(
+        f"table {table}, column {change.column!r}: the table has {sql} ({change.existing}), "
+        f"the batch has {change.incoming} ({change.new}); {database} cannot hold both and the "
+        "column already has values: write this column under another name, or alter it",
+        transient=False,
+    )
+
+
+def _longest(values: pa.ChunkedArray) -> int:
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    longest = pc.max(pc.utf8_length(values)).as_py()
+    return max(int(longest or 0), 1)
+
+
+def _why_same(database: str) -> str:
+    if database == "SQLite":
+        return "SQLite compares column names without regard to ASCII case"
+    return "PostgreSQL keeps the first 63 bytes of a name"
