@@ -407,6 +407,15 @@ class AdbcSink(ABC):
             if plan.has_ddl:
                 self._apply(cur, plan)
                 columns = self._reflect(cur)
+                # The database may have stored a name other than the one asked for
+                # (PostgreSQL cuts names at 63 bytes): map the rows onto what it made.
+                plan = self._plan(rows, columns)
+                if plan.has_ddl:
+                    raise SinkError(
+                        f"table {self._table}: still needs {plan.changes or 'creating'} after "
+                        "its schema was changed; refusing to change it again",
+                        transient=False,
+                    )
         if columns is None:
             raise SinkError(f"table {self._table} is missing after it was created", transient=True)
         self._columns = columns

@@ -260,7 +260,7 @@ def test_an_unreconcilable_change_is_permanent_and_names_everything(
         with pytest.raises(SinkError) as info:
             sink.write(_batch(1, pa.table({"v": second})))
         assert not info.value.transient
-        assert sink.last_sequence() == 0
+        assert sink.last_sequence("") == 0
     message = str(info.value)
     assert database.table in message
     assert "column 'v'" in message
