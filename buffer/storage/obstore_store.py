@@ -174,6 +174,9 @@ class ObstoreStore(ObjectStore):
             _translate_write(path, err)
         return result.get("e_tag")
 
+    def copy(self, source: str, target: str) -> None:
+        _call(source, lambda: obstore.copy(self._store, source, target, overwrite=True))
+
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         clean = prefix.strip("/") or None
         if recursive:

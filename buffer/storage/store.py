@@ -149,6 +149,15 @@ class ObjectStore(ABC):
             CommitStateUnknownError: the request failed after it may have landed.
         """
 
+    def copy(self, source: str, target: str) -> None:
+        """Copy an object to another name, overwriting it (server-side where the store can).
+
+        Raises:
+            NotFoundError: no object at ``source``.
+            StorageError: the store failed; the copy may or may not have been made.
+        """
+        self.put(target, self.get(source).data)
+
     @abstractmethod
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         """Objects under ``prefix`` (a path segment, not a string prefix).
@@ -204,6 +213,9 @@ class ForwardingStore(ObjectStore):
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         return self.inner.put_if_match(path, data, etag)
+
+    def copy(self, source: str, target: str) -> None:
+        self.inner.copy(source, target)
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         return self.inner.list(prefix, recursive=recursive)

@@ -23,7 +23,7 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from millpond.errors import ConfigError
+from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
 from millpond.producer.spark.commit import (
     JobReceipt,
     commit_job,
@@ -93,7 +93,7 @@ def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings
     settings = SparkWriteSettings.from_options(options)
     settings.open_store()  # checks the URL and the obstore options; no request yet
     if settings.check_store:
-        settings.probe()
+        settings = settings.probe()
     return settings
 
 
@@ -105,6 +105,8 @@ class MillpondBatchWriter(DataSourceArrowWriter):
         self.job_id = job_id
         # GETs the driver sent before the job (the store check), for the receipt.
         self.probe_gets = probe_gets
+        # What commit() knows about the append, for abort() to report truthfully.
+        self.outcome = "not committed"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
         return _write_task(self.settings, iterator, spark_payload(job=self.job_id))
@@ -114,24 +116,33 @@ class MillpondBatchWriter(DataSourceArrowWriter):
 
         Raises:
             NotFoundError: uploads GC already removed (a job longer than the grace period).
-            StorageError: the append's retry budget ran out.
+            CommitStateUnknownError: the append gave up not knowing whether it landed.
+            StorageError: the store failed before anything could be enqueued.
         """
         settings = self.settings
         store = settings.open_store()
         task_messages = [m if isinstance(m, TaskCommitMessage) else None for m in messages]
         if settings.commit == "job":
-            receipt = commit_job(
-                store,
-                task_messages,
-                job_id=self.job_id,
-                manifest_path=settings.manifest_path,
-                gc_grace_period=settings.gc_grace_period,
-                extra_payload=settings.payload_fields(),
-                retry=settings.retry,
-            )
+            try:
+                receipt = commit_job(
+                    store,
+                    task_messages,
+                    job_id=self.job_id,
+                    manifest_path=settings.manifest_path,
+                    data_path_prefix=settings.data_path_prefix,
+                    gc_grace_period=settings.gc_grace_period,
+                    write_id=settings.write_id,
+                    extra_payload=settings.payload_fields(),
+                    retry=settings.retry,
+                )
+            except CommitStateUnknownError:
+                self.outcome = "unknown"
+                raise
+            self.outcome = receipt.status
         else:
             stats = sum((m.stats for m in task_messages if m is not None), UploadStats())
             receipt = JobReceipt(self.job_id, None, None, len(task_messages), stats)
+            self.outcome = "published by the tasks"
         if settings.receipt_path:
             requests = {
                 # The batch objects, the manifest CAS, and the receipt itself.
@@ -139,10 +150,41 @@ class MillpondBatchWriter(DataSourceArrowWriter):
                 "get": self.probe_gets + receipt.manifest.get("manifest_reads", 0),
             }
             receipt = dataclasses.replace(receipt, requests=requests)
-            store.put(settings.receipt_path, json.dumps(receipt.to_json()).encode())
+            try:
+                store.put(settings.receipt_path, json.dumps(receipt.to_json()).encode())
+            except StorageError as err:
+                # The rows are enqueued: failing the job now would invite a rerun, and a rerun
+                # without a write id would enqueue them twice.
+                logger.error(  # noqa: TRY400 - the message is the point
+                    "job %s: enqueued, but the receipt %s could not be written: %s",
+                    self.job_id,
+                    settings.receipt_path,
+                    err,
+                )
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         uploaded = sum(len(m.uploads) for m in messages if isinstance(m, TaskCommitMessage))
+        write_id = self.settings.write_id
+        if self.outcome == "unknown":
+            advice = (
+                f"rerun with the same write_id ({write_id!r}): it enqueues only what did not land"
+                if write_id
+                else "a rerun may enqueue its rows twice; give it a write_id next time"
+            )
+            logger.error(
+                "millpond write %s aborted: whether its %s batches were enqueued is UNKNOWN; %s",
+                self.job_id,
+                uploaded,
+                advice,
+            )
+            return
+        if self.outcome in ("appended", "reappended", "skipped", "published by the tasks"):
+            logger.warning(
+                "millpond write %s aborted after its commit (%s); its rows are in the queue",
+                self.job_id,
+                self.outcome,
+            )
+            return
         logger.warning(
             "millpond write %s aborted: nothing enqueued; %s uploaded batch objects are left to GC",
             self.job_id,
@@ -194,12 +236,17 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             batch_id=batchId,
             manifest_path=settings.manifest_path,
             data_path_prefix=settings.data_path_prefix,
+            gc_grace_period=settings.gc_grace_period,
             retry=settings.retry,
         )
         logger.info("stream %s batch %s: %s", stream_id, batchId, outcome.status)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
-        logger.warning("millpond micro-batch %s aborted: nothing enqueued", batchId)
+        logger.warning(
+            "millpond micro-batch %s aborted; if its commit had begun, its state object "
+            "resolves it when Spark runs the batch again (nothing is enqueued twice)",
+            batchId,
+        )
 
 
 def _write_task(

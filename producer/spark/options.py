@@ -17,6 +17,8 @@ few keys only the Spark integration has:
                     so an unreachable store or a corrupt manifest fails the job before any task
 ``receipt_path``    a path in the store where the driver writes a JSON summary of each commit
 ``metadata``        a string added to every entry's metadata payload (as ``"tag"``)
+``write_id``        batch jobs: a name for this write. A second job with the same write id
+                    enqueues nothing if the first one's append landed (reruns are safe)
 =================== ======================================================================
 
 Spark adds ``checkpointLocation`` and ``queryName`` to streaming writes; they are read, not
@@ -25,6 +27,7 @@ passed on. Spark lower-cases option keys, so every key here is lower case.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +42,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
+from millpond.queue.claim import open_claim
 from millpond.storage.store import ObjectStore, open_store
 
 if TYPE_CHECKING:
@@ -53,7 +57,16 @@ _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "
 _DEFAULT_GRACE = 600.0
 
 SPARK_ONLY_KEYS = frozenset(
-    {"commit", "path", "query_id", "gc_grace_period", "check_store", "receipt_path", "metadata"}
+    {
+        "commit",
+        "path",
+        "query_id",
+        "gc_grace_period",
+        "check_store",
+        "receipt_path",
+        "metadata",
+        "write_id",
+    }
 )
 """Option keys the Spark integration reads itself instead of passing to ``ProducerConfig``."""
 _SPARK_PROVIDED = frozenset({"checkpointlocation", "queryname"})
@@ -102,6 +115,8 @@ class SparkWriteSettings:
     """Where the driver writes a JSON summary of each commit; default none."""
     tag: str | None = None
     """The ``metadata`` option: added to every entry's metadata payload."""
+    write_id: str | None = None
+    """The ``write_id`` option: reruns of the same write enqueue nothing twice."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:
@@ -139,6 +154,9 @@ class SparkWriteSettings:
         query_id = spark.get("query_id")
         if query_id is not None and not query_id.strip():
             raise ConfigError("query_id", "expected a non-empty id, found ''")
+        write_id = spark.get("write_id")
+        if write_id is not None and not write_id.strip():
+            raise ConfigError("write_id", "expected a non-empty id, found ''")
         receipt_path = spark.get("receipt_path")
         if receipt_path is not None and not receipt_path.strip("/"):
             raise ConfigError(
@@ -163,6 +181,7 @@ class SparkWriteSettings:
             check_store=_boolean("check_store", spark.get("check_store"), default=True),
             receipt_path=receipt_path.strip("/") if receipt_path else None,
             tag=spark.get("metadata"),
+            write_id=write_id,
         )
 
     def open_store(self) -> ObjectStore:
@@ -173,24 +192,38 @@ class SparkWriteSettings:
         """
         return open_store(self.store_url, self.store_options)
 
-    def probe(self) -> None:
-        """Read the manifest footer, so a bad store fails the job before any task runs.
+    def probe(self) -> SparkWriteSettings:
+        """Read the queue's claim and manifest footer, so a bad store or another queue's data
+        prefix fails the job before any task runs.
 
         A missing manifest is fine (an empty queue).
 
+        Returns:
+            These settings, with ``gc_grace_period`` no longer than the queue's own (its claim
+            says what its collectors keep), so old uploads are copied in time.
+
         Raises:
-            ConfigError: the store URL or options are bad.
+            ConfigError: the store URL or options are bad, or the data prefix belongs to
+                another queue (naming both manifests).
             StorageError: the store cannot be reached, naming it.
-            FormatError: the manifest is corrupt.
+            FormatError: the manifest or the claim is corrupt.
         """
         store = self.open_store()
         try:
-            got = store.get(self.manifest_path)
-        except NotFoundError:
-            return
+            claim = open_claim(
+                store, data_path_prefix=self.data_path_prefix, manifest_path=self.manifest_path
+            )
+            try:
+                got = store.get(self.manifest_path)
+            except NotFoundError:
+                got = None
         except StorageError as err:
             raise StorageError(f"store {self.store_url} is unreachable: {err}") from err
-        decode_footer(got.data, name=f"{self.store_url}/{self.manifest_path}")
+        if got is not None:
+            decode_footer(got.data, name=f"{self.store_url}/{self.manifest_path}")
+        if claim is not None and claim.gc_grace_period < self.gc_grace_period:
+            return dataclasses.replace(self, gc_grace_period=claim.gc_grace_period)
+        return self
 
     def stream_id(self) -> str:
         """The id that names this streaming query across restarts.

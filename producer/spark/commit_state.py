@@ -1,0 +1,304 @@
+"""Appending a Spark micro-batch or write exactly once, across driver restarts and reruns.
+
+A stream's micro-batch (keyed by stream id and batch id) and a batch job run with the
+``write_id`` option (keyed by the write id) are committed through a small state object, kept as
+a *hold* (:mod:`millpond.queue.holds`) under the data prefix::
+
+    pending    written with compare-and-swap BEFORE the append: the entries, and the manifest's
+               next_sequence when the append began. As a hold it names the entries' locations,
+               so no millpond collector deletes them while the outcome is open.
+    committed  written AFTER the append: the sequences the entries got; it names no location.
+
+A commit that finds the state of its own key resolves it by looking, never by guessing:
+
+* ``committed``: already enqueued; nothing to do (``skipped``);
+* ``pending`` and the remembered locations are in the manifest, or provably dequeued as a prefix
+  of it (:func:`~millpond.queue.landed.resolve_landing`): enqueued; mark it committed
+  (``skipped``). If only a prefix is there, the rest is appended;
+* ``pending`` and none of them is there: append the *remembered* entries again — the same
+  locations, which the hold kept in the store. If they had landed and were consumed meanwhile,
+  the sink recognises their locations and skips them (``reappended``); otherwise they are simply
+  enqueued now (``appended``). The rerun's own fresh uploads are never appended: they would be
+  new locations the sink could not recognise.
+
+One window remains, outside millpond's control: a collector that does not read holds (an RFC
+peer's) deleting the held objects while the outcome is open. Then the commit refuses, naming the
+state object and how to settle it by hand without a duplicate.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+from dataclasses import dataclass, replace
+from hashlib import sha256
+from typing import Any
+
+from millpond.errors import FormatError, MillpondError, NotFoundError
+from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
+from millpond.queue import QueueProducer
+from millpond.queue.holds import encode_hold, hold_path, locations_of
+from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.storage.store import ObjectStore
+
+__all__ = ["CommitOutcome", "CommitState", "commit_with_state", "state_path"]
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 2
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+PENDING = "pending"
+COMMITTED = "committed"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    """How one commit was resolved."""
+
+    status: str
+    """``appended``, ``reappended`` (the same locations again after they may have been
+    consumed), ``skipped`` (already enqueued) or ``empty``."""
+    sequences: tuple[int, ...] | None = None
+    """Where the entries went, when known."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitState:
+    """The pending or committed state of one key."""
+
+    key: str
+    """``stream:{id}`` or ``write:{id}``."""
+    batch_id: int
+    """The micro-batch id (streams); 0 for a write id."""
+    status: str
+    next_sequence: int
+    """The manifest's ``next_sequence`` when the append began."""
+    entries: tuple[PendingEntry, ...]
+    sequences: tuple[int, ...] | None = None
+
+    def encode(self) -> bytes:
+        extra: dict[str, Any] = {
+            "version": _VERSION,
+            "key": self.key,
+            "batch_id": self.batch_id,
+            "status": self.status,
+            "next_sequence": self.next_sequence,
+            "sequences": list(self.sequences) if self.sequences is not None else None,
+            "entries": [
+                {
+                    "location": e.location,
+                    "metadata": [
+                        [m.start_index, m.ingestion_time_ms, base64.b64encode(m.payload).decode()]
+                        for m in e.metadata
+                    ],
+                }
+                for e in self.entries
+            ],
+        }
+        held = [e.location for e in self.entries] if self.status == PENDING else []
+        return encode_hold(held, extra)
+
+    @classmethod
+    def decode(cls, data: bytes, *, name: str) -> CommitState:
+        """Parse a state object.
+
+        Raises:
+            FormatError: not a commit state of this version.
+        """
+        locations_of(data, name=name)  # a hold first of all
+        try:
+            record = json.loads(data)
+            if record.get("version") != _VERSION:
+                raise FormatError(
+                    f"{name}: version: expected {_VERSION}, found {record.get('version')!r}",
+                    field="version",
+                )
+            entries = tuple(
+                PendingEntry(
+                    e["location"],
+                    tuple(
+                        Metadata(int(s), int(t), base64.b64decode(p)) for s, t, p in e["metadata"]
+                    ),
+                )
+                for e in record["entries"]
+            )
+            sequences = record.get("sequences")
+            return cls(
+                key=str(record["key"]),
+                batch_id=int(record["batch_id"]),
+                status=str(record["status"]),
+                next_sequence=int(record["next_sequence"]),
+                entries=entries,
+                sequences=tuple(int(s) for s in sequences) if sequences is not None else None,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise FormatError(f"{name}: not a millpond commit state: {err}") from err
+
+
+def state_path(data_path_prefix: str, kind: str, ident: str) -> str:
+    """Where the state of ``kind`` (``stream`` or ``write``) ``ident`` lives: a hold. Ids that
+    are not path-safe are hashed."""
+    safe = ident if _SAFE_ID.match(ident) else sha256(ident.encode()).hexdigest()[:32]
+    return hold_path(data_path_prefix, f"spark-{kind}-{safe}.json")
+
+
+def commit_with_state(
+    store: ObjectStore,
+    queue: QueueProducer,
+    *,
+    path: str,
+    key: str,
+    batch_id: int,
+    fresh: tuple[PendingEntry, ...],
+    manifest_path: str,
+) -> CommitOutcome:
+    """One attempt at committing ``fresh`` under ``key`` (see the module docstring).
+
+    Raises:
+        ConflictError: the state object changed under us (decide again).
+        CommitStateUnknownError: a state write or the append may or may not have landed
+            (decide again: the state says what is known).
+        MillpondError: an older batch id after a newer one, or an outcome that cannot be told.
+        FormatError: the state or the manifest is corrupt.
+        StorageError: the store failed.
+    """
+    state, etag = _read(store, path)
+    if state is not None and state.batch_id > batch_id:
+        # Spark only ever re-runs its latest batch: an older id means the checkpoint was reset
+        # or two queries share one stream id. Skipping would lose data, appending may double it.
+        raise MillpondError(
+            f"{key}: batch {batch_id} arrived after batch {state.batch_id} was committed "
+            f"({path}): the checkpoint was reset or another query uses the same id; give this "
+            "query its own query_id option"
+        )
+    raw = _manifest(store, manifest_path)
+    if state is not None and state.batch_id == batch_id:
+        if state.status == COMMITTED:
+            logger.warning("%s batch %s: already committed; skipping the re-run", key, batch_id)
+            return CommitOutcome("skipped", state.sequences)
+        return _resolve(store, queue, path, etag, state, fresh, raw, manifest_path)
+    if not fresh:
+        return CommitOutcome("empty")
+    footer_next = _next_sequence(raw, manifest_path)
+    pending = CommitState(key, batch_id, PENDING, footer_next, fresh)
+    etag = _write(store, path, etag, pending)
+    sequences = queue.append(fresh)
+    _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
+    return CommitOutcome("appended", sequences)
+
+
+def _resolve(
+    store: ObjectStore,
+    queue: QueueProducer,
+    path: str,
+    etag: str | None,
+    state: CommitState,
+    fresh: tuple[PendingEntry, ...],
+    raw: bytes,
+    manifest_path: str,
+) -> CommitOutcome:
+    where = f"{state.key} batch {state.batch_id}"
+    landing = resolve_landing(
+        raw,
+        [e.location for e in state.entries],
+        from_sequence=state.next_sequence,
+        name=manifest_path,
+    )
+    known = list(landing.sequences)
+    if landing.status is LandingStatus.LANDED:
+        logger.warning(
+            "%s: already enqueued (%s since dequeued); skipping the re-run",
+            where,
+            len(landing.dequeued),
+        )
+        sequences = tuple(s for s in known if s is not None)
+        _write(store, path, etag, replace(state, status=COMMITTED, sequences=sequences))
+        return CommitOutcome("skipped", sequences)
+    missing = landing.missing
+    gone = [state.entries[i].location for i in missing if not _exists(store, state.entries[i])]
+    if gone:
+        if landing.status is LandingStatus.NOT_LANDED:
+            # Provably never enqueued, and something took the held objects: the re-run's own
+            # uploads take their place.
+            return _replace_pending(store, queue, path, etag, state, fresh, raw, manifest_path)
+        raise MillpondError(
+            f"{where}: cannot tell whether it was enqueued: its locations are not in the "
+            f"manifest, entries from sequence {state.next_sequence} on were dequeued since, and "
+            f"{len(gone)} of its held batch objects are gone (first: {gone[0]}; a collector "
+            "that does not read millpond's holds?). Look for these locations in the sink's "
+            f"progress table. Found: the batch was written; replace {path} with the same JSON "
+            'and "status": "committed", and the re-run is skipped. Not found: delete '
+            f"{path}; the re-run is then enqueued"
+        )
+    sequences = queue.append([state.entries[i] for i in missing])
+    for index, sequence in zip(missing, sequences, strict=True):
+        known[index] = sequence
+    done = tuple(s for s in known if s is not None)
+    _write(store, path, etag, replace(state, status=COMMITTED, sequences=done))
+    if landing.status is LandingStatus.UNKNOWN:
+        logger.warning(
+            "%s: not in the manifest, which was dequeued past sequence %s since; appended the "
+            "same %s locations again (the sink skips locations it has written)",
+            where,
+            state.next_sequence,
+            len(missing),
+        )
+        return CommitOutcome("reappended", done)
+    return CommitOutcome("appended", done)
+
+
+def _replace_pending(
+    store: ObjectStore,
+    queue: QueueProducer,
+    path: str,
+    etag: str | None,
+    state: CommitState,
+    fresh: tuple[PendingEntry, ...],
+    raw: bytes,
+    manifest_path: str,
+) -> CommitOutcome:
+    if not fresh:
+        _write(store, path, etag, replace(state, status=COMMITTED, entries=(), sequences=()))
+        return CommitOutcome("empty")
+    next_sequence = _next_sequence(raw, manifest_path)
+    pending = CommitState(state.key, state.batch_id, PENDING, next_sequence, fresh)
+    etag = _write(store, path, etag, pending)
+    sequences = queue.append(fresh)
+    _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
+    return CommitOutcome("appended", sequences)
+
+
+def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None]:
+    try:
+        got = store.get(path)
+    except NotFoundError:
+        return None, None
+    return CommitState.decode(got.data, name=f"{store.url}/{path}"), got.etag
+
+
+def _write(store: ObjectStore, path: str, etag: str | None, state: CommitState) -> str | None:
+    data = state.encode()
+    if etag is None:
+        return store.put_if_absent(path, data)
+    return store.put_if_match(path, data, etag)
+
+
+def _manifest(store: ObjectStore, path: str) -> bytes:
+    try:
+        return store.get(path).data
+    except NotFoundError:
+        return empty_manifest()
+
+
+def _next_sequence(raw: bytes, name: str) -> int:
+    return decode_footer(raw, name=name).next_sequence
+
+
+def _exists(store: ObjectStore, entry: PendingEntry) -> bool:
+    try:
+        store.head(entry.location)
+    except NotFoundError:
+        return False
+    return True
