@@ -1,7 +1,7 @@
-"""The object-store adapter, on every store (memory, file, moto, SeaweedFS).
+"""The object-store adapter, on every store (memory, file, moto, SeaweedFS, Azurite, GCS).
 
-Each test opens the store named by the parametrized ``store_target`` fixture, so one behaviour
-is checked the same way on all four.
+Each test opens the store named by the parametrized ``any_store_target`` fixture, so one
+behaviour is checked the same way on all six.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ._helpers import open_target
 
 
 @pytest.fixture
-def store(store_target: StoreTarget) -> ObjectStore:
-    return open_target(store_target)
+def store(any_store_target: StoreTarget) -> ObjectStore:
+    return open_target(any_store_target)
 
 
 def test_get_returns_bytes_and_the_put_etag(store: ObjectStore) -> None:
@@ -173,10 +173,10 @@ def test_open_s3_from_the_standard_aws_variables(monkeypatch: pytest.MonkeyPatch
     assert open_store("s3://bucket").url == "s3://bucket"
 
 
-def test_store_survives_pickling(store_target: StoreTarget) -> None:
+def test_store_survives_pickling(any_store_target: StoreTarget) -> None:
     # Producers hand stores to worker processes (Spark executors, multiprocessing).
-    store = open_target(store_target)
-    if not store_target.shareable:
+    store = open_target(any_store_target)
+    if not any_store_target.shareable:
         with pytest.raises(TypeError):  # a memory store lives in one process only
             pickle.dumps(store)
         return
