@@ -309,13 +309,13 @@ class _XmlUploadProxy:
             request.close_connection = True
             status, headers, payload = 502, [], f"fake-gcs-server unreachable: {err}".encode()
         request.send_response(status)
-        length = str(len(payload))
+        size = str(len(payload))
         for name, value in headers:
             if name.lower() == "content-length" and request.command == "HEAD":
-                length = value  # a HEAD answer has no body but tells the object's size
+                size = value  # a HEAD answer has no body but tells the object's size
             elif name.lower() not in ("content-length", "transfer-encoding", "connection"):
                 request.send_header(name, value)
-        request.send_header("Content-Length", length)
+        request.send_header("Content-Length", size)
         request.end_headers()
         if request.command != "HEAD":
             request.wfile.write(payload)

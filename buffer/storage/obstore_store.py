@@ -120,7 +120,7 @@ class ObstoreStore(ObjectStore):
         if backend is None:
             raise ConfigError("store", f"expected s3://, az:// or gs://, found {url!r}")
         prepared = prepare(backend, options)
-        builder = {"s3": S3Store, "azure": AzureStore, "gcs": GCSStore}[backend]
+        builder: Any = {"s3": S3Store, "azure": AzureStore, "gcs": GCSStore}[backend]
         try:
             # obstore types these as TypedDicts; ours are validated by obstore itself.
             store = builder.from_url(
