@@ -16,7 +16,11 @@ __all__ = ["add_store_arguments", "emit", "open_store_from_args", "parse_options
 
 def add_store_arguments(parser: argparse.ArgumentParser, *, output: bool = True) -> None:
     """STORE_URL, --manifest-path, --data-prefix, --store-option and (optionally) --output."""
-    parser.add_argument("store", metavar="STORE_URL", help="s3://bucket[/root], file:///path")
+    parser.add_argument(
+        "store",
+        metavar="STORE_URL",
+        help="s3://bucket[/root], az://container[/root], gs://bucket[/root] or file:///path",
+    )
     parser.add_argument(
         "--manifest-path", default="ingest/manifest", help="default ingest/manifest"
     )
@@ -28,7 +32,8 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, output: bool = True)
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="obstore S3 option, repeatable (AWS_* variables are read too)",
+        help="obstore store option, repeatable (aws_*, azure_*, google_* keys; the AWS_*, "
+        "AZURE_STORAGE_* and GOOGLE_* variables are read too)",
     )
     if output:
         parser.add_argument("--output", choices=("text", "json"), default="text")
