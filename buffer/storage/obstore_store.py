@@ -152,6 +152,10 @@ class ObstoreStore(ObjectStore):
         backend = {S3Store: "s3", AzureStore: "azure", GCSStore: "gcs"}.get(type(store), "")
         return cls(store, f"{type(store).__name__}({prefix or ''})", backend=backend)
 
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self._store, MemoryStore)
+
     def credential_source(self) -> str:
         if isinstance(self._store, MemoryStore):
             return "none needed (in memory)"

@@ -152,6 +152,12 @@ class ObjectStore(ABC):
         """Where this store's credentials come from, named without their values."""
         return "none needed (a local store)"
 
+    @property
+    def is_local(self) -> bool:
+        """Whether the store lives in this process or on this machine (memory, ``file://``):
+        no credentials, no bucket, and conditional writes of millpond's own."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -193,6 +199,10 @@ class ForwardingStore(ObjectStore):
 
     def credential_source(self) -> str:
         return self.inner.credential_source()
+
+    @property
+    def is_local(self) -> bool:
+        return self.inner.is_local
 
 
 def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -212,3 +212,67 @@ def test_file_store_reports_objects_it_cannot_delete(tmp_path: Path) -> None:
     assert [f.path for f in failures] == ["dir"]
     assert failures[0].reason
     assert {info.path for info in store.list()} == {"dir/inner"}
+
+
+def test_file_store_creates_nothing_until_the_first_write(tmp_path: Path) -> None:
+    root = tmp_path / "typo" / "queue"
+    store = open_store(root.as_uri())
+    assert store.list() == []
+    with pytest.raises(NotFoundError):
+        store.get("ingest/manifest")
+    assert store.delete_many(["ingest/x.batch"]) == []
+    assert not (tmp_path / "typo").exists()
+    store.put_if_absent("ingest/manifest", b"m")
+    assert (root / "ingest" / "manifest").read_bytes() == b"m"
+
+
+def _hidden_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*"))
+
+
+def test_file_store_leaves_no_lock_files(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = FileStore(root)
+    etag = store.put_if_absent("ingest/01J0000000000000000000000A.batch", b"batch")
+    store.put("ingest/other", b"x")
+    first = store.put_if_absent("ingest/manifest", b"v1")
+    assert first is not None and etag is not None
+    store.put_if_match("ingest/manifest", b"v2", first)
+    with pytest.raises(ConflictError):
+        store.put_if_match("ingest/manifest", b"v3", first)
+    assert _hidden_files(root) == []
+    assert store.delete_many(["ingest/01J0000000000000000000000A.batch"]) == []
+    assert _hidden_files(root) == []
+    assert {i.path for i in store.list()} == {"ingest/other", "ingest/manifest"}
+
+
+def test_file_store_lock_survives_its_file_being_removed_under_waiters(tmp_path: Path) -> None:
+    # Writers race on one object while each release removes the lock file: every
+    # compare-and-swap must still see exactly one winner per round.
+    import threading
+
+    store = FileStore(tmp_path / "root")
+    store.put_if_absent("counter", b"0")
+    wins: list[int] = []
+
+    def worker() -> None:
+        for _ in range(100):
+            while True:
+                got = store.get("counter")
+                assert got.etag is not None
+                value = int(got.data)
+                try:
+                    store.put_if_match("counter", str(value + 1).encode(), got.etag)
+                except ConflictError:
+                    continue
+                wins.append(value)
+                break
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert int(store.get("counter").data) == 400
+    assert sorted(wins) == list(range(400))  # no two writers ever won from the same value
+    assert _hidden_files(tmp_path / "root") == []
