@@ -3,8 +3,9 @@
 obstore's ``LocalStore`` cannot do a conditional update, so ``file://`` stores are served
 here. A conditional write takes an exclusive ``flock`` on a per-object lock file (removed
 again on release, so none is left behind), compares the current content's ETag, writes a temp
-file, fsyncs it, renames it over the target and fsyncs the directory. ``flock`` is shared by every process on the host, so several producers on one
-machine can append to the same manifest safely. Reads need no lock: ``rename`` is atomic, so a
+file, fsyncs it, renames it over the target and fsyncs the directory. ``flock`` is shared by
+every process on the host, so several producers on one machine can append to the same manifest
+safely. Reads need no lock: ``rename`` is atomic, so a
 reader sees either the old or the new object, never a mix.
 
 The ETag is a hash of the content. Two different states of a manifest never have the same

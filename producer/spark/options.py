@@ -131,8 +131,8 @@ class SparkWriteSettings:
         if opts["store"].startswith("memory:"):
             raise ConfigError(
                 "store",
-                "expected a store every Spark process can reach (s3://, az://, gs://, file://), found "
-                "memory://, which lives inside one process",
+                "expected a store every Spark process can reach (s3://, az://, gs://, file://), "
+                "found memory://, which lives inside one process",
             )
         producer_options = _as_producer_options(opts)
         config = _producer_config(producer_options)

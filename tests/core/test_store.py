@@ -236,7 +236,8 @@ def test_file_store_leaves_no_lock_files(tmp_path: Path) -> None:
     etag = store.put_if_absent("ingest/01J0000000000000000000000A.batch", b"batch")
     store.put("ingest/other", b"x")
     first = store.put_if_absent("ingest/manifest", b"v1")
-    assert first is not None and etag is not None
+    assert first is not None
+    assert etag is not None
     store.put_if_match("ingest/manifest", b"v2", first)
     with pytest.raises(ConflictError):
         store.put_if_match("ingest/manifest", b"v3", first)
