@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
 
-from millpond.cli.common import add_store_arguments, parse_options
+from millpond.cli.common import add_store_arguments, parse_options, require_queue_unless_create
 from millpond.common.clock import Clock, SystemClock
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
@@ -273,6 +273,11 @@ class ConsumerService:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser, output=False)
     parser.add_argument(
+        "--create",
+        action="store_true",
+        help="start an empty queue when there is none at STORE_URL (else refuse: a typo)",
+    )
+    parser.add_argument(
         "--sink", required=True, metavar="URL", help="sqlite:///path.db or postgresql://..."
     )
     parser.add_argument("--table", default="millpond_rows", help="target table [schema.]name")
@@ -342,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.poll_interval <= 0:
         raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")
+    require_queue_unless_create(args)
     stop = threading.Event()
     with (
         _stop_on_signals(stop),

@@ -42,6 +42,7 @@ from millpond.producer._state import (
 from millpond.producer.config import ProducerConfig
 from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
+from millpond.storage.checks import preflight
 from millpond.storage.store import open_store
 from millpond.wal import RecoveryReport, Wal, WalRecord
 
@@ -68,6 +69,8 @@ class Producer:
 
         Raises:
             ConfigError: a bad setting, or ``wal_dir`` is held by another live producer.
+            StoreAccessError: the store refuses for good (credentials, bucket, permission,
+                conditional writes); an unreachable store is waited out instead.
             FormatError: the WAL was written by another millpond version.
             StorageError: the WAL directory cannot be used.
         """
@@ -77,6 +80,7 @@ class Producer:
             )
         self._config = config
         self._store = open_store(config.store, config.store_options)
+        preflight(self._store, write=True)  # fail fast on what no retry fixes
         budget = max(4 * config.flush_size_bytes, _MIN_MEMORY_BUDGET)
         self._state = state = State(clock=config.clock, mem_budget=budget)
         self._clock = StopAwareClock(config.clock, state.stop)

@@ -8,10 +8,19 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from millpond.errors import ConfigError
+from millpond.errors import ConfigError, NotFoundError
+from millpond.storage.checks import preflight
+from millpond.storage.file_store import FileStore
 from millpond.storage.store import ObjectStore, open_store
 
-__all__ = ["add_store_arguments", "emit", "open_store_from_args", "parse_options"]
+__all__ = [
+    "add_store_arguments",
+    "emit",
+    "open_store_from_args",
+    "parse_options",
+    "require_queue",
+    "require_queue_unless_create",
+]
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, *, output: bool = True) -> None:
@@ -57,6 +66,41 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
 def open_store_from_args(args: argparse.Namespace) -> ObjectStore:
     """The store named on the command line."""
     return open_store(args.store, parse_options(args.store_option))
+
+
+def require_queue(store: ObjectStore, manifest_path: str, *, create_hint: str = "") -> None:
+    """Fail unless a queue is there; creates nothing.
+
+    First the cheap store checks (credentials, bucket); then the manifest must exist.
+
+    Raises:
+        StoreAccessError: missing or rejected credentials, a missing bucket, no permission.
+        NotFoundError: ``no queue at …``: the directory or the manifest does not exist.
+    """
+    preflight(store, write=False)
+    if isinstance(store, FileStore) and not store.exists():
+        raise NotFoundError(f"no queue at {store.url}: the directory does not exist{create_hint}")
+    try:
+        store.head(manifest_path)
+    except NotFoundError as err:
+        raise NotFoundError(
+            f"no queue at {store.url}: no manifest at {manifest_path}{create_hint}"
+        ) from err
+
+
+def require_queue_unless_create(args: argparse.Namespace) -> None:
+    """For ``consume``: a missing queue is a typo unless ``--create`` says otherwise.
+
+    Raises:
+        StoreAccessError: as :func:`require_queue`.
+        NotFoundError: ``no queue at …``, naming ``--create``.
+    """
+    if not getattr(args, "create", False):
+        require_queue(
+            open_store_from_args(args),
+            args.manifest_path,
+            create_hint=" (pass --create to start an empty queue there)",
+        )
 
 
 def emit(args: argparse.Namespace, record: Mapping[str, Any], text: list[str]) -> None:

@@ -59,7 +59,7 @@ _CONDITIONAL_HINT = (
     "conditional writes (older SeaweedFS, MinIO and Ceph releases accept or ignore "
     "If-None-Match / If-Match), or another store"
 )
-_passed: set[str] = set()  # stores whose conditional writes this process has seen work
+_passed: set[str] = set()  # stores (and uses) this process has checked once already
 _passed_lock = threading.Lock()
 
 
@@ -333,7 +333,8 @@ def preflight(store: ObjectStore, *, write: bool, timeout: float = PREFLIGHT_TIM
     """The cheap checks at start: fail fast on what no retry fixes.
 
     Lists the probe prefix (credentials, bucket, permission to list); for a writer, also
-    checks once per store and process that a stale conditional write is rejected. Local
+    checks that a stale conditional write is rejected. Once per store and process: a store
+    that passed is not probed again (later refusals still surface as errors). Local
     stores (memory, ``file://``) are not checked. A store that fails or does not answer
     within ``timeout`` is left to the caller's own retries (the check goes on in the
     background and only logs).
@@ -381,13 +382,15 @@ def preflight(store: ObjectStore, *, write: bool, timeout: float = PREFLIGHT_TIM
 
 
 def _preflight(store: ObjectStore, *, write: bool) -> None:
-    store.list(PROBE_PREFIX, recursive=False)
-    key = f"{type(store).__name__}:{store.url}"
-    if not write:
-        return
+    key = f"{type(store).__name__}:{store.url}:{'write' if write else 'read'}"
     with _passed_lock:
         if key in _passed:
             return
+    store.list(PROBE_PREFIX, recursive=False)
+    if not write:
+        with _passed_lock:
+            _passed.add(key)
+        return
     path = f"{PROBE_PREFIX}/{uuid.uuid4().hex}/cas"
     try:
         for check in (_conditional_create, _conditional_update):
