@@ -347,7 +347,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.poll_interval <= 0:
         raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")
-    require_queue_unless_create(args)
     stop = threading.Event()
     with (
         _stop_on_signals(stop),
@@ -359,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
             progress_table=args.progress_table,
         ) as sink,
     ):
+        require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
         service = ConsumerService(
             consumer,

@@ -322,7 +322,7 @@ class ObstoreStore(ObjectStore):
         noun = "container" if self._backend == "azure" else "bucket"
         if any(code in text for code in _MISSING_BUCKET):
             raise StoreAccessError(
-                f"{where}: {noun} {bucket!r} does not exist",
+                f"{self.url}: {noun} {bucket!r} does not exist",
                 problem="bucket",
                 hint=f"create the {noun}, or fix the store URL",
             ) from err

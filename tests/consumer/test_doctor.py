@@ -105,7 +105,7 @@ def test_doctor_names_a_missing_bucket(seaweedfs_s3: S3Endpoint) -> None:
     bucket = f"no-such-{unique_root()}"
     result, _ = _doctor(f"s3://{bucket}/q", *_options(seaweedfs_s3))
     assert result.returncode == 1
-    assert f"FAIL  bucket" in result.stdout
+    assert "FAIL  bucket" in result.stdout
     assert f"bucket '{bucket}' does not exist" in result.stdout
     assert "fix: create the bucket, or fix the store URL" in result.stdout
 

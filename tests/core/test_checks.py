@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -47,7 +46,7 @@ def remote(request: pytest.FixtureRequest) -> ObjectStore:
 
 
 @pytest.fixture
-def no_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """No AWS_* variables, and the instance metadata service at a closed loopback port."""
     import os
 
@@ -55,7 +54,6 @@ def no_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_METADATA_ENDPOINT", f"http://127.0.0.1:{free_ports(1)[0]}")
-    yield
 
 
 def _by_name(results: list[CheckResult]) -> dict[str, CheckResult]:
