@@ -145,6 +145,9 @@ def find_azurite_binary() -> Path:
 class Azurite(ChildServer):
     """Azurite's blob service on 127.0.0.1, run as a child process group.
 
+    Its blob index lives in memory and is saved on a polite stop (``stop()``'s SIGTERM); a
+    SIGKILL (``stop(timeout=0)``) loses what was not saved yet, like a crash.
+
     Use :func:`start_azurite` rather than constructing one directly.
     """
 
