@@ -73,27 +73,32 @@ def test_conditional_writes_have_one_winner_under_contention(
     for round_ in range(rounds):
         path = f"race-{round_}"
         base = store.put_if_absent(path, b"base") if condition == "update" else None
-        winners: list[int] = []
-        barrier = threading.Barrier(contenders)
-
-        def contend(i: int, path: str = path, base: str | None = base) -> None:
-            barrier.wait()
-            try:
-                if base is None:
-                    store.put_if_absent(path, f"c{i}".encode())
-                else:
-                    store.put_if_match(path, f"c{i}".encode(), base)
-            except ConflictError:
-                return
-            winners.append(i)
-
-        threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        winners = _race(store, path, base, contenders)
         assert len(winners) == 1, f"{len(winners)} winners"
         assert store.get(path).data == f"c{winners[0]}".encode()
+
+
+def _race(store: ObjectStore, path: str, base: str | None, contenders: int) -> list[int]:
+    winners: list[int] = []
+    barrier = threading.Barrier(contenders)
+
+    def contend(i: int) -> None:
+        barrier.wait()
+        try:
+            if base is None:
+                store.put_if_absent(path, f"c{i}".encode())
+            else:
+                store.put_if_match(path, f"c{i}".encode(), base)
+        except ConflictError:
+            return
+        winners.append(i)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return winners
 
 
 def test_azurite_through_the_emulator_variables(
