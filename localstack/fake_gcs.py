@@ -259,6 +259,7 @@ class _XmlUploadProxy:
 
     def __init__(self) -> None:
         self.upstream: tuple[str, int] = (LOOPBACK, 0)
+        self._local = threading.local()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -365,14 +366,27 @@ class _XmlUploadProxy:
     def _send(
         self, method: str, path: str, body: bytes, headers: dict[str, str]
     ) -> tuple[int, list[tuple[str, str]], bytes]:
-        host, port = self.upstream
-        connection = http.client.HTTPConnection(host, port, timeout=30)
-        try:
-            connection.request(method, path, body=body or None, headers=headers)
-            response = connection.getresponse()
-            return response.status, response.getheaders(), response.read()
-        finally:
-            connection.close()
+        # One upstream connection per client connection (each has its own handler thread),
+        # reused across its requests; a stale one (the server restarted) is replaced once.
+        for attempt in (1, 2):
+            connection = getattr(self._local, "connection", None)
+            if connection is None or connection.port != self.upstream[1]:
+                connection = http.client.HTTPConnection(*self.upstream, timeout=30)
+                self._local.connection = connection
+            sent = False
+            try:
+                connection.request(method, path, body=body or None, headers=headers)
+                sent = True
+                response = connection.getresponse()
+                return response.status, response.getheaders(), response.read()
+            except (OSError, http.client.HTTPException):
+                connection.close()
+                self._local.connection = None
+                # A write the server may have received is never sent twice: that could turn
+                # one landed conditional write into a reported conflict.
+                if attempt == 2 or (sent and method not in ("GET", "HEAD")):
+                    raise
+        raise AssertionError("unreachable")
 
 
 def start_fake_gcs(
