@@ -122,8 +122,11 @@ def test_delete_many_with_a_missing_object(store: ObjectStore) -> None:
     assert store.delete_many([]) == []
 
 
-def test_delete_many_in_bulk(store: ObjectStore) -> None:
-    paths = [f"bulk/{i:04d}" for i in range(1005)]  # more than one S3 DeleteObjects request
+def test_delete_many_in_bulk(store: ObjectStore, any_store_target: StoreTarget) -> None:
+    # More than one S3 DeleteObjects request (1000 keys each). The Azure and GCS emulators take
+    # 6-11 s for a thousand deletes of mostly missing objects; a few dozen test the same path.
+    count = 60 if any_store_target.kind in ("azurite", "gcs") else 1005
+    paths = [f"bulk/{i:04d}" for i in range(count)]
     for path in paths[:20]:
         store.put(path, b"x")
     assert store.delete_many(paths) == []
