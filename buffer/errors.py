@@ -4,7 +4,10 @@
   ``BackpressureError`` (the buffer stayed full past the timeout);
 - stop: ``FencedError`` (another consumer took over), ``ClosedError``;
 - fix the input or the data: ``FormatError``, ``InvalidInputError``, ``ConfigError``,
-  ``NotFoundError``.
+  ``NotFoundError``;
+- fix the store's set-up: ``StoreAccessError`` (missing or rejected credentials, a missing
+  bucket, no permission, conditional writes that do not work). Retrying cannot help, so
+  nothing retries it: it reaches the caller within seconds.
 
 ``CommitStateUnknownError`` separates "the write did not land" from "we cannot tell whether it
 landed": only the first lets a caller throw away what it uploaded.
@@ -24,6 +27,7 @@ __all__ = [
     "MillpondError",
     "NotFoundError",
     "StorageError",
+    "StoreAccessError",
 ]
 
 
@@ -77,6 +81,21 @@ class CommitStateUnknownError(StorageError):
         super().__init__(message)
         self.sequences = sequences
         self.maybe_landed_from = maybe_landed_from
+
+
+class StoreAccessError(MillpondError):
+    """The store refuses for good: fix its set-up. Retrying does not help.
+
+    ``problem`` says which part: ``"credentials"`` (none found, or rejected),
+    ``"bucket"`` (the bucket or container does not exist), ``"permission"`` (the credentials
+    may not do this), ``"conditional_writes"`` (the store does not reject a stale
+    conditional write). ``hint`` says how to fix it. Neither ever holds a secret.
+    """
+
+    def __init__(self, message: str, *, problem: str, hint: str = "") -> None:
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.problem = problem
+        self.hint = hint
 
 
 class NotFoundError(MillpondError, FileNotFoundError):

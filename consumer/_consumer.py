@@ -51,6 +51,7 @@ from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer, read_manifest
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
+from millpond.storage.checks import preflight
 from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["Backlog", "Consumer"]
@@ -167,6 +168,8 @@ class Consumer:
             FencedError: yet another consumer initialized meanwhile.
             FormatError: the manifest is corrupt.
             StorageError: the store failed past the retry budget.
+            StoreAccessError: the store refuses for good (credentials, bucket, permission,
+                conditional writes).
             ClosedError: the consumer was closed.
         """
         if last_acked_sequence is not None and (
@@ -180,6 +183,7 @@ class Consumer:
             )
         with self._lock:
             self._check_open()
+            preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
             self._open_claim()
             # Refuse a sink that is ahead of the queue before taking over: an operator's

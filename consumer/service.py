@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
 
-from millpond.cli.common import add_store_arguments, parse_options
+from millpond.cli.common import add_store_arguments, parse_options, require_queue_unless_create
 from millpond.common.clock import Clock, SystemClock
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
@@ -313,6 +313,11 @@ class ConsumerService:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser, output=False)
     parser.add_argument(
+        "--create",
+        action="store_true",
+        help="start an empty queue when there is none at STORE_URL (else refuse: a typo)",
+    )
+    parser.add_argument(
         "--sink", required=True, metavar="URL", help="sqlite:///path.db or postgresql://..."
     )
     parser.add_argument("--table", default="millpond_rows", help="target table [schema.]name")
@@ -393,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
             progress_table=args.progress_table,
         ) as sink,
     ):
+        require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
         service = ConsumerService(
             consumer,

@@ -12,7 +12,7 @@ import argparse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from millpond.cli.common import add_store_arguments, emit, open_store_from_args
+from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import NotFoundError
@@ -126,6 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
+    require_queue(store, args.manifest_path)
     status = queue_status(store, args.manifest_path, measure_bytes=not args.no_bytes)
 
     def seconds(value: float | None) -> str:

@@ -32,10 +32,12 @@ class GarbageCollectorConfig:
     """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``)."""
 
     store: str | ObjectStore | Any
-    """A store URL (``s3://bucket[/root]``, ``file:///path``, ``memory://``), an
+    """A store URL (``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]``,
+    ``file:///path``, ``memory://``), an
     :class:`~millpond.storage.store.ObjectStore` or an obstore store object. Required."""
     store_options: Mapping[str, str] | None = None
-    """obstore S3 options; missing ones come from the ``AWS_*`` variables. Default none."""
+    """obstore options; missing ones come from each backend's standard variables (``AWS_*``,
+    ``AZURE_STORAGE_*``, ``GOOGLE_*``). Default none."""
     manifest_path: str = "ingest/manifest"
     """Path of the queue manifest. Default ``"ingest/manifest"``."""
     data_path_prefix: str = "ingest"

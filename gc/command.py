@@ -13,7 +13,7 @@ import signal
 import threading
 from types import FrameType
 
-from millpond.cli.common import add_store_arguments, emit, parse_options
+from millpond.cli.common import add_store_arguments, emit, parse_options, require_queue
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
 from millpond.queue.gc_rules import GcReport
 
@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
     )
     collector = GarbageCollector(config)
+    if args.interval is None:  # one pass (a dry run too) on a mistyped root: say so, create nothing
+        require_queue(collector.store, args.manifest_path)
 
     def report(result: GcReport) -> None:
         _print(args, result)

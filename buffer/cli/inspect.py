@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from millpond.cli.common import add_store_arguments, emit, open_store_from_args
+from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.queue import read_manifest
@@ -49,6 +49,7 @@ def describe(store: ObjectStore, manifest_path: str, now_ms: int) -> dict[str, A
 
 def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
+    require_queue(store, args.manifest_path)
     record = describe(store, args.manifest_path, SystemClock().now_ms())
     age = record["oldest_age_seconds"]
     first = record["first_sequence"]

@@ -2,9 +2,11 @@
 
 * :mod:`millpond.storage.store` — the interface, :class:`ForwardingStore` for wrappers, and
   :func:`open_store` (a store from a URL);
-* :mod:`millpond.storage.obstore_store` — S3 and memory through obstore, the only module that
-  imports obstore;
-* :mod:`millpond.storage.file_store` — a local directory with a compare-and-swap of its own.
+* :mod:`millpond.storage.obstore_store` — S3, Azure Blob, GCS and memory through obstore, the
+  only module that imports obstore;
+* :mod:`millpond.storage.file_store` — a local directory with a compare-and-swap of its own;
+* :mod:`millpond.storage.checks` — what ``millpond doctor`` checks, and the cheap part every
+  role runs at start (:func:`~millpond.storage.checks.preflight`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """A local-directory object store with a real compare-and-swap.
 
 obstore's ``LocalStore`` cannot do a conditional update, so ``file://`` stores are served
-here. A conditional write takes an exclusive ``flock`` on a per-object lock file, compares the
-current content's ETag, writes a temp file, fsyncs it, renames it over the target and fsyncs
-the directory. ``flock`` is shared by every process on the host, so several producers on one
-machine can append to the same manifest safely. Reads need no lock: ``rename`` is atomic, so a
+here. A conditional write takes an exclusive ``flock`` on a per-object lock file (removed
+again on release, so none is left behind), compares the current content's ETag, writes a temp
+file, fsyncs it, renames it over the target and fsyncs the directory. ``flock`` is shared by
+every process on the host, so several producers on one machine can append to the same manifest
+safely. Reads need no lock: ``rename`` is atomic, so a
 reader sees either the old or the new object, never a mix.
 
 The ETag is a hash of the content. Two different states of a manifest never have the same
@@ -44,9 +45,18 @@ class FileStore(ObjectStore):
     """An :class:`ObjectStore` rooted at a local directory."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
+        # Nothing is created until the first write: a mistyped path opened by a read-only
+        # command must not leave a directory behind.
         self._root = Path(root).resolve()
-        self._root.mkdir(parents=True, exist_ok=True)
         self.url = self._root.as_uri()
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def exists(self) -> bool:
+        """Whether the root directory exists (it is created by the first write)."""
+        return self._root.is_dir()
 
     @classmethod
     def from_url(cls, url: str) -> FileStore:
@@ -129,7 +139,12 @@ class FileStore(ObjectStore):
         for path in paths:
             try:
                 target = self._path(path)
-                target.unlink(missing_ok=True)
+                if not target.parent.is_dir():
+                    continue  # nothing there, and nothing to create
+                # Under the object's lock, so a delete never interleaves with a conditional
+                # write of the same name; the lock file goes too.
+                with self._locked(target):
+                    target.unlink(missing_ok=True)
                 touched.add(target.parent)
             except (OSError, ConfigError) as err:
                 failures.append(DeleteFailure(path=path, reason=str(err)))
@@ -164,13 +179,38 @@ class FileStore(ObjectStore):
 
     @contextlib.contextmanager
     def _locked(self, target: Path) -> Iterator[None]:
+        """Hold the object's lock file; remove it on release, so none is left behind.
+
+        A waiter may have opened the file before its holder removed it: after taking the lock
+        it checks that the path still names the file it locked, and starts over otherwise, so
+        two writers never hold locks on two different files for one object.
+        """
         target.parent.mkdir(parents=True, exist_ok=True)
         lock_path = target.parent / f"{_HIDDEN}{target.name}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    current = os.stat(lock_path)
+                except FileNotFoundError:
+                    current = None
+                locked = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if current is not None and (current.st_ino, current.st_dev) == (
+                locked.st_ino,
+                locked.st_dev,
+            ):
+                break
+            os.close(fd)  # removed (or replaced) by the holder we waited for: start over
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
+            # Removed while still locked: a waiter on this file then sees it is gone.
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()
             os.close(fd)  # closing drops the flock
 
     @staticmethod

@@ -1,14 +1,22 @@
 """The obstore adapter: the only module that imports obstore.
 
-obstore's exceptions are translated here into the millpond error tree, with ``raise ... from``.
-Conditional writes map onto obstore's put modes: ``"create"`` for create-if-absent and
-``{"e_tag": ...}`` for update-if-unchanged (S3 needs ``aws_conditional_put="etag"``).
+obstore's exceptions are translated here into the millpond error tree, with ``raise ... from``:
+a refusal that retrying cannot fix (no or rejected credentials, a missing bucket or container,
+no permission) becomes :class:`~millpond.errors.StoreAccessError`, so no retry loop spins on
+it; network failures and 5xx stay :class:`~millpond.errors.StorageError`.
+
+Conditional writes map onto obstore's put modes: ``"create"`` for create-if-absent (S3 and
+Azure send ``If-None-Match: *``, GCS ``x-goog-if-generation-match: 0``) and an update version
+for update-if-unchanged (S3 and Azure ``If-Match: <etag>``; S3 needs
+``aws_conditional_put="etag"``; GCS ``x-goog-if-generation-match: <generation>``, so on GCS the
+"ETag" this adapter hands out is the object generation).
 """
 
 from __future__ import annotations
 
 import builtins
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +26,7 @@ from urllib.parse import urlsplit
 
 import obstore
 from obstore import exceptions as obx
-from obstore.store import MemoryStore, S3Store
+from obstore.store import AzureStore, GCSStore, MemoryStore, S3Store
 
 from millpond.errors import (
     CommitStateUnknownError,
@@ -26,7 +34,9 @@ from millpond.errors import (
     ConflictError,
     NotFoundError,
     StorageError,
+    StoreAccessError,
 )
+from millpond.storage._backends import backend_of, prepare
 from millpond.storage.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
 
 __all__ = ["ObstoreStore"]
@@ -50,22 +60,55 @@ _DEFAULT_CLIENT: dict[str, Any] = {
     "connect_timeout": timedelta(seconds=5),
     "timeout": timedelta(seconds=120),
 }
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_CLIENT_KEYS = frozenset(
-    {"connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "allow_http"}
+# Error codes in a store's answer that no retry fixes, by what is wrong.
+_MISSING_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+_BAD_CREDENTIALS = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidClientTokenId",
+    "ExpiredToken",
+    "AuthenticationFailed",
+    "InvalidAuthenticationInfo",
+    "NoAuthenticationInformation",
+    "failed to authenticate",
+)
+# Failures to fetch credentials: obstore names the provider or the metadata endpoint it asked.
+_NO_CREDENTIALS = re.compile(
+    r"latest/api/token|latest/meta-data|metadata/identity|computeMetadata|"
+    r"credential|Missing (SecretAccessKey|AccessKeyId)|OAuth|token provider",
+    re.IGNORECASE,
+)
+# Signed URLs in error text must not reach a log: drop their signature and credential.
+_SECRET_PARAMS = re.compile(
+    r"(?i)\b(sig|x-amz-signature|x-amz-credential|x-goog-signature)=[^&\s]+"
 )
 
 
 class ObstoreStore(ObjectStore):
     """An :class:`ObjectStore` over any obstore store (S3, memory, ...)."""
 
-    def __init__(self, store: Any, url: str) -> None:
+    def __init__(
+        self,
+        store: Any,
+        url: str,
+        *,
+        backend: str = "",
+        credential_source: str = "",
+        credential_hint: str = "",
+    ) -> None:
         self._store = store
         self.url = url
+        self._backend = backend
+        self._credential_source = credential_source or "whatever the store object was built with"
+        self._hint = credential_hint
+        # GCS's conditional update is on the object generation, not the ETag: there the
+        # "ETag" millpond hands out is the generation.
+        self._generations = backend == "gcs"
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, str] | None = None) -> ObstoreStore:
-        """Open ``s3://bucket[/root]`` or ``memory://``.
+        """Open ``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]`` or
+        ``memory://``.
 
         Raises:
             ConfigError: an unknown option or a malformed URL.
@@ -73,33 +116,30 @@ class ObstoreStore(ObjectStore):
         parts = urlsplit(url)
         if parts.scheme == "memory":
             return cls(_named_memory_store(parts.netloc + parts.path), url)
-        config: dict[str, Any] = {k: v for k, v in (options or {}).items() if k not in _CLIENT_KEYS}
-        client: dict[str, Any] = {
-            **_DEFAULT_CLIENT,
-            **{k: v for k, v in (options or {}).items() if k in _CLIENT_KEYS},
-        }
-        # Conditional updates on S3 are ETag based; without this obstore refuses them.
-        config.setdefault("aws_conditional_put", "etag")
-        # AWS_ALLOW_HTTP maps to a client option: obstore 0.12 parses ``aws_allow_http`` as an
-        # S3 config key but then panics ("Expected config prefix to start with aws_").
-        allow_http = config.pop("aws_allow_http", None)
-        if allow_http is not None:
-            client.setdefault("allow_http", str(allow_http).strip().lower() in _TRUE)
-        if config.get("aws_endpoint", "").startswith("http://"):
-            client.setdefault("allow_http", True)
+        backend = backend_of(url)
+        if backend is None:
+            raise ConfigError("store", f"expected s3://, az:// or gs://, found {url!r}")
+        prepared = prepare(backend, options)
+        builder: Any = {"s3": S3Store, "azure": AzureStore, "gcs": GCSStore}[backend]
         try:
             # obstore types these as TypedDicts; ours are validated by obstore itself.
-            store = S3Store.from_url(
+            store = builder.from_url(
                 url,
-                config=cast("Any", config),
-                client_options=cast("Any", client),
+                config=cast("Any", prepared.config),
+                client_options=cast("Any", {**_DEFAULT_CLIENT, **prepared.client}),
                 retry_config=cast("Any", _DEFAULT_RETRY),
             )
         except obx.BaseError as err:
             raise ConfigError("store", f"cannot open {url!r}: {_first_line(err)}") from err
         except (ValueError, TypeError) as err:
             raise ConfigError("store_options", f"cannot open {url!r}: {err}") from err
-        return cls(store, f"{parts.scheme}://{parts.netloc}{parts.path}")
+        return cls(
+            store,
+            f"{parts.scheme}://{parts.netloc}{parts.path}",
+            backend=backend,
+            credential_source=prepared.credential_source,
+            credential_hint=prepared.credential_hint,
+        )
 
     @classmethod
     def wrap(cls, store: Any) -> ObstoreStore:
@@ -109,81 +149,103 @@ class ObstoreStore(ObjectStore):
                 "store", f"expected a URL or an obstore store, found {type(store).__name__}"
             )
         prefix = getattr(store, "prefix", None)
-        return cls(store, f"{type(store).__name__}({prefix or ''})")
+        backend = {S3Store: "s3", AzureStore: "azure", GCSStore: "gcs"}.get(type(store), "")
+        return cls(store, f"{type(store).__name__}({prefix or ''})", backend=backend)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self._store, MemoryStore)
+
+    def credential_source(self) -> str:
+        if isinstance(self._store, MemoryStore):
+            return "none needed (in memory)"
+        return self._credential_source
 
     def get(self, path: str) -> GetResult:
-        result = _call(path, lambda: obstore.get(self._store, path))
-        data = _call(path, lambda: bytes(result.bytes()))
-        return GetResult(data=data, etag=result.meta.get("e_tag"))
+        result = self._call(path, lambda: obstore.get(self._store, path))
+        data = self._call(path, lambda: bytes(result.bytes()))
+        return GetResult(data=data, etag=self._token(result.meta))
 
     def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
         if etag is None:
             return self.get(path)
+        if self._generations:
+            # The token is a generation, which If-None-Match does not take: compare it.
+            got = self.get(path)
+            return None if got.etag == etag else got
         try:
             result = obstore.get(self._store, path, options={"if_none_match": etag})
         except obx.NotModifiedError:
             return None
         except _STORE_ERRORS as err:
-            _translate(path, err)
-        data = _call(path, lambda: bytes(result.bytes()))
-        return GetResult(data=data, etag=result.meta.get("e_tag"))
+            self._translate(path, err)
+        data = self._call(path, lambda: bytes(result.bytes()))
+        return GetResult(data=data, etag=self._token(result.meta))
 
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
         options: dict[str, Any] = {"range": {"suffix": length}}
-        if etag is not None:
+        if etag is not None and not self._generations:
             options["if_none_match"] = etag
         try:
             result = obstore.get(self._store, path, options=cast("Any", options))
         except obx.NotModifiedError:
             return None
         except _STORE_ERRORS as err:
-            _translate(path, err)
-        data = _call(path, lambda: bytes(result.bytes()))
-        return GetResult(data=data, etag=result.meta.get("e_tag"))
+            self._translate(path, err)
+        token = self._token(result.meta)
+        if etag is not None and self._generations and token == etag:
+            return None  # a generation, which If-None-Match does not take: compared here
+        data = self._call(path, lambda: bytes(result.bytes()))
+        return GetResult(data=data, etag=token)
 
     def head(self, path: str) -> ObjectInfo:
-        meta = _call(path, lambda: obstore.head(self._store, path))
-        return _info(meta)
+        meta = self._call(path, lambda: obstore.head(self._store, path))
+        return self._info(meta)
 
     def put(self, path: str, data: bytes) -> str | None:
-        result = _call(path, lambda: obstore.put(self._store, path, data, use_multipart=False))
-        return result.get("e_tag")
+        try:
+            result = obstore.put(self._store, path, data, use_multipart=False)
+        except _STORE_ERRORS as err:
+            self._translate(path, err)
+        return self._token(result)
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         try:
             result = obstore.put(self._store, path, data, mode="create", use_multipart=False)
-        except obx.AlreadyExistsError as err:
-            raise ConflictError(f"{path}: already exists") from err
-        except obx.PreconditionError as err:
+        except (obx.AlreadyExistsError, obx.PreconditionError) as err:
             raise ConflictError(f"{path}: already exists") from err
         except _STORE_ERRORS as err:
-            _translate_write(path, err)
-        return result.get("e_tag")
+            self._translate_write(path, err)
+        return self._token(result)
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        mode: dict[str, str] = {"version": etag} if self._generations else {"e_tag": etag}
         try:
-            result = obstore.put(self._store, path, data, mode={"e_tag": etag}, use_multipart=False)
-        except (
-            obx.PreconditionError,
-            obx.NotFoundError,
-            obx.AlreadyExistsError,
-            FileNotFoundError,
-        ) as err:
+            result = obstore.put(
+                self._store, path, data, mode=cast("Any", mode), use_multipart=False
+            )
+        except (obx.PreconditionError, obx.AlreadyExistsError) as err:
             raise ConflictError(f"{path}: changed since ETag {etag} was read") from err
+        except (obx.NotFoundError, FileNotFoundError) as err:
+            # A missing bucket is no conflict: it must not send the caller round a CAS loop.
+            self._refused(path, err)
+            raise ConflictError(f"{path}: vanished since ETag {etag} was read") from err
         except _STORE_ERRORS as err:
-            _translate_write(path, err)
-        return result.get("e_tag")
+            self._translate_write(path, err)
+        return self._token(result)
 
     def copy(self, source: str, target: str) -> None:
-        _call(source, lambda: obstore.copy(self._store, source, target, overwrite=True))
+        self._call(source, lambda: obstore.copy(self._store, source, target, overwrite=True))
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         clean = prefix.strip("/") or None
         if recursive:
-            chunks = _call(prefix, lambda: list(obstore.list(self._store, clean, chunk_size=1000)))
-            return [_info(meta) for chunk in chunks for meta in chunk]
-        listing = _call(prefix, lambda: obstore.list_with_delimiter(self._store, clean))
-        return [_info(meta) for meta in listing["objects"]]
+            chunks = self._call(
+                prefix, lambda: list(obstore.list(self._store, clean, chunk_size=1000))
+            )
+            return [self._info(meta) for chunk in chunks for meta in chunk]
+        listing = self._call(prefix, lambda: obstore.list_with_delimiter(self._store, clean))
+        return [self._info(meta) for meta in listing["objects"]]
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         failures: builtins.list[DeleteFailure] = []
@@ -192,12 +254,14 @@ class ObstoreStore(ObjectStore):
                 obstore.delete(self._store, chunk)
             except _STORE_ERRORS as err:
                 # A bulk request reports only its first failure: retry one by one to learn
-                # exactly which objects are left, so GC can log and retry only those.
-                logger.warning(
-                    "bulk delete of %s objects failed (%s); deleting one by one",
-                    len(chunk),
-                    _first_line(err),
-                )
+                # exactly which objects are left, so GC can log and retry only those. (GCS
+                # deletes one by one anyway and fails the lot on a missing object.)
+                if not isinstance(err, (obx.NotFoundError, FileNotFoundError)):
+                    logger.warning(
+                        "bulk delete of %s objects failed (%s); deleting one by one",
+                        len(chunk),
+                        _first_line(err),
+                    )
                 failures.extend(self._delete_each(chunk))
         return failures
 
@@ -217,7 +281,101 @@ class ObstoreStore(ObjectStore):
             return [f for f in pool.map(one, paths) if f is not None]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ObstoreStore, (self._store, self.url))
+        return (
+            _rebuild,
+            (self._store, self.url, self._backend, self._credential_source, self._hint),
+        )
+
+    # -- tokens and errors -----------------------------------------------------------------
+
+    def _token(self, meta: Mapping[str, Any]) -> str | None:
+        if self._generations:
+            version = meta.get("version")
+            return None if version is None else str(version)
+        etag = meta.get("e_tag")
+        return None if etag is None else str(etag)
+
+    def _info(self, meta: Mapping[str, Any]) -> ObjectInfo:
+        return ObjectInfo(
+            path=str(meta["path"]),
+            size=int(meta["size"]),
+            last_modified=meta.get("last_modified"),
+            etag=self._token(meta),
+        )
+
+    def _call(self, path: str, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except _STORE_ERRORS as err:
+            self._translate(path, err)
+
+    def _translate(self, path: str, err: BaseException) -> NoReturn:
+        self._refused(path, err)
+        # obstore raises the built-in FileNotFoundError for a missing object.
+        if isinstance(err, (obx.NotFoundError, FileNotFoundError)):
+            raise NotFoundError(f"{path}: not found") from err
+        if isinstance(err, (obx.InvalidPathError, obx.UnknownConfigurationKeyError)):
+            raise ConfigError("store", f"{path}: {_first_line(err)}") from err
+        raise StorageError(f"{self.url}/{path}: {_first_line(err)}") from err
+
+    def _translate_write(self, path: str, err: BaseException) -> NoReturn:
+        self._refused(path, err)
+        if isinstance(err, obx.NotSupportedError):
+            raise StoreAccessError(
+                f"{self.url}: conditional writes unsupported: {_first_line(err)}",
+                problem="conditional_writes",
+                hint="use a store that honours If-None-Match and If-Match",
+            ) from err
+        # After a failure on the wire the write may have reached the store.
+        raise CommitStateUnknownError(f"{path}: write outcome unknown: {_first_line(err)}") from err
+
+    def _refused(self, path: str, err: BaseException) -> None:
+        """Raise :class:`StoreAccessError` when ``err`` is a refusal no retry can fix.
+
+        Raises:
+            StoreAccessError: credentials missing or rejected, bucket missing, no permission.
+        """
+        text = str(err)
+        where = f"{self.url}/{path}"
+        bucket = urlsplit(self.url).netloc or self.url
+        noun = "container" if self._backend == "azure" else "bucket"
+        if any(code in text for code in _MISSING_BUCKET):
+            raise StoreAccessError(
+                f"{self.url}: {noun} {bucket!r} does not exist",
+                problem="bucket",
+                hint=f"create the {noun}, or fix the store URL",
+            ) from err
+        if isinstance(err, (obx.NotFoundError, FileNotFoundError)):
+            return
+        if isinstance(err, obx.UnauthenticatedError) or any(
+            code in text for code in _BAD_CREDENTIALS
+        ):
+            raise StoreAccessError(
+                f"{where}: the store rejected the credentials ({self._credential_source}): "
+                f"{_first_line(err)}",
+                problem="credentials",
+                hint=self._hint or "check the store's credentials",
+            ) from err
+        if isinstance(err, obx.PermissionDeniedError):
+            raise StoreAccessError(
+                f"{where}: permission denied for the credentials ({self._credential_source}): "
+                f"{_first_line(err)}",
+                problem="permission",
+                hint=f"allow list, get, put and delete under {self.url}",
+            ) from err
+        if self._backend and _NO_CREDENTIALS.search(text) and "status code: 5" not in text:
+            raise StoreAccessError(
+                f"{self.url}: no credentials found (tried {self._credential_source}): "
+                f"{_first_line(err)}",
+                problem="credentials",
+                hint=self._hint,
+            ) from err
+
+
+def _rebuild(store: Any, url: str, backend: str, credential_source: str, hint: str) -> ObstoreStore:
+    return ObstoreStore(
+        store, url, backend=backend, credential_source=credential_source, credential_hint=hint
+    )
 
 
 _MEMORY_STORES: dict[str, Any] = {}
@@ -234,40 +392,6 @@ def _named_memory_store(name: str) -> Any:
         return store
 
 
-def _call(path: str, fn: Callable[[], _T]) -> _T:
-    try:
-        return fn()
-    except _STORE_ERRORS as err:
-        _translate(path, err)
-
-
-def _translate(path: str, err: BaseException) -> NoReturn:
-    # obstore raises the built-in FileNotFoundError for a missing object.
-    if isinstance(err, (obx.NotFoundError, FileNotFoundError)):
-        raise NotFoundError(f"{path}: not found") from err
-    if isinstance(err, (obx.InvalidPathError, obx.UnknownConfigurationKeyError)):
-        raise ConfigError("store", f"{path}: {_first_line(err)}") from err
-    raise StorageError(f"{path}: {_first_line(err)}") from err
-
-
-def _translate_write(path: str, err: BaseException) -> NoReturn:
-    if isinstance(err, obx.NotSupportedError):
-        raise ConfigError(
-            "store", f"{path}: conditional writes unsupported: {_first_line(err)}"
-        ) from err
-    # After a failure on the wire the write may have reached the store.
-    raise CommitStateUnknownError(f"{path}: write outcome unknown: {_first_line(err)}") from err
-
-
-def _info(meta: Mapping[str, Any]) -> ObjectInfo:
-    return ObjectInfo(
-        path=str(meta["path"]),
-        size=int(meta["size"]),
-        last_modified=meta.get("last_modified"),
-        etag=meta.get("e_tag"),
-    )
-
-
 def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
     chunk: list[str] = []
     for item in items:
@@ -281,4 +405,5 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    line = text[0] if text else type(err).__name__
+    return _SECRET_PARAMS.sub(lambda m: f"{m.group(1)}=REDACTED", line)

@@ -2,7 +2,7 @@
 
 Everything millpond does to storage goes through :class:`ObjectStore`: plain and conditional
 puts, gets with the ETag, listing and multi-delete. Two implementations exist: one over obstore
-(S3, memory, anything obstore opens; ``obstore_store.py``, the only module importing obstore)
+(S3, Azure Blob, GCS, memory; ``obstore_store.py``, the only module importing obstore)
 and one over the local file system with a compare-and-swap of its own (``file_store.py``),
 because obstore's ``LocalStore`` cannot do a conditional update.
 """
@@ -19,8 +19,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError
+from millpond.storage._backends import AWS_ENV, BACKENDS
 
 __all__ = [
+    "STORE_URL_FORMS",
+    "STORE_URL_SCHEMES",
     "DeleteFailure",
     "ForwardingStore",
     "GetResult",
@@ -29,18 +32,6 @@ __all__ = [
     "open_store",
     "s3_options_from_env",
 ]
-
-# Standard AWS variables and the obstore S3 config keys they feed.
-_AWS_ENV = {
-    "AWS_ENDPOINT_URL": "aws_endpoint",
-    "AWS_ENDPOINT_URL_S3": "aws_endpoint",
-    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
-    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
-    "AWS_SESSION_TOKEN": "aws_session_token",
-    "AWS_REGION": "aws_region",
-    "AWS_DEFAULT_REGION": "aws_region",
-    "AWS_ALLOW_HTTP": "aws_allow_http",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +173,16 @@ class ObjectStore(ABC):
         """Whether ``put_if_match`` is a true compare-and-swap on this store."""
         return True
 
+    def credential_source(self) -> str:
+        """Where this store's credentials come from, named without their values."""
+        return "none needed (a local store)"
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the store lives in this process or on this machine (memory, ``file://``):
+        no credentials, no bucket, and conditional writes of millpond's own."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -227,12 +228,19 @@ class ForwardingStore(ObjectStore):
     def supports_conditional_update(self) -> bool:
         return self.inner.supports_conditional_update
 
+    def credential_source(self) -> str:
+        return self.inner.credential_source()
+
+    @property
+    def is_local(self) -> bool:
+        return self.inner.is_local
+
 
 def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """obstore S3 options from the standard AWS variables (``AWS_ENDPOINT_URL``, ...)."""
     env = os.environ if environ is None else environ
     options: dict[str, str] = {}
-    for variable, key in _AWS_ENV.items():
+    for variable, key in AWS_ENV.items():
         value = env.get(variable)
         if value and key not in options:
             options[key] = value
@@ -247,9 +255,10 @@ def open_store(
 ) -> ObjectStore:
     """An :class:`ObjectStore` from a URL, an existing store, or an obstore store object.
 
-    URLs: ``s3://bucket[/root]``, ``file:///path``, ``memory://[name]`` (one store per name in
-    the process). S3 options not given in
-    ``options`` come from the standard AWS variables.
+    URLs: ``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]``,
+    ``file:///path``, ``memory://[name]`` (one store per name in the process). Options not
+    given in ``options`` come from each backend's standard variables (``AWS_*``,
+    ``AZURE_STORAGE_*``, ``GOOGLE_*``). Opening sends no request.
 
     Raises:
         ConfigError: an unsupported URL scheme or a bad option.
@@ -262,19 +271,23 @@ def open_store(
             from millpond.storage.file_store import FileStore
 
             return FileStore.from_url(store)
-        if scheme in ("s3", "s3a", "memory"):
+        if scheme in BACKENDS or scheme == "memory":
             from millpond.storage.obstore_store import ObstoreStore
 
-            merged = dict(options or {})
-            if scheme != "memory":
-                merged = {**s3_options_from_env(), **merged}
-            return ObstoreStore.from_url(store, merged)
-        raise ConfigError(
-            "store", f"expected a s3://, file:// or memory:// URL, found {_redact(store)!r}"
-        )
+            return ObstoreStore.from_url(store, options)
+        raise ConfigError("store", f"expected {STORE_URL_FORMS}, found {_redact(store)!r}")
     from millpond.storage.obstore_store import ObstoreStore
 
     return ObstoreStore.wrap(store)
+
+
+STORE_URL_FORMS = (
+    "an s3://bucket[/root], az://container[/root], gs://bucket[/root], file:///path or "
+    "memory:// URL"
+)
+"""What a store URL may look like, for error messages and help texts."""
+STORE_URL_SCHEMES = (*BACKENDS, "file", "memory")
+"""Every scheme :func:`open_store` opens."""
 
 
 def _redact(url: str) -> str:

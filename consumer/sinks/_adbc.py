@@ -29,9 +29,11 @@ rows by hand shortens that horizon to what is left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,6 +94,10 @@ class TableName:
 
     def __str__(self) -> str:
         return f"{self.schema}.{self.name}" if self.schema else self.name
+
+
+class _RolledBack(Exception):
+    """Ends a probe transaction: it must roll back."""
 
 
 class AdbcSink(ABC):
@@ -209,6 +215,26 @@ class AdbcSink(ABC):
                     self._table,
                 )
         return written
+
+    def probe_write(self) -> None:
+        """Connect, then create a scratch table and write a row into it, and roll back.
+
+        For ``millpond doctor``: proves the database is reachable and the credentials may
+        create tables and insert where the target table lives, and leaves nothing behind
+        (the progress table, which connecting sets up, aside).
+
+        Raises:
+            SinkError: the database failed or refused.
+        """
+        scratch = TableName(f"millpond_doctor_{uuid.uuid4().hex[:12]}", self._table.schema)
+
+        def work(cur: Any) -> None:
+            cur.execute(f"CREATE TABLE {scratch.sql} (probe BIGINT NOT NULL)")
+            cur.execute(f"INSERT INTO {scratch.sql} (probe) VALUES (1)")
+            raise _RolledBack
+
+        with contextlib.suppress(_RolledBack):
+            self._transaction_once(work)
 
     def close(self) -> None:
         self._drop_connection()

@@ -1,9 +1,10 @@
 """Options of the ``millpond`` Spark data source, checked once on the driver.
 
 Every option is either a ``ProducerConfig`` key (checked by ``ProducerConfig.from_options``,
-which names a bad key), an obstore S3 option (``aws_access_key_id``, ``aws_endpoint``, ...;
-the standard ``AWS_*`` variables on each executor fill in what is not given), or one of the
-few keys only the Spark integration has:
+which names a bad key), an obstore store option (S3 ``aws_access_key_id``, ``aws_endpoint``,
+...; Azure ``azure_storage_account_name``, ``azure_storage_account_key``, ...; GCS
+``google_service_account``, ...; each backend's standard variables on each executor fill in
+what is not given), or one of the few keys only the Spark integration has:
 
 =================== ======================================================================
 ``commit``          ``job`` (default): one queue append per job or micro-batch, exactly once;
@@ -70,7 +71,9 @@ SPARK_ONLY_KEYS = frozenset(
 )
 """Option keys the Spark integration reads itself instead of passing to ``ProducerConfig``."""
 _SPARK_PROVIDED = frozenset({"checkpointlocation", "queryname"})
-# obstore client options (not S3Config keys) that may be given bare, like the aws_* keys.
+# obstore store options may be given bare, like the aws_* keys: these prefixes, and the
+# client options (not backend config keys).
+_STORE_PREFIXES = ("aws_", "azure_", "google_")
 _CLIENT_OPTIONS = frozenset(
     {"connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "allow_http"}
 )
@@ -86,7 +89,7 @@ class SparkWriteSettings:
     """What ``ProducerConfig.from_options`` accepted: the store, the queue paths, flush size,
     compression, WAL settings and credentials (hence left out of ``repr``)."""
     store_url: str
-    """The store URL (``s3://bucket[/root]``, ``file://``, ``memory://``)."""
+    """The store URL (``s3://``, ``az://``, ``gs://``, ``file://``, ``memory://``)."""
     store_options: Mapping[str, str] = field(repr=False)
     """obstore options (endpoint, credentials, ...) given as Spark options."""
     data_path_prefix: str
@@ -143,8 +146,8 @@ class SparkWriteSettings:
         if opts["store"].startswith("memory:"):
             raise ConfigError(
                 "store",
-                "expected a store every Spark process can reach (s3://, file://), found "
-                "memory://, which lives inside one process",
+                "expected a store every Spark process can reach (s3://, az://, gs://, file://), "
+                "found memory://, which lives inside one process",
             )
         producer_options = _as_producer_options(opts)
         config = _producer_config(producer_options)
@@ -263,13 +266,14 @@ def _producer_config(options: Mapping[str, str]) -> ProducerConfig:
 def _as_producer_options(options: Mapping[str, str]) -> dict[str, str]:
     """Spark-style keys into ``ProducerConfig.from_options`` keys.
 
-    obstore options may be given bare (``aws_access_key_id``) as well as in the config's own
+    obstore options may be given bare (``aws_access_key_id``, ``azure_storage_account_key``,
+    ``google_service_account``) as well as in the config's own
     form (``store_options.aws_access_key_id``). A ``commit="job"`` write never opens a WAL, so
     ``wal_dir`` gets a placeholder when absent (the executor helper replaces it with a slot).
     """
     out: dict[str, str] = {}
     for key, value in options.items():
-        if key.startswith("aws_") or key in _CLIENT_OPTIONS:
+        if key.startswith(_STORE_PREFIXES) or key in _CLIENT_OPTIONS:
             out[f"store_options.{key}"] = value
         else:
             out[key] = value

@@ -36,6 +36,7 @@ class Service:
                 "INFO",
                 "consume",
                 target.url,
+                "--create",
                 *options,
                 *database.sink_arguments(),
                 "--poll-interval",

@@ -20,6 +20,7 @@ EXPECTED_TREE: dict[str, tuple[type[BaseException], ...]] = {
     "ClosedError": (errors.MillpondError,),
     "InvalidInputError": (errors.MillpondError, ValueError),
     "ConfigError": (errors.MillpondError, ValueError),
+    "StoreAccessError": (errors.MillpondError,),
 }
 
 
@@ -63,6 +64,16 @@ def test_errors_carry_their_details() -> None:
     assert str(config) == "flush_interval: expected > 0, found -1"
     assert isinstance(config, ValueError)
     assert isinstance(errors.InvalidInputError("x"), ValueError)
+
+
+def test_store_access_error_is_not_retried_as_a_storage_error() -> None:
+    err = errors.StoreAccessError(
+        "s3://b: bucket b does not exist", problem="bucket", hint="create it"
+    )
+    assert not isinstance(err, errors.StorageError)  # every retry loop catches StorageError
+    assert not isinstance(err, errors.NotFoundError)  # "no manifest yet" would create one
+    assert (err.problem, err.hint) == ("bucket", "create it")
+    assert str(err) == "s3://b: bucket b does not exist; create it"
 
 
 def test_no_error_shadows_a_builtin() -> None:

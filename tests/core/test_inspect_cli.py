@@ -111,8 +111,8 @@ def _one_line_failure(result: subprocess.CompletedProcess[str]) -> str:
 def test_inspect_missing_manifest(millpond_cmd: list[str], tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     line = _one_line_failure(_run(millpond_cmd, (tmp_path / "store").as_uri()))
-    assert "not found" in line
-    assert "ingest/manifest" in line
+    assert "no queue at" in line
+    assert "no manifest at ingest/manifest" in line
 
 
 def test_inspect_corrupt_manifest(millpond_cmd: list[str], tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, open_target,
 
 
 @pytest.fixture
-def store(store_target: StoreTarget) -> ObjectStore:
-    return open_target(store_target)
+def store(any_store_target: StoreTarget) -> ObjectStore:
+    return open_target(any_store_target)
 
 
 def _producer(store: ObjectStore, clock: FakeClock | None = None) -> QueueProducer:

@@ -175,3 +175,43 @@ def test_parse_size(text: str, value: int) -> None:
 )
 def test_parse_duration(text: str, value: float) -> None:
     assert parse_duration(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://b/q", "s3a://b", "az://container/q", "gs://bucket/q", "file:///x", "memory://"]
+)
+def test_every_store_scheme_is_accepted(tmp_path: Path, url: str) -> None:
+    assert _config(tmp_path, store=url).store == url
+
+
+@pytest.mark.parametrize("url", ["ftp://host/x", "abfs://c", "bucket/q"])
+def test_other_store_urls_are_refused_naming_the_forms(tmp_path: Path, url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, store=url)
+    assert info.value.key == "store"
+    assert "az://container[/root]" in str(info.value)
+    assert "gs://bucket[/root]" in str(info.value)
+
+
+def test_spark_options_pass_bare_store_keys_of_every_backend() -> None:
+    from millpond.producer.spark.options import SparkWriteSettings
+
+    settings = SparkWriteSettings.from_options(
+        {
+            "store": "az://container/q",
+            "azure_storage_account_name": "acct",
+            "azure_storage_account_key": "a2V5",
+            "google_service_account": "/k.json",
+            "aws_region": "eu-west-1",
+            "allow_http": "true",
+        }
+    )
+    assert settings.store_url == "az://container/q"
+    assert dict(settings.store_options) == {
+        "azure_storage_account_name": "acct",
+        "azure_storage_account_key": "a2V5",
+        "google_service_account": "/k.json",
+        "aws_region": "eu-west-1",
+        "allow_http": "true",
+    }
+    assert "a2V5" not in repr(settings)

@@ -1,0 +1,399 @@
+"""Checks that a store can hold a queue: what ``millpond doctor`` runs, and the cheap part that
+producers, consumers and the CLI run at start.
+
+Each check returns a :class:`CheckResult`: pass, fail or skip, what was found, and on a failure
+how to fix it. They write only under ``_millpond_check/`` below the store root (never a
+``.batch`` object under the data prefix, so GC never sees them) and delete what they wrote.
+
+* :func:`run_store_checks` — every store check, in order: credentials, bucket, permissions,
+  conditional create, conditional update, clock skew, manifest. A check that cannot run
+  because an earlier one failed is skipped, saying why.
+* :func:`preflight` — at start: one listing (credentials, bucket, permission) and, for a
+  writer, the conditional-write probe, once per store and process. A refusal raises
+  :class:`~millpond.errors.StoreAccessError` within seconds; a store that does not answer is
+  left to the caller's retries, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from millpond.common.clock import Clock, SystemClock
+from millpond.errors import (
+    ConflictError,
+    FormatError,
+    NotFoundError,
+    StorageError,
+    StoreAccessError,
+)
+from millpond.formats.manifest import decode_manifest
+from millpond.storage.store import ObjectStore
+from millpond.storage.store_time import probe_store_time
+
+__all__ = [
+    "MAX_CLOCK_SKEW",
+    "PROBE_PREFIX",
+    "CheckResult",
+    "preflight",
+    "run_store_checks",
+    "store_clock_skew",
+]
+
+logger = logging.getLogger(__name__)
+
+PROBE_PREFIX = "_millpond_check"
+"""Where checks write their probe objects, below the store root."""
+MAX_CLOCK_SKEW = 30.0
+"""Seconds of skew against the store's clock above which the clock check fails."""
+PREFLIGHT_TIMEOUT = 5.0
+"""Seconds :func:`preflight` waits for a store that does not answer before carrying on."""
+
+Status = Literal["pass", "fail", "skip"]
+
+_CONDITIONAL_HINT = (
+    "this store cannot hold a queue manifest safely: use a release that enforces "
+    "conditional writes (older SeaweedFS, MinIO and Ceph releases accept or ignore "
+    "If-None-Match / If-Match), or another store"
+)
+_passed: set[str] = set()  # stores (and uses) this process has checked once already
+_passed_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckResult:
+    """One check: its name, pass/fail/skip, what was found and, on a failure, a fix."""
+
+    name: str
+    status: Status
+    detail: str
+    hint: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the check did not fail (a skip is not a failure of its own)."""
+        return self.status != "fail"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _result(name: str, ok: bool, detail: str, hint: str = "") -> CheckResult:
+    return CheckResult(name=name, status="pass" if ok else "fail", detail=detail, hint=hint)
+
+
+def run_store_checks(
+    store: ObjectStore,
+    *,
+    manifest_path: str = "ingest/manifest",
+    clock: Clock | None = None,
+    max_skew: float = MAX_CLOCK_SKEW,
+) -> list[CheckResult]:
+    """Every store check, in order; none raises for what it finds.
+
+    Args:
+        store: the store to check.
+        manifest_path: the queue manifest to read.
+        clock: this machine's clock (for the skew check).
+        max_skew: seconds of clock skew that still pass.
+
+    Returns:
+        One result per check: credentials, bucket, permissions, conditional_create,
+        conditional_update, clock_skew, manifest.
+    """
+    results = _access_checks(store)
+    base = f"{PROBE_PREFIX}/{uuid.uuid4().hex}"
+    if not all(r.ok for r in results):
+        why = next(r.name for r in results if not r.ok)
+        names = ("permissions", "conditional_create", "conditional_update", "clock_skew")
+        results += [_skip(name, f"{why} failed") for name in names]
+        results.append(_skip("manifest", f"{why} failed"))
+        return results
+    results.append(_guarded("permissions", lambda: _permissions(store, f"{base}/object")))
+    create = _guarded("conditional_create", lambda: _conditional_create(store, f"{base}/cas"))
+    results.append(create)
+    if create.ok:
+        results.append(
+            _guarded("conditional_update", lambda: _conditional_update(store, f"{base}/cas"))
+        )
+    else:
+        results.append(_skip("conditional_update", "conditional_create failed"))
+    results.append(
+        _guarded("clock_skew", lambda: _clock_skew(store, f"{base}/clock", clock, max_skew))
+    )
+    store.delete_many([f"{base}/object", f"{base}/cas", f"{base}/clock"])
+    results.append(_guarded("manifest", lambda: _manifest(store, manifest_path)))
+    return results
+
+
+def _skip(name: str, why: str) -> CheckResult:
+    return CheckResult(name=name, status="skip", detail=f"skipped: {why}")
+
+
+def _guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
+    try:
+        return check()
+    except StoreAccessError as err:
+        return _result(name, False, str(err), err.hint)
+    except StorageError as err:
+        return _result(name, False, f"the store failed: {err}", "check the endpoint and network")
+
+
+def _access_checks(store: ObjectStore) -> list[CheckResult]:
+    """Credentials and bucket, from one listing under the probe prefix."""
+    source = store.credential_source()
+    bucket = _bucket_name(store)
+    try:
+        store.list(PROBE_PREFIX, recursive=False)
+    except StoreAccessError as err:
+        if err.problem == "bucket":
+            return [
+                _result("credentials", True, f"{source}; accepted"),
+                _result("bucket", False, str(err), err.hint),
+            ]
+        if err.problem == "permission":
+            return [
+                _result("credentials", True, f"{source}; accepted"),
+                _result("bucket", False, f"cannot list {bucket}: {err}", err.hint),
+            ]
+        return [
+            _result("credentials", False, f"{source}: {err}", err.hint),
+            _skip("bucket", "credentials failed"),
+        ]
+    except StorageError as err:
+        return [
+            _result(
+                "credentials",
+                False,
+                f"{source}; could not reach the store to try them: {err}",
+                "check the endpoint URL, the network and that the store is up",
+            ),
+            _skip("bucket", "the store did not answer"),
+        ]
+    return [
+        _result("credentials", True, f"{source}; accepted"),
+        _result("bucket", True, f"{bucket} exists and lists"),
+    ]
+
+
+def _permissions(store: ObjectStore, path: str) -> CheckResult:
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("put", lambda: store.put(path, b"millpond doctor")),
+        ("get", lambda: store.get(path)),
+        ("list", lambda: store.list(path.rpartition("/")[0])),
+        ("delete", lambda: store.delete_many([path])),
+    ]
+    for name, step in steps:
+        try:
+            outcome = step()
+        except (StoreAccessError, StorageError) as err:
+            hint = err.hint if isinstance(err, StoreAccessError) else ""
+            return _result(
+                "permissions",
+                False,
+                f"{name} refused under {store.url}: {err}",
+                hint or f"allow list, get, put and delete under {store.url}",
+            )
+        if name == "get" and getattr(outcome, "data", None) != b"millpond doctor":
+            return _result("permissions", False, f"get of {path} returned other bytes")
+        if name == "list" and path not in {getattr(i, "path", None) for i in outcome}:  # type: ignore[attr-defined]
+            return _result("permissions", False, f"list under {store.url} misses {path}")
+        if name == "delete" and outcome:
+            return _result("permissions", False, f"delete of {path} failed: {outcome}")
+    return _result("permissions", True, f"put, get, list and delete allowed under {store.url}")
+
+
+def _conditional_create(store: ObjectStore, path: str) -> CheckResult:
+    store.put_if_absent(path, b"first")
+    try:
+        store.put_if_absent(path, b"second")
+    except ConflictError:
+        pass
+    else:
+        return _result(
+            "conditional_create",
+            False,
+            "a second create-if-absent (If-None-Match: *) of one object was accepted",
+            _CONDITIONAL_HINT,
+        )
+    if store.get(path).data != b"first":
+        return _result(
+            "conditional_create",
+            False,
+            "a refused create-if-absent (If-None-Match: *) overwrote the object anyway",
+            _CONDITIONAL_HINT,
+        )
+    return _result("conditional_create", True, "a second If-None-Match: * create was rejected")
+
+
+def _conditional_update(store: ObjectStore, path: str) -> CheckResult:
+    stale = store.get(path).etag
+    if stale is None:
+        return _result("conditional_update", False, "the store returns no ETag", _CONDITIONAL_HINT)
+    store.put_if_match(path, b"update", stale)
+    try:
+        store.put_if_match(path, b"stale write", stale)
+    except ConflictError:
+        pass
+    else:
+        return _result(
+            "conditional_update",
+            False,
+            "an update conditional on a stale ETag (If-Match) was accepted",
+            _CONDITIONAL_HINT,
+        )
+    if store.get(path).data != b"update":
+        return _result(
+            "conditional_update",
+            False,
+            "a refused stale update (If-Match) overwrote the object anyway",
+            _CONDITIONAL_HINT,
+        )
+    return _result("conditional_update", True, "an If-Match update on a stale ETag was rejected")
+
+
+def store_clock_skew(store: ObjectStore, path: str, clock: Clock | None = None) -> float:
+    """Seconds the store's clock is ahead of this machine's (negative: behind).
+
+    The probe of :mod:`millpond.storage.store_time` (write a tiny object at ``path``, read its
+    last-modified time back); a skew within the probe's uncertainty (about a second, as stores
+    keep whole seconds) reads as 0.
+
+    Raises:
+        StorageError: the store failed.
+        StoreAccessError: the store refused.
+    """
+    probe = probe_store_time(store, path, clock or SystemClock())
+    return probe.skew_seconds if probe.offset_ms >= 0 else -probe.skew_seconds
+
+
+def _clock_skew(store: ObjectStore, path: str, clock: Clock | None, max_skew: float) -> CheckResult:
+    skew = store_clock_skew(store, path, clock)
+    direction = "ahead of" if skew > 0 else "behind"
+    detail = (
+        "this machine's clock agrees with the store's (within 1 s)"
+        if skew == 0
+        else f"the store's clock is {abs(skew):.1f} s {direction} this machine's"
+    )
+    ok = abs(skew) <= max_skew
+    return _result(
+        "clock_skew",
+        ok,
+        detail,
+        ""
+        if ok
+        else f"sync this machine's clock (NTP): GC and re-uploads compare batch "
+        f"names' times across machines, and tolerate at most {max_skew:.0f} s",
+    )
+
+
+def _manifest(store: ObjectStore, manifest_path: str) -> CheckResult:
+    try:
+        got = store.get(manifest_path)
+    except NotFoundError:
+        return _result(
+            "manifest",
+            True,
+            f"no manifest yet at {store.url}/{manifest_path}: the first producer (or "
+            "`millpond consume --create`) creates it",
+        )
+    try:
+        manifest = decode_manifest(got.data, name=manifest_path)
+    except FormatError as err:
+        return _result(
+            "manifest", False, str(err), "see `millpond inspect`; restore it from a backup"
+        )
+    return _result(
+        "manifest",
+        True,
+        f"{store.url}/{manifest_path}: {len(manifest.entries)} entries, epoch "
+        f"{manifest.epoch}, next sequence {manifest.next_sequence}",
+    )
+
+
+def _bucket_name(store: ObjectStore) -> str:
+    scheme, _, rest = store.url.partition("://")
+    noun = "container" if scheme == "az" else "bucket"
+    return f"{noun} {rest.split('/', 1)[0]!r}" if rest else store.url
+
+
+def preflight(store: ObjectStore, *, write: bool, timeout: float = PREFLIGHT_TIMEOUT) -> None:
+    """The cheap checks at start: fail fast on what no retry fixes.
+
+    Lists the probe prefix (credentials, bucket, permission to list); for a writer, also
+    checks that a stale conditional write is rejected. Once per store and process: a store
+    that passed is not probed again (later refusals still surface as errors). Local
+    stores (memory, ``file://``) are not checked. A store that fails or does not answer
+    within ``timeout`` is left to the caller's own retries (the check goes on in the
+    background and only logs).
+
+    Args:
+        store: the store about to be used.
+        write: whether the caller will write (producers, consumers, GC).
+        timeout: seconds to wait for an answer.
+
+    Raises:
+        StoreAccessError: credentials missing or rejected, the bucket missing, listing not
+            allowed, or conditional writes that do not reject a stale write.
+    """
+    if store.is_local:
+        return
+    outcome: list[StoreAccessError] = []
+    done = threading.Event()
+    abandoned = threading.Event()
+
+    def run() -> None:
+        try:
+            _preflight(store, write=write)
+        except StoreAccessError as err:
+            outcome.append(err)
+            if abandoned.is_set():  # too late to fail the start: say it loudly
+                logger.error("store check at start: %s", err)  # noqa: TRY400
+        except StorageError as err:
+            logger.warning(
+                "store check at start: %s did not answer (%s); carrying on", store.url, err
+            )
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="millpond-preflight", daemon=True).start()
+    if not done.wait(timeout):
+        abandoned.set()
+        logger.warning(
+            "store check at start: %s did not answer within %.0f s; carrying on",
+            store.url,
+            timeout,
+        )
+        return
+    if outcome:
+        raise outcome[0]
+
+
+def _preflight(store: ObjectStore, *, write: bool) -> None:
+    key = f"{type(store).__name__}:{store.url}:{'write' if write else 'read'}"
+    with _passed_lock:
+        if key in _passed:
+            return
+    store.list(PROBE_PREFIX, recursive=False)
+    if not write:
+        with _passed_lock:
+            _passed.add(key)
+        return
+    path = f"{PROBE_PREFIX}/{uuid.uuid4().hex}/cas"
+    try:
+        for check in (_conditional_create, _conditional_update):
+            result = check(store, path)
+            if not result.ok:
+                raise StoreAccessError(
+                    f"{store.url}: conditional writes do not work: {result.detail}",
+                    problem="conditional_writes",
+                    hint=result.hint,
+                )
+    finally:
+        store.delete_many([path])
+    with _passed_lock:
+        _passed.add(key)
