@@ -3,6 +3,8 @@
 * :func:`start_moto` — an in-process moto S3 server (the fast default).
 * :func:`start_seaweedfs` — a SeaweedFS ``weed server`` child process with an S3 gateway.
 * :func:`start_postgres` — a throwaway PostgreSQL cluster from the machine's binaries.
+* :func:`start_latency_proxy` — a loopback HTTP proxy that delays every request to an object
+  store by a set latency and can cut the store off (benchmarks, fault tests, rehearsals).
 * :func:`external_s3_from_env` — an S3 endpoint named by ``MILLPOND_TEST_S3_*`` variables.
 
 ``docker-compose.yml`` next to this file runs MinIO and PostgreSQL for machines with Docker.
@@ -11,21 +13,25 @@
 from __future__ import annotations
 
 from millpond.localstack._process import LocalServiceError, listening_addresses
+from millpond.localstack.latency_proxy import LatencyProxy, ProxyStats, start_latency_proxy
 from millpond.localstack.moto_server import MotoS3Server, start_moto
 from millpond.localstack.postgres import PostgresServer, find_postgres_bin_dir, start_postgres
 from millpond.localstack.s3 import S3Endpoint, external_s3_from_env
 from millpond.localstack.seaweedfs import SeaweedFS, find_weed_binary, start_seaweedfs
 
 __all__ = [
+    "LatencyProxy",
     "LocalServiceError",
     "MotoS3Server",
     "PostgresServer",
+    "ProxyStats",
     "S3Endpoint",
     "SeaweedFS",
     "external_s3_from_env",
     "find_postgres_bin_dir",
     "find_weed_binary",
     "listening_addresses",
+    "start_latency_proxy",
     "start_moto",
     "start_postgres",
     "start_seaweedfs",
