@@ -119,7 +119,7 @@ class _CasLoop:
         if isinstance(err, ConflictError):
             self.counters.add("cas_conflicts")
         self.counters.add("cas_retries")
-        if not backoff.sleep():
+        if not backoff.sleep(conflict=isinstance(err, ConflictError)):
             raise StorageError(
                 f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
             ) from err
@@ -142,6 +142,8 @@ class QueueProducer:
         # The manifest as we last wrote it: tried first, so an uncontended append costs one
         # request instead of a read plus a write.
         self._cached: _Raw | None = None
+        # Decides whether an append waits its turn first and how a lost race waits.
+        self._pacer = self._cas.retry.pacer(self._cas.clock)
 
     @property
     def counters(self) -> Counters:
@@ -162,8 +164,10 @@ class QueueProducer:
         if len(locations) != len(entries):
             raise InvalidInputError("entries: expected distinct locations, found duplicates")
         cas = self._cas
-        backoff = cas.retry.start(cas.clock)
+        # Under a fair strategy a writer that just won lets the others go first.
+        self._pacer.take_turn()
         current = self._cached
+        backoff = self._pacer.start(cached=current is not None)
         # Lowest sequence an attempt of ours could have landed at; set once a write may have.
         maybe_landed_from: int | None = None
         while True:
@@ -197,6 +201,7 @@ class QueueProducer:
                 cas.backoff(backoff, "manifest append", err)
                 continue
             self._cached = _Raw(data, etag) if etag is not None else None
+            self._pacer.won(backoff)
             return sequences
 
     def _landed(
