@@ -187,10 +187,7 @@ class _AgingBackoff(Backoff):
         now = self._clock.monotonic()
         # Either way the next attempt re-reads before it writes: two requests.
         requests, self.attempt_requests = self.attempt_requests, 2
-        if not conflict:
-            delay = super().next_delay()
-        else:
-            delay = self._conflict_delay(now, requests)
+        delay = self._conflict_delay(now, requests) if conflict else super().next_delay()
         if delay is not None:
             self.attempt_started = now + delay
         return delay
