@@ -24,7 +24,8 @@ Fairness: each writer's share of the commits; Jain's index ``(sum x)^2 / (n sum 
 when all writers commit equally and ``1/n`` when one writer takes everything.
 
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,8``,
-``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``.
+``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``,
+``MILLPOND_BENCH_AGING=contended_yield=1,conflict_spread=1`` (fields of ``RetryPolicy``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,15 @@ def policy(name: str) -> Any:
 
     if name not in FAIRNESS_STRATEGIES:
         raise ValueError(f"policy: expected default or one of {FAIRNESS_STRATEGIES}, found {name}")
-    return dataclasses.replace(default, strategy=name)
+    # MILLPOND_BENCH_AGING="contended_yield=1,conflict_spread=1" tunes the prototype.
+    tuning = {
+        key: float(value)
+        for key, _, value in (
+            item.partition("=") for item in os.environ.get("MILLPOND_BENCH_AGING", "").split(",")
+        )
+        if key
+    }
+    return dataclasses.replace(default, strategy=name, **tuning)
 
 
 def available_policies() -> tuple[str, ...]:
