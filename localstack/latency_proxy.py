@@ -596,6 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="seeds the jitter")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # Installed before the address is printed: whoever read it may send SIGTERM at once.
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     with contextlib.ExitStack() as stack:
         upstream: S3Endpoint | str = args.upstream
         if args.seaweedfs:
@@ -615,8 +618,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for key, value in proxy.endpoint.env().items():
                 print(f"export {key}={value}")
         sys.stdout.flush()
-        stopped = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
         with contextlib.suppress(KeyboardInterrupt):
             stopped.wait()
         print(f"requests: {proxy.stats().requests}")
