@@ -40,8 +40,13 @@ demo: $(STAMP)
 test: $(STAMP) postgres-binaries $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# Every benchmark on loopback, then those that use the object store again with 50 ms injected
+# per request (the latency proxy; results named <name>@50ms). BENCH_LATENCY_MS=0 skips that pass.
+BENCH_LATENCY_MS ?= 50
 bench: $(STAMP) postgres-binaries
-	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench $(BENCH_ARGS); plain=$$?; \
+	if [ "$(BENCH_LATENCY_MS)" != 0 ]; then \
+	  $(PY) -m bench --latency-ms $(BENCH_LATENCY_MS) $(BENCH_ARGS) || exit 1; fi; exit $$plain
 
 # mypy and import-linter cannot follow setuptools package-dir renames in an editable install:
 # they read a plain install of the package instead.

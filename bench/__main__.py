@@ -1,9 +1,15 @@
-"""Run the benchmarks: ``python -m bench [NAME ...] [--quick] [--out DIR]``.
+"""Run the benchmarks: ``python -m bench [NAME ...] [--quick] [--latency-ms MS] [--out DIR]``.
 
 Discovers every ``bench/bench_*.py`` module and runs each in its own child process (so one
 benchmark's servers, threads or crash cannot disturb the next), writes
 ``<out>/<name>.json``, ``<out>/<name>.png`` when the benchmark returns plot series,
 ``<out>/summary.json`` and ``<out>/summary.png`` (ratios against targets), and prints a table.
+
+``--latency-ms MS`` runs the benchmarks that use the object store again with every store
+request held back ``MS`` milliseconds by the latency proxy (their baselines too); their results
+are named ``<name>@<MS>ms`` and merge into the summary next to the loopback rows. A module sets
+``USES_STORE = False`` when it never touches the store (skipped in such a pass) and
+``DEFAULT_LATENCY_MS`` when it always injects latency of its own (run in the plain pass).
 
 A benchmark that raises, crashes or times out is reported as an error and the others still
 run. Exit code: 0 when every benchmark ran (whether or not it met its target), 1 when any
@@ -28,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import passed
+from bench.common import LATENCY_ENV, passed
 
 logger = logging.getLogger("bench")
 
@@ -42,6 +48,19 @@ def discover() -> list[str]:
     return sorted(p.stem[len(PREFIX) :] for p in BENCH_DIR.glob(f"{PREFIX}*.py"))
 
 
+def module_flag(name: str, flag: str, default: Any) -> Any:
+    """A module-level setting of ``bench_<name>`` (``USES_STORE``, ``DEFAULT_LATENCY_MS``)."""
+    module = importlib.import_module(f"bench.{PREFIX}{name}")
+    return getattr(module, flag, default)
+
+
+def result_name(name: str, latency: float) -> str:
+    """``name``, or ``name@<latency>ms`` when latency is injected beyond the module's own."""
+    if latency <= 0 or latency == module_flag(name, "DEFAULT_LATENCY_MS", 0.0):
+        return name
+    return f"{name}@{latency:g}ms"
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -53,9 +72,11 @@ def machine() -> dict[str, Any]:
 # --- the child: one benchmark ------------------------------------------------------------------
 
 
-def run_child(name: str, quick: bool, out_file: Path) -> int:
+def run_child(name: str, quick: bool, out_file: Path, latency: float) -> int:
     """Import and run one benchmark, writing its result (or its error) to ``out_file``."""
     started = time.monotonic()
+    if latency > 0:
+        os.environ[LATENCY_ENV] = f"{latency:g}"  # read by bench.common, inherited by workers
     try:
         module = importlib.import_module(f"bench.{PREFIX}{name}")
         result = dict(module.run(quick))
@@ -67,7 +88,9 @@ def run_child(name: str, quick: bool, out_file: Path) -> int:
             "traceback": traceback.format_exc(),
         }
         code = 1
-    result.setdefault("name", name)
+    result["name"] = result_name(name, latency)
+    if latency > 0:
+        result["latency_ms"] = latency
     result["seconds"] = round(time.monotonic() - started, 2)
     out_file.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return code
@@ -76,12 +99,17 @@ def run_child(name: str, quick: bool, out_file: Path) -> int:
 # --- the parent: run all, plot, summarise --------------------------------------------------------
 
 
-def run_one(name: str, quick: bool, out: Path, timeout: float) -> dict[str, Any]:
-    result_file = out / f"{name}.json"
+def run_one(
+    name: str, quick: bool, out: Path, timeout: float, latency: float = 0.0
+) -> dict[str, Any]:
+    shown = result_name(name, latency)
+    result_file = out / f"{shown}.json"
     result_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "bench", "--child", name, "--out", str(out)]
     if quick:
         command.append("--quick")
+    if latency > 0:
+        command += ["--latency-ms", f"{latency:g}"]
     started = time.monotonic()
     # Own session: on timeout the whole group (servers, worker processes) goes with it.
     child = subprocess.Popen(command, cwd=BENCH_DIR.parent, start_new_session=True)
@@ -90,14 +118,14 @@ def run_one(name: str, quick: bool, out: Path, timeout: float) -> dict[str, Any]
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        return {"name": name, "error": f"timed out after {timeout:.0f} s"}
+        return {"name": shown, "error": f"timed out after {timeout:.0f} s"}
     except KeyboardInterrupt:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
         raise
     if not result_file.exists():
         return {
-            "name": name,
+            "name": shown,
             "error": f"exited with code {child.returncode} and wrote no result",
             "seconds": round(time.monotonic() - started, 2),
         }
@@ -182,7 +210,13 @@ def plot_summary(results: list[dict[str, Any]], path: Path) -> None:
         )
     ax.set_ylabel("measured / baseline")
     ax.set_title("Millpond benchmarks: ratio vs target (black bar)")
-    ax.set_ylim(0, max([*ratios, *(float(r["target"]) for r in rows)]) * 1.25)
+    top = max([*ratios, *(float(r["target"]) for r in rows)]) * 1.25
+    if top > 10 * min(float(r["target"]) for r in rows):
+        # A few far-off ratios (latency under contention) would flatten every other bar.
+        ax.set_yscale("log")
+        ax.set_ylim(min([*ratios, 1.0]) / 2, top * 2)
+    else:
+        ax.set_ylim(0, top)
     ax.grid(True, axis="y", alpha=0.3)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
@@ -228,6 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=3600.0,
         help="seconds per benchmark before it is killed (default 3600)",
     )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="hold every object-store request back this long (latency proxy); runs only the "
+        "benchmarks that use the store, results named <name>@<MS>ms",
+    )
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)
@@ -237,8 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    latency: float = args.latency_ms
+    if latency < 0:
+        parser.error(f"--latency-ms: expected >= 0, found {latency:g}")
     if args.child:
-        return run_child(args.child, args.quick, out / f"{args.child}.json")
+        shown = result_name(args.child, latency)
+        return run_child(args.child, args.quick, out / f"{shown}.json", latency)
 
     available = discover()
     if args.list:
@@ -251,10 +296,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available)}"
         )
 
+    if latency > 0:
+        skipped = [n for n in names if not module_flag(n, "USES_STORE", True)]
+        if skipped:
+            logger.info("--latency-ms: %s never touch the store; skipped", ", ".join(skipped))
+        names = [n for n in names if n not in skipped]
+        if not args.names:  # these inject latency of their own and ran in the plain pass
+            names = [n for n in names if not module_flag(n, "DEFAULT_LATENCY_MS", 0.0)]
+
     results = []
     for name in names:
-        logger.info("benchmark %s (%s)", name, "quick" if args.quick else "full")
-        result = finish(run_one(name, args.quick, out, args.timeout), args.quick, out)
+        logger.info(
+            "benchmark %s (%s%s)",
+            name,
+            "quick" if args.quick else "full",
+            f", {latency:g} ms per store request" if latency > 0 else "",
+        )
+        result = finish(run_one(name, args.quick, out, args.timeout, latency), args.quick, out)
         if "error" in result:
             logger.error("benchmark %s failed: %s", name, result["error"])
         results.append(result)
@@ -266,9 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "benchmarks": rows,
     }
-    # A partial run (some names) merges into the existing summary instead of dropping the rest.
+    # A partial run (some names, or the latency pass) merges into the existing summary instead
+    # of dropping the rest.
     summary_file = out / "summary.json"
-    if args.names and summary_file.exists():
+    if (args.names or latency > 0) and summary_file.exists():
         with_previous = {
             r["name"]: r for r in json.loads(summary_file.read_text()).get("benchmarks", [])
         }

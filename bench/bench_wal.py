@@ -32,6 +32,7 @@ from bench.common import make_result, plot_spec
 from millpond.wal import Wal
 
 NAME = "wal"
+USES_STORE = False  # a memory store: nothing for injected latency to act on
 TARGET = 0.8
 MB = 1_000_000
 

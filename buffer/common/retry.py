@@ -1,4 +1,25 @@
-"""Capped, jittered exponential backoff bounded by attempts and by total time."""
+"""Retry pacing: capped, jittered exponential backoff, and a fair pacer for contended CAS.
+
+Every retry loop is bounded by attempts and by total time (:class:`RetryPolicy`). Two
+strategies decide how a loop that lost a compare-and-swap waits:
+
+* ``"exponential"`` (the default): full jitter in ``[0, cap]``, the cap doubling from
+  ``base_delay`` to ``max_delay``. Every loop backs off the same way, so the longer a writer
+  has lost, the *longer* it waits; and a writer that just won keeps the manifest it wrote and
+  tries again at once with its ETag, one request against the losers' two (read, then write).
+  At 50 ms a request that writer wins again and again while the others starve (issue 11).
+* ``"aging"`` (prototype, issue 11): a lost race waits a random part of a few *slots* (the
+  measured duration of one store request), and the part shrinks as the loop ages: the longer
+  a writer has waited, the sooner it retries, and a writer that has waited
+  ``aging_horizon`` slots retries at once. A writer that just won does not go first: before
+  its next append it yields a random part of ``contended_yield`` slots when it has seen
+  contention lately, or of ``back_to_back_yield`` slots when it appends back to back, leaving
+  the losers the window they need to read and write. Store failures (not conflicts) still back
+  off exponentially, so an outage is never hammered.
+
+A :class:`Pacer` carries what one writer learns across its retry loops (slot length, when it
+last won, when it last lost); :meth:`RetryPolicy.pacer` makes one per writer.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +29,49 @@ from dataclasses import dataclass
 from millpond.common.clock import Clock, SystemClock
 from millpond.errors import ConfigError
 
-__all__ = ["Backoff", "RetryPolicy"]
+__all__ = [
+    "FAIRNESS_STRATEGIES",
+    "STRATEGIES",
+    "AgingPacer",
+    "Backoff",
+    "Pacer",
+    "RetryPolicy",
+]
+
+STRATEGIES = ("exponential", "aging")
+"""Every value of :attr:`RetryPolicy.strategy`."""
+FAIRNESS_STRATEGIES = ("aging",)
+"""The strategies that pace contended compare-and-swap for fairness (prototypes)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
-    """How long a retry loop may keep going."""
+    """How long a retry loop may keep going, and how it waits."""
 
     max_attempts: int = 100
-    """Attempts in all, the first included. Default 100."""
+    """Attempts in all, the first included. Default 100. Under ``"aging"``, lost races are
+    bounded by ``max_elapsed`` only: each attempt already takes a store round trip or two."""
     max_elapsed: float = 60.0
     """Seconds from the first attempt after which no new attempt starts. Default 60."""
     base_delay: float = 0.01
     """Seconds; the cap of the first backoff. Default 0.01."""
     max_delay: float = 1.0
     """Seconds; no single backoff is longer. Default 1.0."""
+    strategy: str = "exponential"
+    """How a lost compare-and-swap waits: ``"exponential"`` or ``"aging"`` (module docstring).
+    Default ``"exponential"``."""
+    aging_horizon: float = 16.0
+    """``"aging"``: slots of waiting after which a lost race retries at once. Default 16."""
+    conflict_spread: float = 2.0
+    """``"aging"``: slots; the longest wait of a writer that has just started losing.
+    Default 2."""
+    contended_yield: float = 2.0
+    """``"aging"``: slots; the longest a writer that won while others contend (it lost a race
+    within the last ``aging_horizon`` slots) waits before its next append. Default 2."""
+    back_to_back_yield: float = 0.25
+    """``"aging"``: slots; the longest a writer whose previous append ended less than a slot
+    ago waits before the next one, contention seen or not: a writer that always wins at once
+    cannot see the others starve. Default 0.25."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -34,10 +83,24 @@ class RetryPolicy:
                 "base_delay",
                 f"expected 0 < base_delay <= max_delay ({self.max_delay}), found {self.base_delay}",
             )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                "strategy", f"expected one of {', '.join(STRATEGIES)}, found {self.strategy!r}"
+            )
+        for name in ("aging_horizon", "conflict_spread", "contended_yield", "back_to_back_yield"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ConfigError(name, f"expected >= 0 slots, found {value!r}")
 
     def start(self, clock: Clock | None = None) -> Backoff:
-        """A fresh backoff state for one retry loop."""
+        """A fresh backoff state for one retry loop (exponential, whatever the strategy)."""
         return Backoff(self, clock or SystemClock())
+
+    def pacer(self, clock: Clock | None = None) -> Pacer:
+        """A pacer for one writer's successive retry loops on one contended object."""
+        if self.strategy == "aging":
+            return AgingPacer(self, clock or SystemClock())
+        return Pacer(self, clock or SystemClock())
 
 
 class Backoff:
@@ -49,11 +112,15 @@ class Backoff:
         self._deadline = clock.monotonic() + policy.max_elapsed
         self.attempt = 1
 
-    def next_delay(self) -> float | None:
+    def next_delay(self, *, conflict: bool = False) -> float | None:
         """The pause before the next attempt, or ``None`` when the budget is spent.
 
         Full jitter (uniform in ``[0, cap]``) spreads contending writers apart so a crowd
         of producers losing the same CAS does not retry in lockstep.
+
+        Args:
+            conflict: the attempt lost a compare-and-swap (rather than failing on the store);
+                the exponential strategy treats both alike.
         """
         if self.attempt >= self._policy.max_attempts:
             return None
@@ -66,10 +133,132 @@ class Backoff:
         self.attempt += 1
         return min(random.uniform(0, cap), remaining)
 
-    def sleep(self) -> bool:
-        """Sleep before the next attempt; ``False`` when the budget is spent."""
-        delay = self.next_delay()
+    def sleep(self, *, conflict: bool = False) -> bool:
+        """Sleep before the next attempt; ``False`` when the budget is spent.
+
+        Args:
+            conflict: as in :meth:`next_delay`.
+        """
+        delay = self.next_delay(conflict=conflict)
         if delay is None:
             return False
         self._clock.sleep(delay)
         return True
+
+
+class Pacer:
+    """Paces one writer's retry loops on one contended object; this one changes nothing.
+
+    A CAS loop calls :meth:`take_turn` before its first attempt, :meth:`start` for its
+    backoff, and :meth:`won` when its write landed.
+    """
+
+    def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
+        self._policy = policy
+        self._clock = clock
+
+    def take_turn(self) -> None:
+        """Wait, if this writer should let others go first. Never waits here."""
+
+    def start(self, *, cached: bool = False) -> Backoff:
+        """The backoff of one loop.
+
+        Args:
+            cached: the first attempt writes with a cached ETag (one request, not two).
+        """
+        del cached
+        return Backoff(self._policy, self._clock)
+
+    def won(self, backoff: Backoff) -> None:
+        """The loop's write landed."""
+
+
+class _AgingBackoff(Backoff):
+    """Lost races wait less the longer the loop has waited; store failures back off."""
+
+    def __init__(self, pacer: AgingPacer, *, cached: bool) -> None:
+        super().__init__(pacer.policy, pacer.clock)
+        self._pacer = pacer
+        self.started = pacer.clock.monotonic()
+        self.attempt_started = self.started
+        self.attempt_requests = 1 if cached else 2
+
+    def next_delay(self, *, conflict: bool = False) -> float | None:
+        now = self._clock.monotonic()
+        # Either way the next attempt re-reads before it writes: two requests.
+        requests, self.attempt_requests = self.attempt_requests, 2
+        delay = self._conflict_delay(now, requests) if conflict else super().next_delay()
+        if delay is not None:
+            self.attempt_started = now + delay
+        return delay
+
+    def _conflict_delay(self, now: float, requests: int) -> float | None:
+        remaining = self._deadline - now
+        if remaining <= 0:
+            return None
+        self._pacer.observe(now - self.attempt_started, requests)
+        self._pacer.lost(now)
+        self.attempt += 1
+        policy, slot = self._policy, self._pacer.slot
+        waited = (now - self.started) / slot
+        share = max(0.0, 1.0 - waited / policy.aging_horizon) if policy.aging_horizon else 0.0
+        return min(random.uniform(0.0, policy.conflict_spread * slot) * share, remaining)
+
+
+class AgingPacer(Pacer):
+    """The ``"aging"`` strategy (module docstring): age-first retries, no head start for the
+    last winner."""
+
+    _SMOOTHING = 0.2  # weight of a new measurement in the slot's moving average
+
+    def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
+        super().__init__(policy, clock)
+        self.slot = policy.base_delay
+        """Seconds one store request takes, as measured (starts at ``base_delay``)."""
+        self._measured = False
+        self._last_win = float("-inf")
+        self._last_loss = float("-inf")
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self._policy
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def take_turn(self) -> None:
+        now = self._clock.monotonic()
+        policy = self._policy
+        if now - self._last_loss < policy.aging_horizon * self.slot:
+            spread = policy.contended_yield
+        elif now - self._last_win < self.slot:
+            spread = policy.back_to_back_yield
+        else:
+            return
+        self._clock.sleep(random.uniform(0.0, spread * self.slot))
+
+    def start(self, *, cached: bool = False) -> Backoff:
+        return _AgingBackoff(self, cached=cached)
+
+    def won(self, backoff: Backoff) -> None:
+        now = self._clock.monotonic()
+        if isinstance(backoff, _AgingBackoff):
+            self.observe(now - backoff.attempt_started, backoff.attempt_requests)
+            if backoff.attempt > 1:
+                self._last_loss = now
+        self._last_win = now
+
+    def lost(self, now: float) -> None:
+        """A race of this writer's was lost at ``now``."""
+        self._last_loss = now
+
+    def observe(self, seconds: float, requests: int) -> None:
+        """Fold one attempt's duration (``requests`` store requests) into :attr:`slot`."""
+        if seconds <= 0 or requests < 1:
+            return
+        sample = seconds / requests
+        if not self._measured:
+            self.slot, self._measured = sample, True
+        else:
+            self.slot += self._SMOOTHING * (sample - self.slot)

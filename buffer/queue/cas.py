@@ -121,7 +121,7 @@ class _CasLoop:
         if isinstance(err, ConflictError):
             self.counters.add("cas_conflicts")
         self.counters.add("cas_retries")
-        if not backoff.sleep():
+        if not backoff.sleep(conflict=isinstance(err, ConflictError)):
             raise StorageError(
                 f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
             ) from err
@@ -144,6 +144,8 @@ class QueueProducer:
         # The manifest as we last wrote it: tried first, so an uncontended append costs one
         # request instead of a read plus a write.
         self._cached: _Raw | None = None
+        # Decides whether an append waits its turn first and how a lost race waits.
+        self._pacer = self._cas.retry.pacer(self._cas.clock)
 
     @property
     def counters(self) -> Counters:
@@ -178,8 +180,10 @@ class QueueProducer:
         if len(set(locations)) != len(entries):
             raise InvalidInputError("entries: expected distinct locations, found duplicates")
         cas = self._cas
-        backoff = cas.retry.start(cas.clock)
+        # Under a fair strategy a writer that just won lets the others go first.
+        self._pacer.take_turn()
         current = self._cached
+        backoff = self._pacer.start(cached=current is not None)
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
         # Lowest sequence an attempt of ours could have landed at; set once a write may have.
@@ -227,6 +231,7 @@ class QueueProducer:
             for index, sequence in zip(todo, sequences, strict=True):
                 result[index] = sequence
             self._cached = _Raw(data, etag) if etag is not None else None
+            self._pacer.won(backoff)
             return tuple(_filled(result))
 
     def _settle_landed(

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import ConflictError
 from millpond.formats.manifest import Metadata, PendingEntry
@@ -27,7 +28,10 @@ COUNTER = "counter"
 
 
 def run_queue(store: ObjectStore, worker: int, count: int) -> dict[str, object]:
-    producer = QueueProducer(store, MANIFEST)
+    # MILLPOND_WORKER_STRATEGY picks the retry strategy (default: the policy's default).
+    strategy = os.environ.get("MILLPOND_WORKER_STRATEGY")
+    retry = RetryPolicy(strategy=strategy) if strategy else None
+    producer = QueueProducer(store, MANIFEST, retry=retry)
     minter = UlidMinter()
     sequences = []
     for i in range(count):

@@ -1,0 +1,346 @@
+"""``produce()`` -> ``wait()`` latency of N producer processes at real object-store latency.
+
+Issue 11 / DESIGN.md "Performance": N = 1, 2, 4, 8, 16 producer processes, each producing every
+50 ms, the store 50 ms a request away. Target at every N: ``wait()`` p50 <= 3x and p99 <= 6x
+the lone producer's p50, locations appended per second growing with N, and no "gave up"
+warnings.
+
+Setup: SeaweedFS on 127.0.0.1 behind the latency proxy (``DEFAULT_LATENCY_MS`` or
+``--latency-ms``). For each retry strategy and each N, N OS processes (spawned) each open a
+real ``Producer`` with default settings (its own WAL directory, ``wal_sync="always"``,
+``flush_interval=0.1``) on one fresh queue root and are released together. Each makes one
+``produce()`` call of one 64-byte entry every ``PERIOD`` seconds on a fixed schedule, for
+``warm-up + seconds``; a thread in the same process waits on the handles in order and records
+when each ``wait()`` returned. Only calls made after the warm-up count. Locations/s is the
+producers' ``batches_committed`` over the measured window. Every WARNING a producer logs is
+counted, and those whose text says "gave up" separately. No consumer runs (the manifest grows
+by a few hundred KB per run, which costs nothing measurable at this latency).
+
+Baseline: the lone producer's ``wait()`` p50 (N = 1, default strategy) in the same run.
+
+``ratio`` (target <= 1.0), for the default strategy: the worst over N of
+``max(p50 / (3 x lone p50), p99 / (6 x lone p50))``. Other strategies are measured in the same
+run and reported beside it. CPU: the producers' own CPU seconds over the window, as a share
+of the machine (a figure near 1 means the machine, not the store, set the pace).
+
+Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
+``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.bench_contended_appends import available_policies, policy
+from bench.bench_manifest_appends import _collect
+from bench.common import latency_ms, make_result, plot_spec, seaweedfs_endpoints
+
+logger = logging.getLogger(__name__)
+
+NAME = "wait_latency"
+DEFAULT_LATENCY_MS = 50.0
+TARGET = 1.0
+P50_LIMIT = 3.0
+P99_LIMIT = 6.0
+COUNTS = (1, 2, 4, 8, 16)
+QUICK_COUNTS = (1, 4, 16)
+PERIOD = 0.05  # one produce() call every 50 ms per producer
+FULL_SECONDS = 20.0
+QUICK_SECONDS = 6.0
+WARMUP = 3.0
+START_TIMEOUT = 300.0
+PERCENTILES = (50, 90, 99, 100)
+
+
+class _Warnings(logging.Handler):
+    """Counts the producer's WARNING records; keeps a few for the report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.gave_up = 0
+        self.samples: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.count += 1
+        if "gave up" in message:
+            self.gave_up += 1
+        if len(self.samples) < 3:
+            self.samples.append(message[:300])
+
+
+def _worker(
+    url: str,
+    options: dict[str, str],
+    wal_dir: str,
+    seconds: float,
+    policy_name: str,
+    barrier: Any,
+    out: Any,
+) -> None:
+    try:
+        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier))
+    except BaseException as err:
+        out.put({"error": f"{type(err).__name__}: {err}"})
+        raise
+
+
+def _produce(
+    url: str, options: dict[str, str], wal_dir: str, seconds: float, policy_name: str, barrier: Any
+) -> dict[str, Any]:
+    import resource
+
+    from millpond.producer import Producer, ProducerConfig
+
+    warnings = _Warnings()
+    logging.getLogger("millpond").addHandler(warnings)
+    config = ProducerConfig(
+        store=url, store_options=options, wal_dir=wal_dir, retry=policy(policy_name)
+    )
+    calls = int((WARMUP + seconds) / PERIOD)
+    produced = [0.0] * calls
+    durable = [0.0] * calls
+    handles: list[Any] = []
+    errors: list[BaseException] = []
+    with Producer(config) as producer:
+
+        def wait_all() -> None:
+            try:
+                for i in range(calls):
+                    while len(handles) <= i:
+                        time.sleep(0.001)
+                    handles[i].wait()
+                    durable[i] = time.monotonic()
+            except BaseException as err:
+                errors.append(err)
+
+        barrier.wait(timeout=START_TIMEOUT)
+        waiter = threading.Thread(target=wait_all, name="bench-waiter", daemon=True)
+        waiter.start()
+        start = time.monotonic() + 0.01
+        measured_from = int(WARMUP / PERIOD)
+        before: dict[str, Any] = {}
+        cpu_before = 0.0
+        payload = b"x" * 64
+        for i in range(calls):
+            if i == measured_from:
+                before = producer.metrics()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                cpu_before = usage.ru_utime + usage.ru_stime
+            delay = start + i * PERIOD - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            produced[i] = time.monotonic()
+            handles.append(producer.produce([payload]))
+        window_end = time.monotonic()
+        after = producer.metrics()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime - cpu_before
+        waiter.join(timeout=600)
+        if errors:
+            raise errors[0]
+        if waiter.is_alive():
+            raise RuntimeError("handles still not durable 600 s after the last produce()")
+    window = window_end - produced[measured_from]
+    keys = ("batches_committed", "manifest_appends", "manifest_reads", "manifest_writes")
+    return {
+        "latencies": [durable[i] - produced[i] for i in range(measured_from, calls)],
+        "window": window,
+        "delta": {k: after.get(k, 0) - before.get(k, 0) for k in (*keys, "cas_conflicts")},
+        "cpu_seconds": cpu,
+        "warnings": warnings.count,
+        "gave_up": warnings.gave_up,
+        "warning_samples": warnings.samples,
+    }
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(pct / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def _run(
+    ctx: Any, endpoint: Any, workdir: Path, n: int, seconds: float, policy_name: str
+) -> dict[str, Any]:
+    root = f"bench-wait-{policy_name}-{n}-{uuid.uuid4().hex[:8]}"
+    url = endpoint.url_for(root)
+    barrier = ctx.Barrier(n)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                url,
+                endpoint.store_options(),
+                str(workdir / root / f"wal-{i}"),
+                seconds,
+                policy_name,
+                barrier,
+                out,
+            ),
+            name=f"bench-producer-{i}",
+        )
+        for i in range(n)
+    ]
+    for proc in procs:
+        proc.start()
+    outs = _collect(out, procs, START_TIMEOUT + 600 + seconds * 4)
+    latencies = [v for o in outs for v in o["latencies"]]
+    window = sum(o["window"] for o in outs) / n
+    delta = {k: sum(o["delta"][k] for o in outs) for k in outs[0]["delta"]}
+    appends = max(1, delta["manifest_appends"])
+    return {
+        "policy": policy_name,
+        "producers": n,
+        "calls": len(latencies),
+        **{f"p{p}_ms": round(1000 * _percentile(latencies, p), 1) for p in PERCENTILES},
+        "locations_per_s": round(delta["batches_committed"] / window, 1),
+        "appends_per_s": round(delta["manifest_appends"] / window, 1),
+        "locations_per_append": round(delta["batches_committed"] / appends, 2),
+        "requests_per_append": round(
+            (delta["manifest_reads"] + delta["manifest_writes"]) / appends, 2
+        ),
+        "conflicts_per_append": round(delta["cas_conflicts"] / appends, 2),
+        "gave_up_warnings": sum(o["gave_up"] for o in outs),
+        "warnings": sum(o["warnings"] for o in outs),
+        "warning_samples": [s for o in outs for s in o["warning_samples"]][:3],
+        "producer_cpu_share": round(
+            sum(o["cpu_seconds"] for o in outs) / (window * (os.cpu_count() or 1)), 3
+        ),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "window_seconds": round(window, 2),
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    counts: tuple[int, ...] = QUICK_COUNTS if quick else COUNTS
+    seconds = QUICK_SECONDS if quick else FULL_SECONDS
+    if os.environ.get("MILLPOND_BENCH_COUNTS"):
+        counts = tuple(int(v) for v in os.environ["MILLPOND_BENCH_COUNTS"].split(","))
+    if os.environ.get("MILLPOND_BENCH_SECONDS"):
+        seconds = float(os.environ["MILLPOND_BENCH_SECONDS"])
+    policies = (
+        tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p)
+        or available_policies()
+    )
+    delay = latency_ms(DEFAULT_LATENCY_MS)
+    ctx = mp.get_context("spawn")
+    workdir = Path(tempfile.mkdtemp(prefix="millpond-bench-wait-"))
+    by_policy: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+    try:
+        with seaweedfs_endpoints(delay) as endpoints:
+            endpoint = endpoints.measured
+            _run(ctx, endpoint, workdir, 1, 2.0, "default")  # warm the server and the proxy
+            lone = _run(ctx, endpoint, workdir, 1, seconds, "default")
+            for name in policies:
+                for n in counts:
+                    if n == 1 and name == "default":
+                        row = lone
+                    else:
+                        row = _run(ctx, endpoint, workdir, n, seconds, name)
+                    by_policy[name].append(row)
+                    logger.info("%s", {k: v for k, v in row.items() if k != "warning_samples"})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    lone_p50 = lone["p50_ms"]
+    for rows in by_policy.values():
+        for r in rows:
+            r["p50_over_lone_p50"] = round(r["p50_ms"] / lone_p50, 2)
+            r["p99_over_lone_p50"] = round(r["p99_ms"] / lone_p50, 2)
+            r["max_over_lone_p50"] = round(r["p100_ms"] / lone_p50, 2)
+            r["passed"] = (
+                r["p50_over_lone_p50"] <= P50_LIMIT
+                and r["p99_over_lone_p50"] <= P99_LIMIT
+                and r["gave_up_warnings"] == 0
+            )
+    judged_policy = "default" if "default" in by_policy else policies[0]
+    judged = by_policy[judged_policy]
+    ratio = max(
+        max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT) for r in judged
+    )
+    grows = all(b["locations_per_s"] >= a["locations_per_s"] for a, b in itertools.pairwise(judged))
+    xs = list(counts)
+
+    def line(key: str) -> dict[str, list[float]]:
+        return {
+            f"{name} {key.split('_')[0]}": [
+                next((r[key] for r in rows if r["producers"] == n), float("nan")) for n in xs
+            ]
+            for name, rows in by_policy.items()
+        }
+
+    series = [
+        plot_spec(
+            f"wait() latency / lone p50 ({delay:g} ms per request)",
+            "producer processes",
+            "ratio",
+            xs,
+            {**line("p50_over_lone_p50"), **line("p99_over_lone_p50")},
+            log_x=True,
+            log_y=True,
+            hline=("p99 target 6x (p50: 3x)", P99_LIMIT),
+        ),
+        plot_spec(
+            "locations appended per second",
+            "producer processes",
+            "per second",
+            xs,
+            line("locations_per_s"),
+            log_x=True,
+        ),
+        plot_spec(
+            "wait() latency (ms)",
+            "producer processes",
+            "ms",
+            xs,
+            {**line("p50_ms"), **line("p99_ms")},
+            log_x=True,
+            log_y=True,
+        ),
+    ]
+    worst = max(judged, key=lambda r: r["p99_over_lone_p50"])
+    others = "; ".join(
+        f"{name}: worst p99 {max(r['p99_over_lone_p50'] for r in rows):.1f}x"
+        for name, rows in by_policy.items()
+        if name != judged_policy and rows
+    )
+    return make_result(
+        NAME,
+        ratio=ratio,
+        target=TARGET,
+        target_op="<=",
+        figures={
+            "latency_ms": delay,
+            "judged_policy": judged_policy,
+            "locations_per_s_grow_with_n": grows,
+            "gave_up_warnings": sum(r["gave_up_warnings"] for r in judged),
+            "by_policy": by_policy,
+            "period_s": PERIOD,
+            "seconds_per_run": seconds,
+            "warmup_s": WARMUP,
+        },
+        baseline={"lone_p50_ms": lone_p50, "lone_run": lone},
+        series=series,
+        headline=(
+            f"{delay:g} ms, lone p50 {lone_p50:.0f} ms; {judged_policy} worst at "
+            f"N={worst['producers']}: p50 {worst['p50_over_lone_p50']:.1f}x, p99 "
+            f"{worst['p99_over_lone_p50']:.1f}x, {worst['gave_up_warnings']} gave-up"
+            + (f"; {others}" if others else "")
+        ),
+        notes=(
+            "ratio = worst over N of max(p50 / (3 x lone p50), p99 / (6 x lone p50)) for the "
+            "judged strategy; lone = N=1 default strategy in the same run"
+        ),
+    )
