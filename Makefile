@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 AZURITE := $(VENV)/npm/node_modules/.bin/azurite-blob
 
-.PHONY: demo test bench lint typecheck clean postgres-binaries azurite
+.PHONY: demo test soak bench lint typecheck clean postgres-binaries azurite
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test: $(STAMP) postgres-binaries $(AZURITE)
 # Every benchmark on loopback, then those that use the object store again with 50 ms injected
 # per request (the latency proxy; results named <name>@50ms). BENCH_LATENCY_MS=0 skips that pass.
 BENCH_LATENCY_MS ?= 50
+# The whole-system checker's long run: many more seeded fault schedules than CI runs
+# (SOAK_SCHEDULES, from SOAK_FIRST_SEED). A failing seed replays with MILLPOND_CHECKER_SEED.
+SOAK_SCHEDULES ?= 2000
+SOAK_FIRST_SEED ?= 1000
+soak: $(STAMP)
+	MILLPOND_CHECKER_SCHEDULES=$(SOAK_SCHEDULES) MILLPOND_CHECKER_FIRST_SEED=$(SOAK_FIRST_SEED) \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/system $(PYTEST_ARGS)
+
 bench: $(STAMP) postgres-binaries
 	$(PY) -m bench $(BENCH_ARGS); plain=$$?; \
 	if [ "$(BENCH_LATENCY_MS)" != 0 ]; then \

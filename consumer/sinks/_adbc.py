@@ -16,8 +16,9 @@ skipped batch still gets a ``duplicate`` row, so :meth:`last_sequence` covers it
 consumer does not look for entries that were dequeued after being skipped.
 
 Progress is keyed by the queue. Sequences and locations only mean something within one queue,
-so each target table belongs to exactly one: ``{progress_table}_queues`` records, per target
-table, the identity of the queue whose rows it holds (store URL and manifest path). A consumer
+so each target table belongs to exactly one: ``millpond_owners``, next to the target table (in
+its schema, whatever progress table a consumer is configured with), records per target table
+the identity of the queue whose rows it holds (store URL and manifest path). A consumer
 of another queue pointed at that table is refused by :meth:`last_sequence` — before its
 consumer takes over or dequeues anything — and by every write, naming both queues. Several
 queues write into one database side by side, each into its own table.
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _QUICK_RETRIES = 3
+_OWNERS = "millpond_owners"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -115,7 +117,9 @@ class AdbcSink(ABC):
         self._description = description
         self._table = TableName.parse("table", table)
         self._progress = TableName.parse("progress_table", progress_table)
-        self._owners = TableName(name=f"{self._progress.name}_queues", schema=self._progress.schema)
+        # Next to the target table and whatever the progress table is called: a consumer of
+        # another queue configured with another progress table still meets the owner record.
+        self._owners = TableName(name=_OWNERS, schema=self._table.schema)
         self._entry_format = EntryFormat.parse(entry_format)
         if sequence_column is not None and not sequence_column:
             raise ConfigError("sequence_column", "expected a column name or None, found ''")

@@ -17,6 +17,7 @@ from consumer_support import MANIFEST, Database, QueueWriter, numbered, open_tar
 
 from millpond.queue import read_manifest
 from millpond.storage.store import ObjectStore
+from tests.invariants import assert_exactly_once
 
 ROWS_PER_BATCH = 500
 BATCHES = 100  # 50,000 numbered rows
@@ -108,10 +109,9 @@ def services() -> Iterator[Callable[..., Service]]:
 
 
 def _check_exactly_once(database: Database, total_rows: int, batches: int) -> None:
-    count, distinct, low, high = database.query(
-        f'SELECT count(*), count(DISTINCT n), min(n), max(n) FROM "{database.table}"'
-    )[0]
-    assert (count, distinct, low, high) == (total_rows, total_rows, 0, total_rows - 1)
+    numbers = [n for (n,) in database.query(f'SELECT n FROM "{database.table}"')]
+    expected = [b"%d" % n for n in range(total_rows)]
+    assert_exactly_once((b"%d" % n for n in numbers), expected, produced=expected)
     # Row order follows sequence order: numbers grow with the batch sequence they came in.
     pairs = database.query(f'SELECT n, _millpond_sequence FROM "{database.table}" ORDER BY n')
     sequences = [sequence for _n, sequence in pairs]

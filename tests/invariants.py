@@ -1,0 +1,138 @@
+"""What must hold of a millpond pipeline whatever happened, written down once.
+
+The whole-system checker (``tests/system``) asserts all of these after every schedule; role
+tests reuse them for their own runs (the producer kill test, GC under load, the exactly-once
+cases). Each takes plain data a test collected and raises ``AssertionError`` with the evidence.
+
+* :func:`assert_exactly_once` — every record that was staged (``wait_staged()`` returned) is in
+  the sink once; no record is in it twice.
+* :func:`assert_order_per_source` — each producer's records appear in the order it produced them.
+* :func:`assert_never_back` — ``next_sequence`` (and the epoch) never went back, in the order the
+  store applied the manifest writes.
+* :func:`assert_no_live_batch_deleted` — no object was deleted while the manifest referenced it,
+  nor deleted and then appended without being written again first.
+* :func:`assert_fenced_delivered_nothing` — once a newer consumer's ``initialize()`` returned, an
+  older consumer delivered and acked nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "ConsumerEvent",
+    "ObjectEvent",
+    "assert_exactly_once",
+    "assert_fenced_delivered_nothing",
+    "assert_never_back",
+    "assert_no_live_batch_deleted",
+    "assert_order_per_source",
+]
+
+
+def assert_exactly_once(
+    in_sink: Iterable[bytes], staged: Iterable[bytes], *, produced: Iterable[bytes] | None = None
+) -> None:
+    """Every staged record once in the sink; nothing twice; nothing that was never produced.
+
+    Args:
+        in_sink: the records the sink holds (one item per row).
+        staged: records whose ``wait_staged()`` returned: each must be in the sink once.
+        produced: every record ever handed to a producer (staged or not), when known: the
+            sink must hold nothing else.
+    """
+    counts = Counter(in_sink)
+    doubled = sorted(record for record, n in counts.items() if n > 1)
+    assert not doubled, f"{len(doubled)} records are in the sink more than once: {doubled[:5]}"
+    missing = sorted(set(staged) - set(counts))
+    assert not missing, f"{len(missing)} staged records never reached the sink: {missing[:5]}"
+    if produced is not None:
+        strangers = sorted(set(counts) - set(produced))
+        assert not strangers, f"the sink holds records nobody produced: {strangers[:5]}"
+
+
+def assert_order_per_source(
+    rows: Sequence[bytes], source_and_number: Callable[[bytes], tuple[str, int] | None]
+) -> None:
+    """Each source's records appear in ascending number, in sink order (sequence, index).
+
+    Args:
+        rows: the sink's records in queue order.
+        source_and_number: maps a record to ``(source, n)``, or ``None`` to skip it.
+    """
+    last: dict[str, int] = {}
+    for record in rows:
+        key = source_and_number(record)
+        if key is None:
+            continue
+        source, number = key
+        previous = last.get(source, -1)
+        assert number > previous, (
+            f"{source}: record {number} after {previous} in queue order (records of one "
+            "producer must keep their order)"
+        )
+        last[source] = number
+
+
+def assert_never_back(footers: Sequence[tuple[int, int]]) -> None:
+    """``(next_sequence, epoch)`` of every applied manifest write, in order: neither goes back."""
+    for (seq_a, epoch_a), (seq_b, epoch_b) in itertools.pairwise(footers):
+        assert seq_b >= seq_a, f"next_sequence went back from {seq_a} to {seq_b}"
+        assert epoch_b >= epoch_a, f"the epoch went back from {epoch_a} to {epoch_b}"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEvent:
+    """Something the store applied to one batch object, in apply order."""
+
+    step: int
+    kind: str
+    """``write``, ``delete`` or ``append`` (its location entered the manifest)."""
+    path: str
+    referenced: bool = False
+    """For a delete: whether the manifest referenced the path at that moment."""
+
+
+def assert_no_live_batch_deleted(events: Sequence[ObjectEvent]) -> None:
+    """No delete of a referenced object; no append of an object deleted since its last write."""
+    present: dict[str, bool] = {}
+    for event in events:
+        if event.kind == "write":
+            present[event.path] = True
+        elif event.kind == "delete":
+            assert not event.referenced, (
+                f"step {event.step}: {event.path} was deleted while the manifest referenced it"
+            )
+            present[event.path] = False
+        elif event.kind == "append":
+            assert present.get(event.path, False), (
+                f"step {event.step}: {event.path} was appended while it did not exist "
+                "(deleted since its last write, or never written)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerEvent:
+    """A consumer's delivery, ack, or a newer consumer's ``initialize()`` returning."""
+
+    step: int
+    consumer: int
+    kind: str
+    """``initialized``, ``delivered`` or ``acked``."""
+    sequence: int | None = None
+
+
+def assert_fenced_delivered_nothing(events: Sequence[ConsumerEvent]) -> None:
+    """After consumer ``c``'s ``initialize()`` returned, no consumer ``< c`` delivered or acked."""
+    newest = -1
+    for event in events:
+        if event.kind == "initialized":
+            newest = max(newest, event.consumer)
+        elif event.consumer < newest:
+            raise AssertionError(
+                f"step {event.step}: consumer {event.consumer} {event.kind} sequence "
+                f"{event.sequence} after consumer {newest} had taken over"
+            )

@@ -1,0 +1,1 @@
+"""The whole-system checker: every role together under seeded fault schedules."""

@@ -1,0 +1,396 @@
+"""The roles of the simulated world, each a real millpond object on its own ``RoleStore``.
+
+A role "process" is one object (a ``Producer``, a ``Consumer`` with its sink, a
+``GarbageCollector``, a Spark driver's commit) and its store view. A crash abandons the object
+mid-flight — its threads stopped, its WAL closed unreleased, its sink transaction rolled back —
+and a restart builds a new one on the same WAL directory or sink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter, batch_location
+from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
+from millpond.consumer.service import ConsumerService
+from millpond.consumer.sinks import SinkError, open_sink
+from millpond.errors import FencedError, MillpondError
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.gc import GarbageCollector, GarbageCollectorConfig
+from millpond.producer import Producer, ProducerConfig
+from millpond.producer.spark.commit import commit_micro_batch
+from tests.invariants import ConsumerEvent
+from tests.system.sim import Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
+
+__all__ = ["ConsumerRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
+
+# Short rounds: a role whose store is down gives up a round quickly (in simulated time).
+RETRY = RetryPolicy(max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2)
+_FLUSH_ROUNDS = 400  # each waits a few real milliseconds and moves the clock on
+
+
+class QueueSpec:
+    """One queue of the world: its manifest, data prefix and sink table."""
+
+    def __init__(self, name: str, manifest_path: str, data_path_prefix: str) -> None:
+        self.name = name
+        self.manifest_path = manifest_path
+        self.data_path_prefix = data_path_prefix
+        self.table = f"rows_{name}"
+        self.progress_table = f"progress_{name}"
+
+
+class ProducerRole:
+    """A producer process: produce records, flush, crash, restart on the same WAL."""
+
+    def __init__(
+        self,
+        index: int,
+        queue: QueueSpec,
+        recorder: Recorder,
+        clock: SimClock,
+        skew_ms: int,
+        wal_dir: Path,
+        down: Callable[[], bool],
+    ) -> None:
+        self.source = f"{queue.name}p{index}"
+        self.queue = queue
+        self._recorder = recorder
+        self._clock = SkewedClock(clock, skew_ms)
+        self._sim = clock
+        self._wal_dir = wal_dir
+        self._down = down
+        self.store: RoleStore | None = None
+        self.producer: Producer | None = None
+        self.next_number = 0
+        self.produced: list[bytes] = []
+        self.staged: list[bytes] = []
+
+    @property
+    def alive(self) -> bool:
+        return self.producer is not None and self.store is not None and not self.store.dead
+
+    def start(self) -> None:
+        self.store = RoleStore(self._recorder, self.source, self._down)
+        config = ProducerConfig(
+            store=self.store,
+            wal_dir=self._wal_dir,
+            manifest_path=self.queue.manifest_path,
+            data_path_prefix=self.queue.data_path_prefix,
+            flush_interval=3600.0,  # the schedule flushes; the clock never seals by itself
+            flush_size_bytes=1,  # one batch per produce() call: appends of several batches
+            upload_concurrency=1,
+            retry=RETRY,
+            clock=self._clock,
+        )
+        try:
+            self.producer = Producer(config)
+        except SimulatedCrash:
+            self.producer = None
+
+    def produce(self, count: int) -> None:
+        producer = self.producer
+        if producer is None:
+            return
+        for _ in range(count):
+            record = f"{self.source}-{self.next_number}".encode()
+            self.next_number += 1
+            self.produced.append(record)
+            try:
+                handle = producer.produce([record], timeout=10)
+                handle.wait_staged(timeout=30)
+            except (MillpondError, TimeoutError):
+                return  # the process died under it: never staged
+            self.staged.append(record)
+
+    def flush(self, *, until_done: bool = False) -> bool:
+        """Publish what is staged, moving the clock on while the producer waits for it (a
+        re-upload waits out the collectors' delete window). ``False`` when it did not finish:
+        the store is down, or the process died."""
+        producer = self.producer
+        if producer is None:
+            return False
+        return self._while_the_clock_runs(producer.flush, _FLUSH_ROUNDS * (10 if until_done else 1))
+
+    def _while_the_clock_runs(self, call: Callable[[], object], rounds: int) -> bool:
+        """Run ``call`` (which waits on the simulated clock) in a thread, moving the clock on in
+        small steps until it returns; ``False`` if it failed or never returned."""
+        done = threading.Event()
+        outcome: list[bool] = []
+
+        def run() -> None:
+            try:
+                call()
+                outcome.append(True)
+            except BaseException:  # the process died, or was closed under it
+                outcome.append(False)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"sim-{self.source}", daemon=True).start()
+        for _ in range(rounds):
+            if done.wait(0.002):
+                break
+            if self.store is not None and self.store.dead:
+                break
+            self._sim.advance(0.02)
+        return bool(outcome) and outcome[0]
+
+    def crash(self) -> None:
+        """The process dies: threads gone, WAL closed as it is (nothing released)."""
+        producer, self.producer = self.producer, None
+        if self.store is not None:
+            self.store.dead = True
+        if producer is not None:
+            producer._stop_threads()
+            producer._wal.close()
+
+    def close(self) -> None:
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            self._while_the_clock_runs(lambda: producer.close(timeout=5), _FLUSH_ROUNDS)
+
+
+class ConsumerRole:
+    """One consumer process with its sink: takes over with ``initialize()``, consumes, dies."""
+
+    def __init__(
+        self,
+        number: int,
+        queue: QueueSpec,
+        recorder: Recorder,
+        clock: SimClock,
+        sink_path: Path,
+        events: list[ConsumerEvent],
+        step: Callable[[], int],
+        down: Callable[[], bool],
+        *,
+        table: str | None = None,
+        progress_table: str | None = None,
+    ) -> None:
+        self.number = number
+        self.queue = queue
+        self.store = RoleStore(recorder, f"consumer-{number}", down)
+        self._clock = clock
+        self._events = events
+        self._step = step
+        self._sink_path = sink_path
+        self._table = table or queue.table
+        self._progress_table = progress_table or queue.progress_table
+        self.consumer: _RecordingConsumer | None = None
+        self.sink: Any = None
+        self.fenced = False
+
+    def _open(self) -> None:
+        if self.consumer is not None:
+            return
+        self.consumer = _RecordingConsumer(
+            self,
+            ConsumerConfig(
+                store=self.store,
+                manifest_path=self.queue.manifest_path,
+                data_path_prefix=self.queue.data_path_prefix,
+                gc_enabled=False,
+                read_ahead=1,
+                ack_batch_size=3,
+                retry=RETRY,
+                clock=self._clock,
+            ),
+        )
+        self.sink = open_sink(
+            f"sqlite://{self._sink_path}",
+            table=self._table,
+            progress_table=self._progress_table,
+            entry_format="opaque",
+        )
+
+    def record(self, kind: str, sequence: int | None = None) -> None:
+        self._events.append(ConsumerEvent(self._step(), self.number, kind, sequence))
+
+    def take_over(self) -> None:
+        """``initialize()`` at the sink's last sequence (a service start)."""
+        self._open()
+        assert self.consumer is not None
+        start = self.sink.last_sequence(self.consumer.queue)
+        self.consumer.initialize(last_acked_sequence=start)
+        self.record("initialized")
+
+    def run_service(self) -> None:
+        """``millpond consume --exit-when-idle``: take over and drain."""
+        self._open()
+        assert self.consumer is not None
+        service = ConsumerService(
+            self.consumer,
+            self.sink,
+            poll_min=0.001,
+            poll_max=0.002,
+            retry_initial_delay=0.001,
+            retry_max_delay=0.005,
+        )
+        stop = threading.Event()
+        original = self.consumer.initialize
+
+        def initialize(last_acked_sequence: int | None = None) -> None:
+            original(last_acked_sequence)
+            self.record("initialized")
+
+        self.consumer.initialize = initialize  # type: ignore[method-assign]
+        service.run(stop, until_idle=True)
+
+    def step_batches(self, count: int) -> None:
+        """Deliver, write and ack up to ``count`` batches by hand (after ``take_over``)."""
+        consumer = self.consumer
+        if consumer is None:
+            return
+        for _ in range(count):
+            batch = consumer.next_batch()
+            if batch is None:
+                return
+            self.sink.write(batch)
+            consumer.ack(batch.sequence)
+
+    def crash(self) -> None:
+        """The process dies: no close, no final dequeue; the open transaction rolls back."""
+        self.store.dead = True
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            with contextlib.suppress(BaseException):
+                consumer._shutdown()
+
+    def close(self) -> None:
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            with contextlib.suppress(MillpondError):
+                consumer.close()
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
+
+
+class _RecordingConsumer(Consumer):
+    """A real consumer that also notes each delivery and ack, for the fencing invariant."""
+
+    def __init__(self, role: ConsumerRole, config: ConsumerConfig) -> None:
+        super().__init__(config)
+        self._role = role
+
+    def next_batch(self) -> ConsumedBatch | None:
+        try:
+            batch = super().next_batch()
+        except FencedError:
+            self._role.fenced = True
+            raise
+        if batch is not None:
+            self._role.record("delivered", batch.sequence)
+        return batch
+
+    def ack(self, sequence: int) -> None:
+        try:
+            super().ack(sequence)
+        except FencedError:
+            self._role.fenced = True
+            raise
+        self._role.record("acked", sequence)
+
+
+class GcRole:
+    """``millpond gc --once``, with the world's clock."""
+
+    def __init__(
+        self, queue: QueueSpec, recorder: Recorder, clock: SimClock, grace: float, down: Any
+    ) -> None:
+        self.store = RoleStore(recorder, f"gc-{queue.name}", down)
+        self.collector = GarbageCollector(
+            GarbageCollectorConfig(
+                store=self.store,
+                manifest_path=queue.manifest_path,
+                data_path_prefix=queue.data_path_prefix,
+                gc_grace_period=grace,
+                clock=clock,
+            )
+        )
+
+    def run_once(self) -> None:
+        with contextlib.suppress(MillpondError):
+            self.collector.run_once()
+
+
+class StreamRole:
+    """A Spark streaming query's driver: each micro-batch's tasks upload, the driver commits.
+
+    A crashed commit is run again with the same batch id and fresh uploads of the same rows
+    (Spark's replay after a driver restart).
+    """
+
+    def __init__(
+        self, queue: QueueSpec, recorder: Recorder, clock: SimClock, down: Callable[[], bool]
+    ) -> None:
+        self.queue = queue
+        self._recorder = recorder
+        self._clock = clock
+        self._down = down
+        self.store = RoleStore(recorder, "driver", down)
+        self.next_batch_id = 0
+        self.pending: int | None = None
+        """A batch id whose commit did not return; it is run again before the next."""
+        self.records: list[bytes] = []
+
+    def rows(self, batch_id: int) -> list[bytes]:
+        return [f"s-{batch_id * 10 + j}".encode() for j in range(3)]
+
+    def micro_batch(self) -> bool:
+        """Run the pending batch again, or the next one; ``True`` once committed."""
+        batch_id = self.pending if self.pending is not None else self.next_batch_id
+        if self.pending is None:
+            self.next_batch_id += 1
+            self.records.extend(self.rows(batch_id))
+        self.pending = batch_id
+        if self.store.dead:
+            self.store = RoleStore(self._recorder, "driver", self._down)  # a restarted driver
+        minter = UlidMinter(self._clock)
+        entries = []
+        try:
+            for index, row in enumerate(self.rows(batch_id)):
+                location = batch_location(self.queue.data_path_prefix, minter.mint())
+                self.store.put_if_absent(location, encode_batch([row]))
+                entries.append(PendingEntry(location, (Metadata(0, index, b"spark"),)))
+            commit_micro_batch(
+                self.store,
+                entries,
+                stream_id="s1",
+                batch_id=batch_id,
+                manifest_path=self.queue.manifest_path,
+                data_path_prefix=self.queue.data_path_prefix,
+                gc_grace_period=60.0,
+                retry=RETRY,
+                clock=self._clock,
+            )
+        except (MillpondError, SimulatedCrash):
+            return False
+        self.pending = None
+        return True
+
+
+def sink_rows(path: Path, table: str) -> list[bytes]:
+    """The records a sink table holds, in queue order."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(
+                f'SELECT payload FROM "{table}" ORDER BY sequence, entry_index'
+            ).fetchall()
+        except sqlite3.OperationalError:  # no table: nothing was ever written
+            return []
+    return [bytes(row[0]) for row in rows]
+
+
+_ = SinkError  # raised through ConsumerRole by a sink of another queue

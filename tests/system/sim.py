@@ -1,0 +1,335 @@
+"""The simulated world's time and store: one clock for every role, one real store, faults.
+
+* :class:`SimClock` — wall and monotonic time that only move when the schedule advances them or
+  a role sleeps (a backoff): no test waits for real time to pass.
+* :class:`Recorder` — wraps the one real store every role shares (an obstore memory store). It
+  stamps each write with the simulated time (garbage collection reads last-modified times), and
+  records what the store applied, in order: manifest footers, batch writes, deletes, appends.
+* :class:`RoleStore` — what one role (a producer process, a consumer, a collector, a Spark
+  driver) sees of the store. The schedule arms faults on it: a call that fails before it reaches
+  the store, one that lands and then reports failure, a conditional write held back and landed
+  later (behind a newer one's back), the store down for a while, and a crash of the role at any
+  call (before or after the call lands), after which every call of that role raises
+  :class:`SimulatedCrash`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.formats.manifest import decode_manifest
+from millpond.storage.store import (
+    DeleteFailure,
+    ForwardingStore,
+    GetResult,
+    ObjectInfo,
+    ObjectStore,
+)
+from tests.invariants import ObjectEvent
+
+__all__ = ["Fault", "Recorder", "RoleStore", "SimClock", "SimulatedCrash", "SkewedClock"]
+
+
+class SimulatedCrash(BaseException):
+    """The role's process died here. A ``BaseException``: nothing in millpond catches it as an
+    error; it ends the thread it hits, as a real crash ends the process."""
+
+
+class SimClock:
+    """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once."""
+
+    def __init__(self, start_ms: int = 1_800_000_000_000) -> None:
+        self._lock = threading.Lock()
+        self._start_ms = start_ms
+        self._now = 0.0
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return self._start_ms + int(self._now * 1000)
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self._now
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += max(0.0, seconds)
+
+
+class SkewedClock:
+    """A role's view of the simulated clock: its wall clock off by ``skew_ms``."""
+
+    def __init__(self, sim: SimClock, skew_ms: int) -> None:
+        self._sim = sim
+        self.skew_ms = skew_ms
+
+    def now_ms(self) -> int:
+        return self._sim.now_ms() + self.skew_ms
+
+    def monotonic(self) -> float:
+        return self._sim.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self._sim.sleep(seconds)
+
+
+class Recorder(ForwardingStore):
+    """The shared store: stamps writes with simulated time and records what was applied."""
+
+    def __init__(self, inner: ObjectStore, clock: SimClock, manifests: Iterable[str]) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._stamps: dict[str, int] = {}
+        self._manifests = set(manifests)
+        self._referenced: dict[str, set[str]] = {m: set() for m in self._manifests}
+        self.footers: dict[str, list[tuple[int, int]]] = {m: [] for m in self._manifests}
+        self.objects: list[ObjectEvent] = []
+        self.step = 0
+        """The schedule's current step, stamped on every event."""
+        self.held: list[Callable[[], object]] = []
+        """Conditional manifest writes held back; they land before the next manifest write."""
+
+    # -- recording ------------------------------------------------------------------------
+
+    def _stamp(self, path: str) -> None:
+        self._stamps[path] = self.clock.now_ms()
+
+    def _manifest_written(self, path: str, data: bytes) -> None:
+        manifest = decode_manifest(data, name=path)
+        self.footers[path].append((manifest.next_sequence, manifest.epoch))
+        now = {entry.location for entry in manifest.entries}
+        for location in sorted(now - self._referenced[path]):
+            self.objects.append(ObjectEvent(self.step, "append", location))
+        self._referenced[path] = now
+
+    def _written(self, path: str, data: bytes) -> None:
+        self._stamp(path)
+        if path in self._manifests:
+            self._manifest_written(path, data)
+        elif path.endswith(".batch"):
+            self.objects.append(ObjectEvent(self.step, "write", path))
+
+    def release_held(self) -> None:
+        """Land every held-back conditional write (each still under its own precondition)."""
+        with self.lock:
+            held, self.held = self.held, []
+        for write in held:
+            with contextlib.suppress(Exception):
+                write()
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, path: str, data: bytes) -> str | None:
+        with self.lock:
+            etag = self.inner.put(path, data)
+            self._written(path, data)
+            return etag
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path in self._manifests:
+            self.release_held()
+        with self.lock:
+            etag = self.inner.put_if_absent(path, data)
+            self._written(path, data)
+            return etag
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        if path in self._manifests:
+            self.release_held()
+        with self.lock:
+            new = self.inner.put_if_match(path, data, etag)
+            self._written(path, data)
+            return new
+
+    def copy(self, source: str, target: str) -> None:
+        with self.lock:
+            self.inner.copy(source, target)
+            self._stamp(target)
+            if target.endswith(".batch"):
+                self.objects.append(ObjectEvent(self.step, "write", target))
+
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        wanted = list(paths)
+        with self.lock:
+            failures = self.inner.delete_many(wanted)
+            failed = {f.path for f in failures}
+            referenced = set().union(*self._referenced.values())
+            for path in wanted:
+                if path not in failed and path.endswith(".batch"):
+                    self.objects.append(
+                        ObjectEvent(self.step, "delete", path, referenced=path in referenced)
+                    )
+                    self._stamps.pop(path, None)
+            return failures
+
+    # -- times ----------------------------------------------------------------------------
+
+    def _timed(self, info: ObjectInfo) -> ObjectInfo:
+        stamp = self._stamps.get(info.path)
+        if stamp is None:
+            return info
+        moment = datetime.fromtimestamp(stamp / 1000, tz=UTC)
+        return ObjectInfo(info.path, info.size, moment, info.etag)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self._timed(self.inner.head(path))
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
+        return [self._timed(info) for info in self.inner.list(prefix, recursive=recursive)]
+
+
+@dataclass(slots=True)
+class Fault:
+    """One armed fault: ``op`` calls of this role skip ``after`` matches, then ``mode`` hits."""
+
+    op: str
+    """``cas`` (conditional manifest writes), ``put`` (batch object writes), ``read`` (any
+    read), ``delete``, or ``any``."""
+    mode: str
+    """``fail`` (before the store), ``land`` (lands, then reports failure), ``hold`` (a
+    conditional write held back and landed later), ``crash`` (the role dies before the call)
+    or ``crash_after`` (it dies after the call landed)."""
+    after: int = 0
+    times: int = 1
+
+
+class RoleStore(ForwardingStore):
+    """One role's view of the shared store, with the faults the schedule armed for it."""
+
+    def __init__(self, recorder: Recorder, name: str, world_down: Callable[[], bool]) -> None:
+        super().__init__(recorder)
+        self.recorder = recorder
+        self.name = name
+        self._down = world_down
+        self.faults: list[Fault] = []
+        self.dead = False
+        self._lock = threading.Lock()
+
+    def arm(self, fault: Fault) -> None:
+        with self._lock:
+            self.faults.append(fault)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.faults.clear()
+
+    def _take(self, op: str) -> str | None:
+        with self._lock:
+            if self.dead:
+                raise SimulatedCrash(f"{self.name} is dead")
+            for fault in self.faults:
+                if fault.op not in (op, "any"):
+                    continue
+                if fault.after > 0:
+                    fault.after -= 1
+                    continue
+                fault.times -= 1
+                if fault.times <= 0:
+                    self.faults.remove(fault)
+                if fault.mode == "crash":
+                    self.dead = True
+                    raise SimulatedCrash(f"{self.name} crashed before a {op}")
+                return fault.mode
+        if self._down():
+            raise StorageError(f"{self.name}: the store is down (simulated)")
+        return None
+
+    def _crashed_after(self, op: str) -> None:
+        with self._lock:
+            self.dead = True
+        raise SimulatedCrash(f"{self.name} crashed after a {op} landed")
+
+    def _read(self, call: Callable[[], Any]) -> Any:
+        mode = self._take("read")
+        if mode == "fail":
+            raise StorageError(f"{self.name}: injected read failure")
+        result = call()
+        if mode == "crash_after":
+            self._crashed_after("read")
+        return result
+
+    def _write(self, op: str, path: str, call: Callable[[], Any], held: bool = False) -> Any:
+        mode = self._take(op)
+        if mode == "fail":
+            raise CommitStateUnknownError(f"{path}: injected failure before sending")
+        if mode == "hold" and held:
+            with self.recorder.lock:
+                self.recorder.held.append(call)
+            raise CommitStateUnknownError(f"{path}: injected timeout (request held back)")
+        result = call()
+        if mode == "land":
+            raise CommitStateUnknownError(f"{path}: injected timeout after the write landed")
+        if mode == "crash_after":
+            self._crashed_after(op)
+        return result
+
+    # -- the ObjectStore surface ----------------------------------------------------------
+
+    def get(self, path: str) -> GetResult:
+        result: GetResult = self._read(lambda: self.inner.get(path))
+        return result
+
+    def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
+        result: GetResult | None = self._read(lambda: self.inner.get_if_changed(path, etag))
+        return result
+
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        result: GetResult | None = self._read(lambda: self.inner.get_tail(path, length, etag))
+        return result
+
+    def head(self, path: str) -> ObjectInfo:
+        result: ObjectInfo = self._read(lambda: self.inner.head(path))
+        return result
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
+        result: builtins.list[ObjectInfo] = self._read(
+            lambda: self.inner.list(prefix, recursive=recursive)
+        )
+        return result
+
+    def _kind(self, path: str) -> str:
+        return "cas" if path in self.recorder.footers else "put"
+
+    def put(self, path: str, data: bytes) -> str | None:
+        result: str | None = self._write("put", path, lambda: self.inner.put(path, data))
+        return result
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        op = self._kind(path)
+        result: str | None = self._write(
+            op, path, lambda: self.inner.put_if_absent(path, data), held=op == "cas"
+        )
+        return result
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        op = self._kind(path)
+        result: str | None = self._write(
+            op, path, lambda: self.inner.put_if_match(path, data, etag), held=op == "cas"
+        )
+        return result
+
+    def copy(self, source: str, target: str) -> None:
+        self._write("put", target, lambda: self.inner.copy(source, target))
+
+    def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
+        wanted = list(paths)
+        mode = self._take("delete")
+        if mode == "fail":
+            return [DeleteFailure(p, "injected failure") for p in wanted]
+        failures: builtins.list[DeleteFailure] = self.inner.delete_many(wanted)
+        if mode == "land":
+            return [DeleteFailure(p, "injected timeout after the delete landed") for p in wanted]
+        if mode == "crash_after":
+            self._crashed_after("delete")
+        return failures
