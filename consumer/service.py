@@ -167,13 +167,16 @@ class ConsumerService:
         idle_delay = self._poll_min
         while not stop.is_set():
             try:
-                batch = consumer.next_batch()
+                # With a backlog, batches the read-ahead already fetched share one transaction
+                # (fewer commits, the same exactly-once guarantee per batch) and one fencing
+                # check.
+                group = consumer.next_batches(self._max_group)
             except StorageError as err:
                 logger.warning("reading the queue failed, retrying in %.2f s: %s", idle_delay, err)
                 stop.wait(idle_delay)
                 idle_delay = min(idle_delay * 2, self._poll_max)
                 continue
-            if batch is None:
+            if not group:
                 if until_idle:
                     return
                 stop.wait(idle_delay)
@@ -181,14 +184,6 @@ class ConsumerService:
                 self._maybe_log_progress()
                 continue
             idle_delay = self._poll_min
-            # With a backlog, batches the read-ahead already fetched share one transaction:
-            # fewer commits, the same exactly-once guarantee per batch.
-            group = [batch]
-            while len(group) < self._max_group and consumer.has_ready_batch():
-                more = consumer.next_batch()
-                if more is None:
-                    break
-                group.append(more)
             if not self._write_and_ack(group, stop):
                 return  # stopped while the database was unavailable; nothing more is acked
             self._maybe_log_progress()
@@ -215,9 +210,9 @@ class ConsumerService:
             else:
                 if results is None:
                     return False
+                if not self._ack(group[-1], stop):
+                    return False
                 for batch, written in zip(group, results, strict=True):
-                    if not self._ack(batch, stop):
-                        return False
                     self._count(batch, written, 0)
                 self._count_rows(self._sink.rows_written - rows_before)
                 return True
@@ -236,16 +231,18 @@ class ConsumerService:
         return True
 
     def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
-        """Ack a written batch, retrying for as long as the store is down; ``False`` when stopped
-        first (the batch is in the sink, so nothing is lost).
+        """Ack a written batch and every delivered one before it (one fencing check), retrying
+        for as long as the store is down; ``False`` when stopped first (the batches are in the
+        sink, so nothing is lost).
 
         An ack that was recorded but whose dequeue failed is not repeated: the next ack (or the
         final ``close()``) dequeues it with the rest.
         """
 
         def ack() -> bool:
-            if self._consumer.acked_sequence != batch.sequence:
-                self._consumer.ack(batch.sequence)
+            acked = self._consumer.acked_sequence
+            if acked is None or acked < batch.sequence:
+                self._consumer.ack_through(batch.sequence)
             return True
 
         return self._with_retry(stop, f"ack sequence {batch.sequence}", ack) is not None
