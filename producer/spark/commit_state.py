@@ -181,8 +181,22 @@ def commit_with_state(
         return _resolve(store, queue, path, etag, state, fresh, raw, manifest_path)
     if not fresh:
         return CommitOutcome("empty")
-    footer_next = _next_sequence(raw, manifest_path)
-    pending = CommitState(key, batch_id, PENDING, footer_next, fresh)
+    return _append_fresh(store, queue, path, etag, key, batch_id, fresh, raw, manifest_path)
+
+
+def _append_fresh(
+    store: ObjectStore,
+    queue: QueueProducer,
+    path: str,
+    etag: str | None,
+    key: str,
+    batch_id: int,
+    fresh: tuple[PendingEntry, ...],
+    raw: bytes,
+    manifest_path: str,
+) -> CommitOutcome:
+    """Hold ``fresh`` (pending), append it, mark it committed."""
+    pending = CommitState(key, batch_id, PENDING, _next_sequence(raw, manifest_path), fresh)
     etag = _write(store, path, etag, pending)
     sequences = queue.append(fresh)
     _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
@@ -262,12 +276,9 @@ def _replace_pending(
     if not fresh:
         _write(store, path, etag, replace(state, status=COMMITTED, entries=(), sequences=()))
         return CommitOutcome("empty")
-    next_sequence = _next_sequence(raw, manifest_path)
-    pending = CommitState(state.key, state.batch_id, PENDING, next_sequence, fresh)
-    etag = _write(store, path, etag, pending)
-    sequences = queue.append(fresh)
-    _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
-    return CommitOutcome("appended", sequences)
+    return _append_fresh(
+        store, queue, path, etag, state.key, state.batch_id, fresh, raw, manifest_path
+    )
 
 
 def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None]:
