@@ -129,6 +129,10 @@ class ConsumerService:
             )
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
+            # A store that is down when the work is done is waited out like one that fails
+            # mid-run: a clean exit leaves nothing written in the queue.
+            if not stop.is_set():
+                self._with_retry(stop, "dequeue what was written", consumer.flush)
         except FencedError:
             self._close_quietly("fenced")
             raise

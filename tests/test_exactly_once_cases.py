@@ -336,6 +336,7 @@ def test_service_survives_the_store_down_during_a_dequeue(tmp_path: Path) -> Non
         ConsumerConfig(store=store, gc_enabled=False, retry=short, ack_batch_size=2)
     )
     errors: list[BaseException] = []
+    stop = threading.Event()
     store.armed = True
 
     def run() -> None:
@@ -344,22 +345,35 @@ def test_service_survives_the_store_down_during_a_dequeue(tmp_path: Path) -> Non
                 service = ConsumerService(
                     consumer, sink, poll_min=0.01, retry_initial_delay=0.01, retry_max_delay=0.05
                 )
-                service.run(threading.Event(), until_idle=True)
+                service.run(stop, until_idle=True)
         except BaseException as err:
             errors.append(err)
 
     thread = threading.Thread(target=run)
     thread.start()
-    # Several dequeue rounds run out of retries while the store is down.
-    wait_for(lambda: store.refused >= 60 or None, timeout=30, what="refused dequeues")
-    assert thread.is_alive()
-    assert not errors
-    store.down = False
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert errors == []
-    assert sorted(_sink_payloads(sink_url)) == sorted(b"entry-%d" % i for i in range(6))
-    assert _queued(store) == []
+    try:
+        # Every batch is written while the store is down; then several dequeue rounds run out of
+        # retries (0.2 s each) and the service, with nothing left to write, still waits.
+        # (Watched through the consumer: reading the SQLite file from this process while the
+        # sink's own SQLite library writes it would break SQLite's locking.)
+        wait_for(lambda: consumer.acked_sequence == 5 or None, timeout=30, what="all written")
+        written_at = store.refused
+        wait_for(
+            lambda: not thread.is_alive() or store.refused >= written_at + 150 or None,
+            timeout=30,
+            what="refused dequeues after the last write",
+        )
+        assert thread.is_alive()
+        assert not errors
+        store.down = False
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert errors == []
+        assert sorted(_sink_payloads(sink_url)) == sorted(b"entry-%d" % i for i in range(6))
+        assert _queued(store) == []
+    finally:
+        stop.set()  # a failed check must not leave the service retrying
+        thread.join(timeout=10)
 
 
 class CorruptBatch(DownAfterTakeover):
