@@ -1,28 +1,28 @@
 """``millpond status STORE_URL``: how far behind is the consumer, at a glance.
 
-Queue length, bytes referenced (the sum of the sizes of the batch objects the manifest points
-at, one HEAD each on a bounded pool), the oldest entry's age (from its ULID), the epoch, and
-the consumer lag (now minus the ingestion time of the oldest entry). Reads the manifest without
-fencing; changes nothing.
+Queue length, the oldest entry's age (from its ULID), the epoch, and the consumer lag (now
+minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog.
+``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
+points at) from one listing of the data prefix. ``--watch`` refreshes in place
+(:mod:`millpond.consumer._watch`). Reads without fencing; changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
-from millpond.errors import NotFoundError
-from millpond.formats.manifest import ManifestEntry
+from millpond.consumer._watch import watch
 from millpond.queue import read_manifest
+from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
 
-__all__ = ["QueueStatus", "add_arguments", "queue_status", "run"]
-
-_HEAD_CONCURRENCY = 16
+__all__ = ["QueueStatus", "add_arguments", "queue_status", "run", "status_record"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,10 +53,11 @@ def queue_status(
     manifest_path: str = "ingest/manifest",
     *,
     clock: Clock | None = None,
-    measure_bytes: bool = True,
-    concurrency: int = _HEAD_CONCURRENCY,
+    measure_bytes: bool = False,
+    data_path_prefix: str = "ingest",
 ) -> QueueStatus:
-    """Measure a queue.
+    """Measure a queue: one GET of the manifest, plus one listing of the data prefix (a
+    request per 1000 objects) with ``measure_bytes``.
 
     Raises:
         NotFoundError: no manifest at ``manifest_path``.
@@ -70,20 +71,15 @@ def queue_status(
     oldest = entries[0] if entries else None
     total: int | None = None
     missing = 0
-    if measure_bytes and entries:
-        sizes = _sizes(store, entries, concurrency)
-        missing = sum(1 for size in sizes if size is None)
-        total = sum(size for size in sizes if size is not None)
-    elif measure_bytes:
-        total = 0
+    if measure_bytes:
+        total, missing = referenced_bytes(
+            store, (entry.location for entry in entries), data_path_prefix=data_path_prefix
+        )
     age: float | None = None
-    lag: float | None = 0.0
     if oldest is not None:
         ulid = parse_batch_name(oldest.location.rpartition("/")[2])
         if ulid is not None:
             age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
-        times = [item.ingestion_time_ms for item in oldest.metadata]
-        lag = max(0.0, (now_ms - min(times)) / 1000) if times else age
     return QueueStatus(
         manifest_path=manifest_path,
         epoch=manifest.epoch,
@@ -95,59 +91,94 @@ def queue_status(
         missing_objects=missing,
         oldest_location=oldest.location if oldest else None,
         oldest_entry_age_seconds=age,
-        consumer_lag_seconds=lag,
+        consumer_lag_seconds=waiting_after(manifest).lag_seconds(now_ms),
     )
-
-
-def _sizes(store: ObjectStore, entries: tuple[ManifestEntry, ...], limit: int) -> list[int | None]:
-    # A location appended twice is one object: HEAD it once.
-    locations = list(dict.fromkeys(entry.location for entry in entries))
-
-    def size(location: str) -> int | None:
-        try:
-            return store.head(location).size
-        except NotFoundError:
-            return None
-
-    with ThreadPoolExecutor(
-        max(1, min(limit, len(locations))), thread_name_prefix="millpond-head"
-    ) as pool:
-        return list(pool.map(size, locations))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument(
-        "--no-bytes",
+        "--bytes",
         action="store_true",
-        help="skip the HEAD of every referenced object (bytes referenced is then unknown)",
+        help="also sum the sizes of the referenced batch objects (one listing of the data "
+        "prefix: a request per 1000 objects)",
     )
+    # The default no longer measures bytes; kept so existing scripts do not break.
+    parser.add_argument("--no-bytes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--watch",
+        type=_interval,
+        nargs="?",
+        const=2.0,
+        metavar="S",
+        help="refresh every S seconds (default 2) until Ctrl-C, with append and dequeue "
+        "rates and the last error",
+    )
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.05 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0.05, found {text!r}")
+    return value
+
+
+def status_record(status: QueueStatus) -> dict[str, Any]:
+    """The JSON record of ``status --output json``: the status's fields, and under
+    ``metrics`` the same figures under the names the consumer exports them."""
+    record: dict[str, Any] = asdict(status)
+    record["metrics"] = {
+        "millpond_queue_length": status.queue_length,
+        "millpond_queue_bytes": status.bytes_referenced,
+        "millpond_consumer_lag_seconds": status.consumer_lag_seconds,
+        "millpond_consumer_epoch": status.epoch,
+    }
+    return record
 
 
 def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
     require_queue(store, args.manifest_path)
-    status = queue_status(store, args.manifest_path, measure_bytes=not args.no_bytes)
+    measure = args.bytes and not args.no_bytes
 
+    def look() -> dict[str, Any]:
+        status = queue_status(
+            store, args.manifest_path, measure_bytes=measure, data_path_prefix=args.data_prefix
+        )
+        return status_record(status)
+
+    def render(record: Mapping[str, Any]) -> list[str]:
+        return _text(store.url, record)
+
+    if args.watch is not None:
+        return watch(args, look, render)
+    record = look()
+    emit(args, record, render(record))
+    return 0
+
+
+def _text(url: str, record: Mapping[str, Any]) -> list[str]:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f} s"
 
-    referenced = "-" if status.bytes_referenced is None else _human(status.bytes_referenced)
-    if status.missing_objects:
-        referenced += f" ({status.missing_objects} referenced objects MISSING)"
-    text = [
-        f"queue            {store.url}/{status.manifest_path}",
-        f"epoch            {status.epoch}",
-        f"queue length     {status.queue_length} entries "
-        f"(sequences {status.first_sequence if status.first_sequence is not None else '-'}"
-        f"..{status.next_sequence - 1})",
+    nbytes = record["bytes_referenced"]
+    referenced = "- (--bytes measures it)" if nbytes is None else _human(nbytes)
+    if record["missing_objects"]:
+        referenced += f" ({record['missing_objects']} referenced objects MISSING)"
+    first = record["first_sequence"]
+    return [
+        f"queue            {url}/{record['manifest_path']}",
+        f"epoch            {record['epoch']}",
+        f"queue length     {record['queue_length']} entries "
+        f"(sequences {first if first is not None else '-'}..{record['next_sequence'] - 1})",
         f"bytes referenced {referenced}",
-        f"oldest entry     {status.oldest_location or '-'} "
-        f"({seconds(status.oldest_entry_age_seconds)} old)",
-        f"consumer lag     {seconds(status.consumer_lag_seconds)}",
+        f"oldest entry     {record['oldest_location'] or '-'} "
+        f"({seconds(record['oldest_entry_age_seconds'])} old)",
+        f"consumer lag     {seconds(record['consumer_lag_seconds'])}",
     ]
-    emit(args, asdict(status), text)
-    return 0
 
 
 def _human(size: int) -> str:
