@@ -2,7 +2,8 @@
 
 Each refresh is one :func:`~millpond.consumer.status.queue_status` (one manifest GET; a listing
 too with ``--bytes``). Between two refreshes it derives how many entries were appended and
-dequeued per second, from the manifest's sequences alone. A refresh that fails (the store is
+dequeued per second, from the manifest's sequences alone, and with ``--sink`` the rows per
+second the consumer wrote (from the sink's progress table). A refresh that fails (the store is
 down, the manifest unreadable) keeps the last good figures on screen, marks them stale and
 shows the error with its time, and the loop goes on: the watch itself never stops on a store
 error. On a terminal the screen is redrawn in place; otherwise (a pipe, a log) each refresh is
@@ -31,10 +32,11 @@ _CLEAR = "\x1b[H\x1b[J"  # cursor home, clear to the end of the screen
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """Entries per second between two looks at a manifest."""
+    """Entries (and, with a sink, rows) per second between two looks."""
 
     appended_per_second: float
     dequeued_per_second: float
+    rows_per_second: float | None = None
 
 
 def rates_between(
@@ -46,7 +48,10 @@ def rates_between(
     if seconds <= 0 or appended < 0:
         return None
     dequeued = before["queue_length"] + appended - after["queue_length"]
-    return Rates(appended / seconds, max(0, dequeued) / seconds)
+    rows = None
+    if before.get("sink") is not None and after.get("sink") is not None:
+        rows = max(0, after["sink"]["rows"] - before["sink"]["rows"]) / seconds
+    return Rates(appended / seconds, max(0, dequeued) / seconds, rows)
 
 
 def watch(
@@ -96,6 +101,7 @@ def watch(
                 **(shown or {}),
                 "appended_per_second": None if rates is None else rates.appended_per_second,
                 "dequeued_per_second": None if rates is None else rates.dequeued_per_second,
+                "rows_per_second": None if rates is None else rates.rows_per_second,
                 "stale": stale,
                 "last_error": last_error,
             }
@@ -123,12 +129,14 @@ def _show(
         return
     lines = render(record) if has_data else ["(no successful look at the queue yet)"]
     appended, dequeued = record["appended_per_second"], record["dequeued_per_second"]
+    rows = record["rows_per_second"]
     lines.append(
         "rates            "
         + (
             "- (after the second refresh)"
             if appended is None
             else f"{appended:.1f} entries/s appended, {dequeued:.1f} entries/s dequeued"
+            + ("" if rows is None else f", {rows:,.0f} rows/s written")
         )
     )
     error = record["last_error"]

@@ -17,7 +17,10 @@ from typing import Any
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
+from millpond.consumer._sink_progress import ProgressReader, SinkProgress
 from millpond.consumer._watch import watch
+from millpond.consumer.sinks.postgres import redact
+from millpond.errors import NotFoundError
 from millpond.queue import read_manifest
 from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
@@ -45,7 +48,9 @@ class QueueStatus:
     oldest_entry_age_seconds: float | None
     """Now minus the ULID time of the oldest entry."""
     consumer_lag_seconds: float | None
-    """Now minus the earliest ingestion time of the oldest entry; 0 with an empty queue."""
+    """Now minus the earliest ingestion time of the oldest unconsumed entry; 0 when none."""
+    unconsumed_entries: int = 0
+    """Entries past ``consumed_through`` (every entry when that is not known)."""
 
 
 def queue_status(
@@ -55,9 +60,14 @@ def queue_status(
     clock: Clock | None = None,
     measure_bytes: bool = False,
     data_path_prefix: str = "ingest",
+    consumed_through: int | None = None,
 ) -> QueueStatus:
     """Measure a queue: one GET of the manifest, plus one listing of the data prefix (a
     request per 1000 objects) with ``measure_bytes``.
+
+    ``consumed_through`` is the last sequence the sink recorded, when known: entries up to it
+    are in the database already (acknowledged, not yet dequeued) and count neither as
+    unconsumed nor for the lag.
 
     Raises:
         NotFoundError: no manifest at ``manifest_path``.
@@ -80,6 +90,7 @@ def queue_status(
         ulid = parse_batch_name(oldest.location.rpartition("/")[2])
         if ulid is not None:
             age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
+    waiting = waiting_after(manifest, consumed_through)
     return QueueStatus(
         manifest_path=manifest_path,
         epoch=manifest.epoch,
@@ -91,7 +102,8 @@ def queue_status(
         missing_objects=missing,
         oldest_location=oldest.location if oldest else None,
         oldest_entry_age_seconds=age,
-        consumer_lag_seconds=waiting_after(manifest).lag_seconds(now_ms),
+        consumer_lag_seconds=waiting.lag_seconds(now_ms),
+        unconsumed_entries=waiting.length,
     )
 
 
@@ -112,8 +124,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=2.0,
         metavar="S",
         help="refresh every S seconds (default 2) until Ctrl-C, with append and dequeue "
-        "rates and the last error",
+        "rates (rows/s with --sink) and the last error",
     )
+    parser.add_argument(
+        "--sink",
+        metavar="URL",
+        help="also read the consumer's progress from its database (read-only): rows and "
+        "batches written, the last sequence, the last commit; lag and length then count "
+        "only what it has not written",
+    )
+    parser.add_argument("--table", default="millpond_rows", help="the sink's target table")
+    parser.add_argument("--progress-table", default="millpond_progress")
 
 
 def _interval(text: str) -> float:
@@ -126,32 +147,77 @@ def _interval(text: str) -> float:
     return value
 
 
-def status_record(status: QueueStatus) -> dict[str, Any]:
-    """The JSON record of ``status --output json``: the status's fields, and under
-    ``metrics`` the same figures under the names the consumer exports them."""
+def status_record(
+    status: QueueStatus, progress: SinkProgress | None = None, *, now_ms: int | None = None
+) -> dict[str, Any]:
+    """The JSON record of ``status --output json``: the status's fields, the sink's progress
+    (``sink``, with ``--sink``), and under ``metrics`` the same figures under the names the
+    consumer exports them."""
     record: dict[str, Any] = asdict(status)
     record["metrics"] = {
-        "millpond_queue_length": status.queue_length,
+        "millpond_queue_length": status.unconsumed_entries,
         "millpond_queue_bytes": status.bytes_referenced,
         "millpond_consumer_lag_seconds": status.consumer_lag_seconds,
         "millpond_consumer_epoch": status.epoch,
     }
+    if progress is not None:
+        now = now_ms if now_ms is not None else SystemClock().now_ms()
+        at = progress.last_commit_ms
+        record["sink"] = {
+            "rows": progress.rows,
+            "batches": progress.batches,
+            "last_sequence": progress.last_sequence,
+            "last_commit_age_seconds": None if at is None else max(0.0, (now - at) / 1000),
+        }
+        record["metrics"] |= {
+            "millpond_consumer_rows_total": progress.rows,
+            "millpond_consumer_batches_total": progress.batches,
+            "millpond_consumer_last_sequence": _or(progress.last_sequence, -1),
+        }
     return record
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
     require_queue(store, args.manifest_path)
     measure = args.bytes and not args.no_bytes
+    reader = None
+    if args.sink:
+        reader = ProgressReader(args.sink, table=args.table, progress_table=args.progress_table)
 
     def look() -> dict[str, Any]:
+        progress = None
+        if reader is not None:
+            try:
+                progress = reader.read()
+            except NotFoundError:  # nothing consumed into it yet
+                progress = SinkProgress(rows=0, batches=0, last_sequence=None, last_commit_ms=None)
         status = queue_status(
-            store, args.manifest_path, measure_bytes=measure, data_path_prefix=args.data_prefix
+            store,
+            args.manifest_path,
+            measure_bytes=measure,
+            data_path_prefix=args.data_prefix,
+            consumed_through=None if progress is None else progress.last_sequence,
         )
-        return status_record(status)
+        return status_record(status, progress)
 
     def render(record: Mapping[str, Any]) -> list[str]:
-        return _text(store.url, record)
+        lines = _text(store.url, record)
+        sink = record.get("sink")
+        if sink is not None:
+            age = sink["last_commit_age_seconds"]
+            lines.append(
+                f"sink             {redact(args.sink)}: {sink['rows']:,} rows in "
+                f"{sink['batches']:,} batches, last sequence "
+                f"{'-' if sink['last_sequence'] is None else sink['last_sequence']}, "
+                f"last commit {'-' if age is None else f'{age:.1f} s ago'}; "
+                f"{record['unconsumed_entries']} entries not yet written"
+            )
+        return lines
 
     if args.watch is not None:
         return watch(args, look, render)

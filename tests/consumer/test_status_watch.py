@@ -9,6 +9,7 @@ import os
 import pty
 import select
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -16,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from consumer_support import MANIFEST, QueueWriter, RecordingStore
+from consumer_support import MANIFEST, Database, QueueWriter, RecordingStore, numbered
 
-from millpond.consumer._watch import watch
+from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer._watch import rates_between, watch
 from millpond.consumer.status import queue_status, status_record
+from millpond.formats.arrow import encode_ipc
 from millpond.queue import QueueConsumer
 from millpond.storage.store import open_store
 
@@ -179,3 +182,91 @@ def test_watch_interval_is_checked(tmp_path: Path) -> None:
     )
     assert run.returncode == 2
     assert "--watch: expected seconds >= 0.05, found '0'" in run.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "millpond.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_status_with_the_sink_counts_what_the_consumer_wrote(
+    tmp_path: Path, database: Database
+) -> None:
+    """``--sink``: rows, batches and the last sequence from the progress table (read-only),
+    and the length and lag of what is not in the database yet."""
+    url = (tmp_path / "store").as_uri()
+    store = open_store(url)
+    writer = QueueWriter(store)
+    old = time.time_ns() // 1_000_000 - 3_600_000
+    for i in range(5):
+        writer.append(encode_ipc(numbered(i * 10, 10)), ingestion_ms=old + i)
+    sink_args = ["--sink", database.url, "--table", database.table]
+    sink_args += ["--progress-table", database.progress]
+
+    if database.kind == "sqlite":  # a database, but nothing consumed into it yet
+        sqlite3.connect(database.url.removeprefix("sqlite://")).close()
+    before = _cli(url, *sink_args, "--output", "json")  # no progress table yet
+    assert before.returncode == 0, before.stderr
+    record = json.loads(before.stdout)
+    assert record["sink"] == {
+        "rows": 0,
+        "batches": 0,
+        "last_sequence": None,
+        "last_commit_age_seconds": None,
+    }
+    assert record["metrics"]["millpond_queue_length"] == 5
+
+    consumer = Consumer(ConsumerConfig(store=url, gc_enabled=False, ack_batch_size=100))
+    with database.sink() as sink:
+        consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
+        for _ in range(3):
+            batch = consumer.next_batch()
+            assert batch is not None
+            sink.write(batch)
+            consumer.ack(batch.sequence)
+    consumer.close()
+    after = json.loads(_cli(url, *sink_args, "--output", "json").stdout)
+    assert after["sink"]["rows"] == 30
+    assert after["sink"]["batches"] == 3
+    assert after["sink"]["last_sequence"] == 2
+    assert 0 <= after["sink"]["last_commit_age_seconds"] < 60
+    assert after["unconsumed_entries"] == after["metrics"]["millpond_queue_length"] == 2
+    assert after["metrics"]["millpond_consumer_rows_total"] == 30
+    assert after["metrics"]["millpond_consumer_batches_total"] == 3
+    assert after["metrics"]["millpond_consumer_last_sequence"] == 2
+    # The lag is the oldest entry not in the database: sequence 3, produced at old + 3.
+    assert after["consumer_lag_seconds"] >= 3_600 - 60
+    text = _cli(url, *sink_args)
+    assert "30 rows in 3 batches, last sequence 2" in text.stdout
+    assert "2 entries not yet written" in text.stdout
+
+
+def test_status_sink_never_creates_a_database(tmp_path: Path) -> None:
+    url, _writer = _queue(tmp_path, 1)
+    missing = tmp_path / "typo.db"
+    run = _cli(url, "--sink", f"sqlite://{missing}")
+    assert run.returncode == 2
+    assert f"expected an SQLite database file, found none at {missing}" in run.stderr
+    assert not missing.exists()
+
+
+def test_rates_between_two_looks() -> None:
+    def look(next_sequence: int, length: int, rows: int | None) -> dict[str, Any]:
+        record: dict[str, Any] = {"next_sequence": next_sequence, "queue_length": length}
+        if rows is not None:
+            record["sink"] = {"rows": rows}
+        return record
+
+    rates = rates_between(look(10, 4, 1_000), look(30, 6, 5_000), 2.0)
+    assert rates is not None
+    assert (rates.appended_per_second, rates.dequeued_per_second) == (10.0, 9.0)
+    assert rates.rows_per_second == 2_000.0
+    no_sink = rates_between(look(10, 4, None), look(30, 6, None), 2.0)
+    assert no_sink is not None
+    assert no_sink.rows_per_second is None
+    assert rates_between(look(30, 4, None), look(10, 4, None), 2.0) is None  # recreated
