@@ -205,3 +205,34 @@ def test_metrics_port_errors_are_usage_errors(tmp_path: Any) -> None:
     interval = consume("--metrics-port", "0", "--metrics-interval", "0")
     assert interval.returncode == 2
     assert "--metrics-interval: expected seconds > 0" in interval.stderr
+
+
+def test_the_queue_sampler_reads_an_unchanged_manifest_for_a_304(tmp_path: Any) -> None:
+    from consumer_support import MANIFEST, RecordingStore
+
+    from millpond.consumer._metrics import QueueSampler
+    from millpond.storage.store import open_store
+
+    url = (tmp_path / "store").as_uri()
+    writer = QueueWriter(open_store(url))
+    for i in range(3):
+        writer.append([b"x" * (100 + i)])
+    store = RecordingStore(open_store(url))
+    sampler = QueueSampler(store, manifest_path=MANIFEST, data_path_prefix="ingest")
+    sampler.sample_once()
+    assert store.calls == {"get_if_changed": 1, "list": 1}  # sizes unknown: one listing
+    gauges = sampler.gauges(acked=None)
+    assert gauges is not None
+    waiting, nbytes, _age = gauges
+    assert waiting.length == 3
+    assert nbytes == sum(open_store(url).head(e.location).size for e in waiting.entries)
+    assert sampler.gauges(acked=1) is not None
+    assert sampler.gauges(acked=1)[0].length == 1  # type: ignore[index]
+    store.calls.clear()
+    sampler.sample_once()  # nothing changed: a 304, no listing
+    assert store.calls == {"get_if_changed": 1}
+    writer.append([b"y"])
+    store.calls.clear()
+    sampler.sample_once()  # a new entry whose size is unknown: one listing
+    assert store.calls == {"get_if_changed": 1, "list": 1}
+    assert sampler.gauges(acked=None)[0].length == 4  # type: ignore[index]
