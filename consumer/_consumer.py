@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.metrics import Counters
+from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import parse_batch_name
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
@@ -93,8 +93,17 @@ class Consumer:
         self.counters = Counters(
             "batches", "entries", "bytes", "acks", "dequeues", "manifest_refreshes"
         )
+        self.fetch_latency = LatencySummary()
+        """Seconds to read and decode one batch object."""
+        # Kept across initialize() calls, which start a new collector each.
+        self.gc_counters = Counters("gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors")
+        self.gc_latency = LatencySummary()
         self._queue = QueueConsumer(
-            self._store, config.manifest_path, retry=config.retry, clock=self._clock
+            self._store,
+            config.manifest_path,
+            retry=config.retry,
+            clock=self._clock,
+            counters=self.counters,  # manifest reads, writes and conflicts count here too
         )
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
@@ -227,6 +236,8 @@ class Consumer:
                     grace_period=self._config.gc_grace_period,
                     clock=self._clock,
                     epoch=epoch,
+                    counters=self.gc_counters,
+                    latency=self.gc_latency,
                 )
                 self._gc.start()
             logger.info(
@@ -540,6 +551,10 @@ class Consumer:
         return None
 
     def _fetch(self, entry: ManifestEntry) -> ConsumedBatch:
+        with self.fetch_latency.time():
+            return self._fetch_untimed(entry)
+
+    def _fetch_untimed(self, entry: ManifestEntry) -> ConsumedBatch:
         location = entry.location
         try:
             got = self._store.get(location)

@@ -31,8 +31,14 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
 
-from millpond.cli.common import add_store_arguments, parse_options, require_queue_unless_create
+from millpond.cli.common import (
+    add_store_arguments,
+    parse_options,
+    require_queue_unless_create,
+    serving_metrics,
+)
 from millpond.common.clock import Clock, SystemClock
+from millpond.consumer import _metrics
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer
@@ -364,6 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gc-grace-period", type=float, default=600.0, help="seconds (default 600)"
     )
+    _metrics.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -401,14 +408,20 @@ def run(args: argparse.Namespace) -> int:
     ):
         require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
+        timed = _metrics.TimedSink(sink)
+        metrics = _metrics.ConsumerMetrics(consumer, timed, interval=args.metrics_interval)
         service = ConsumerService(
             consumer,
-            sink,
+            timed,
             poll_max=args.poll_interval,
             max_group=args.max_group,
             progress_interval=args.progress_interval,
         )
-        service.run(stop, until_idle=args.exit_when_idle)
+        with (
+            serving_metrics(args, [metrics.collector()]) as server,
+            metrics.sampling(enabled=server is not None),
+        ):
+            service.run(stop, until_idle=args.exit_when_idle)
     return 0
 
 

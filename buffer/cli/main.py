@@ -30,7 +30,7 @@ EXIT_FENCED = 3
 
 _COMMANDS = {
     "inspect": ("millpond.cli.inspect", "show the queue manifest's footer and oldest entry"),
-    "status": ("millpond.consumer.status", "queue length, bytes, oldest entry age, lag"),
+    "status": ("millpond.consumer.status", "queue length, oldest entry age, lag (--watch)"),
     "doctor": (
         "millpond.consumer.doctor",
         "check that a store (and a database) can hold a queue, with a fix for each problem",
@@ -54,10 +54,10 @@ AZURE_STORAGE_*, GOOGLE_*) or --store-option KEY=VALUE."""
 _EPILOG = """\
 examples:
   millpond doctor s3://my-bucket/queue --sink postgresql://app@db/warehouse
-  millpond status s3://my-bucket/queue
+  millpond status s3://my-bucket/queue --watch
   millpond inspect az://my-container/queue --output json
-  millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse
-  millpond gc gs://my-bucket/queue --interval 300
+  millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse --metrics-port 9464
+  millpond gc gs://my-bucket/queue --interval 300 --metrics-port 9465
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer
 consumer. `millpond COMMAND --help` describes each command."""
