@@ -2,8 +2,10 @@
 
 Queue length, bytes referenced (the sum of the sizes of the batch objects the manifest points
 at, one HEAD each on a bounded pool), the oldest entry's age (from its ULID), the epoch, and
-the consumer lag (now minus the ingestion time of the oldest entry). Reads the manifest without
-fencing; changes nothing.
+the consumer lag (now minus the ingestion time of the oldest entry). Then what the consumer
+service last reported (:mod:`millpond.consumer._report`): its state, rows/s, lag, the last
+error, and a batch it is stopped on with the command that sets it aside. Reads the manifest
+without fencing; changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
+from millpond.consumer._report import status_section
 from millpond.errors import NotFoundError
 from millpond.formats.manifest import ManifestEntry
 from millpond.queue import read_manifest
@@ -146,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
         f"({seconds(status.oldest_entry_age_seconds)} old)",
         f"consumer lag     {seconds(status.consumer_lag_seconds)}",
     ]
-    emit(args, asdict(status), text)
+    # The consumer service's own report: rows/s, its lag, the last error, a batch it stops on.
+    lines, report = status_section(
+        store, args.data_prefix, now_ms=SystemClock().now_ms(), epoch=status.epoch
+    )
+    emit(args, {**asdict(status), "consumer": report}, text + lines)
     return 0
 
 
