@@ -3,7 +3,9 @@
 Queue length, the oldest entry's age (from its ULID), the epoch, and the consumer lag (now
 minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog.
 ``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
-points at) from one listing of the data prefix. ``--watch`` refreshes in place
+points at) from one listing of the data prefix. Then what the consumer service last reported
+(:mod:`millpond.consumer._report`, one GET): its state, rows/s, lag, the last error, and a
+batch it is stopped on with the command that sets it aside. ``--watch`` refreshes in place
 (:mod:`millpond.consumer._watch`). Reads without fencing; changes nothing.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
+from millpond.consumer._report import status_section
 from millpond.consumer._sink_progress import ProgressReader, SinkProgress
 from millpond.consumer._watch import watch
 from millpond.consumer.sinks.postgres import redact
@@ -189,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sink:
         reader = ProgressReader(args.sink, table=args.table, progress_table=args.progress_table)
 
+    service_lines: list[str] = []
+
     def look() -> dict[str, Any]:
         progress = None
         if reader is not None:
@@ -203,7 +208,14 @@ def run(args: argparse.Namespace) -> int:
             data_path_prefix=args.data_prefix,
             consumed_through=None if progress is None else progress.last_sequence,
         )
-        return status_record(status, progress)
+        record = status_record(status, progress)
+        # The consumer service's own report: rows/s, its lag, the last error, a batch it
+        # stops on.
+        nonlocal service_lines
+        service_lines, record["consumer"] = status_section(
+            store, args.data_prefix, now_ms=SystemClock().now_ms(), epoch=status.epoch
+        )
+        return record
 
     def render(record: Mapping[str, Any]) -> list[str]:
         lines = _text(store.url, record)
@@ -217,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 f"last commit {'-' if age is None else f'{age:.1f} s ago'}; "
                 f"{record['unconsumed_entries']} entries not yet written"
             )
-        return lines
+        return lines + service_lines
 
     if args.watch is not None:
         return watch(args, look, render)

@@ -37,6 +37,11 @@ _COMMANDS = {
     ),
     "consume": ("millpond.consumer.service", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),
+    "quarantine": (
+        "millpond.consumer.quarantine",
+        "set aside the batch the consumer is stopped on (copied to a dead-letter prefix)",
+    ),
+    "replay": ("millpond.consumer.replay", "write a quarantined batch again, exactly once"),
 }
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -58,6 +63,7 @@ examples:
   millpond inspect az://my-container/queue --output json
   millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse --metrics-port 9464
   millpond gc gs://my-bucket/queue --interval 300 --metrics-port 9465
+  millpond quarantine s3://my-bucket/queue --sequence 42 --reason 'bad dates' --sink ...
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer
 consumer. `millpond COMMAND --help` describes each command."""

@@ -324,7 +324,8 @@ def test_postgres_disk_full_is_retried_until_there_is_room(
         finally:
             # The database is this test's own: every table the sink made can go.
             run(
-                f'DROP TABLE IF EXISTS "{database.table}", "{database.progress}", "millpond_owners"'
+                f'DROP TABLE IF EXISTS "{database.table}", "{database.progress}", '
+                f'"{database.progress}_quarantine", "millpond_owners"'
             )
             run(f"DROP TABLESPACE IF EXISTS {space}")
     shutil.rmtree(parent, ignore_errors=True)
