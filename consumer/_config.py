@@ -35,8 +35,16 @@ class ConsumerConfig:
     """Prefix the batch objects live directly under, as ``{prefix}/{ULID}.batch``. A manifest
     entry pointing anywhere else is refused. Default ``"ingest"``."""
     ack_batch_size: int = 100
-    """Acks between two dequeues (manifest writes); ``flush()`` and ``close()`` dequeue the
-    rest. Default 100."""
+    """Fewest acks between two dequeues (manifest writes); ``flush()`` and ``close()`` dequeue
+    the rest. Default 100."""
+    dequeue_fraction: float = 0.1
+    """With a backlog, a dequeue also waits until the acked entries number this fraction of the
+    entries still queued behind them (0..1): each dequeue rewrites what is left of the
+    manifest, so draining N entries then moves O(N) bytes instead of O(N^2). 0 dequeues every
+    ``ack_batch_size`` acks whatever the backlog. Default 0.1."""
+    dequeue_max_delay: float = 10.0
+    """Seconds an acked entry waits at most for its dequeue: past it the next ack, or a
+    ``next_batch()`` that finds nothing new, dequeues whatever is acked. Default 10."""
     read_ahead: int = 4
     """Batch objects fetched and decoded concurrently ahead of delivery (1..256); batches are
     still delivered strictly in sequence order. Default 4."""
@@ -61,6 +69,15 @@ class ConsumerConfig:
         check_paths(self.manifest_path, self.data_path_prefix)
         _check_int("ack_batch_size", self.ack_batch_size, 1, 1 << 32)
         _check_int("read_ahead", self.read_ahead, 1, _MAX_READ_AHEAD)
+        if (
+            isinstance(self.dequeue_fraction, bool)
+            or not isinstance(self.dequeue_fraction, int | float)
+            or not 0 <= self.dequeue_fraction <= 1
+        ):
+            raise ConfigError(
+                "dequeue_fraction", f"expected a number in 0..1, found {self.dequeue_fraction!r}"
+            )
+        check_duration("dequeue_max_delay", self.dequeue_max_delay, allow_zero=True)
         if not isinstance(self.gc_enabled, bool):
             raise ConfigError("gc_enabled", f"expected True or False, found {self.gc_enabled!r}")
         check_duration("gc_interval", self.gc_interval, allow_zero=False)

@@ -2,9 +2,12 @@
 
 Positions. ``_next`` is the next sequence ``next_batch()`` delivers; ``_acked`` the last
 acknowledged sequence; ``_dequeued`` the last sequence removed from the manifest. They only
-grow, and ``_dequeued <= _acked < _next``. Entries are dequeued every ``ack_batch_size`` acks
-and on ``flush()``/``close()``, never before their ack: the manifest keeps every batch that is
-not yet safely in the database, which is also what keeps GC away from it.
+grow, and ``_dequeued <= _acked < _next``. Entries are dequeued on ``flush()``/``close()`` and
+once the acked ones number ``ack_batch_size`` and ``dequeue_fraction`` of the entries still
+queued behind them, or have waited ``dequeue_max_delay``; never before their ack: the manifest
+keeps every batch that is not yet safely in the database, which is also what keeps GC away
+from it. Each dequeue rewrites what is left of the manifest, so dequeuing in proportion to the
+backlog keeps draining N entries at O(N) bytes written (a fixed step would be O(N^2)).
 
 Reading. The manifest is read once at ``initialize()`` and again only when every cached entry
 has been delivered, with a conditional GET (an unchanged manifest costs a 304). Up to
@@ -116,6 +119,8 @@ class Consumer:
         self._acked = -1
         self._dequeued = -1
         self._known = -1  # the highest sequence ever put in the cache
+        # Monotonic time of the first ack not yet dequeued (None when none is waiting).
+        self._ack_waiting_since: float | None = None
         self._initialized = False
         self._closed = False
         self._fenced: FencedError | None = None
@@ -276,6 +281,8 @@ class Consumer:
             self._check_ready()
             if not self._cache and not self._inflight:
                 self._refresh()  # checks the epoch too
+                if not self._cache and self._dequeue_overdue():
+                    self._dequeue()  # idle: acked entries do not wait for more acks
             else:
                 self._guard(self._queue.check_fence)
             self._top_up()
@@ -315,7 +322,9 @@ class Consumer:
     def ack(self, sequence: int) -> None:
         """Confirm that the batch ``sequence`` is processed. Acks must come in order.
 
-        Every ``ack_batch_size`` acks the acknowledged entries are dequeued.
+        The acknowledged entries are dequeued once they number ``ack_batch_size`` and
+        ``dequeue_fraction`` of what is still queued behind them, or have waited
+        ``dequeue_max_delay`` seconds.
 
         Raises:
             InvalidInputError: ``sequence`` is not the one after the last acked, or was not
@@ -358,8 +367,27 @@ class Consumer:
         self._guard(self._queue.check_fence)
         self.counters.add("acks", sequence - self._acked)
         self._acked = sequence
-        if self._acked - self._dequeued >= self._config.ack_batch_size:
+        if self._ack_waiting_since is None:
+            self._ack_waiting_since = self._clock.monotonic()
+        if self._dequeue_due():
             self._dequeue()
+
+    def _dequeue_due(self) -> bool:
+        """Whether the acked entries should leave the manifest now (see the module doc)."""
+        waiting = self._acked - self._dequeued
+        if waiting <= 0:
+            return False
+        behind = max(0, self._known - self._acked)  # queued after them, as last read
+        step = max(self._config.ack_batch_size, int(self._config.dequeue_fraction * behind))
+        return waiting >= step or self._dequeue_overdue()
+
+    def _dequeue_overdue(self) -> bool:
+        since = self._ack_waiting_since
+        return (
+            self._acked > self._dequeued
+            and since is not None
+            and self._clock.monotonic() - since >= self._config.dequeue_max_delay
+        )
 
     def flush(self) -> None:
         """Dequeue every acknowledged entry now.
@@ -582,12 +610,14 @@ class Consumer:
         through = self._acked
         self._guard(lambda: self._queue.dequeue(through))
         self._dequeued = through
+        self._ack_waiting_since = None
         self.counters.add("dequeues")
 
     def _reset(self) -> None:
         self._shutdown()
         self._cache.clear()
         self._known = -1
+        self._ack_waiting_since = None
         self._initialized = False
         self._fenced = None
 
