@@ -45,6 +45,16 @@ class ConsumerConfig:
     dequeue_max_delay: float = 10.0
     """Seconds an acked entry waits at most for its dequeue: past it the next ack, or a
     ``next_batch()`` that finds nothing new, dequeues whatever is acked. Default 10."""
+    backlog_index: bool = False
+    """Move the oldest entries out of the manifest into the consumer's own backlog index
+    (:mod:`millpond.queue.index`) once the manifest holds ``backlog_index_threshold`` entries,
+    so appends stay cheap for every producer while the sink is behind. Only millpond's GC
+    knows the index: never switch it on where an RFC peer's GC (the Rust one) collects the
+    data prefix, which would see indexed batch objects as unreferenced. A consumer drains an
+    index it finds whatever this setting. Default ``False``."""
+    backlog_index_threshold: int = 10_000
+    """Entries in the manifest (as the consumer last read it) that trigger a move into the
+    backlog index. Default 10,000 (about 820 KB of manifest)."""
     read_ahead: int = 4
     """Batch objects fetched and decoded concurrently ahead of delivery (1..256); batches are
     still delivered strictly in sequence order. Default 4."""
@@ -69,6 +79,11 @@ class ConsumerConfig:
         check_paths(self.manifest_path, self.data_path_prefix)
         _check_int("ack_batch_size", self.ack_batch_size, 1, 1 << 32)
         _check_int("read_ahead", self.read_ahead, 1, _MAX_READ_AHEAD)
+        if not isinstance(self.backlog_index, bool):
+            raise ConfigError(
+                "backlog_index", f"expected True or False, found {self.backlog_index!r}"
+            )
+        _check_int("backlog_index_threshold", self.backlog_index_threshold, 1, 1 << 32)
         if (
             isinstance(self.dequeue_fraction, bool)
             or not isinstance(self.dequeue_fraction, int | float)

@@ -56,6 +56,7 @@ from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer, read_manifest
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
+from millpond.queue.index import BacklogIndex, queue_view
 from millpond.storage.checks import preflight
 from millpond.storage.store import ObjectStore, open_store
 
@@ -94,7 +95,13 @@ class Consumer:
         self._store: ObjectStore = open_store(config.store, config.store_options)
         self._prefix = config.data_path_prefix.strip("/")
         self.counters = Counters(
-            "batches", "entries", "bytes", "acks", "dequeues", "manifest_refreshes"
+            "batches",
+            "entries",
+            "bytes",
+            "acks",
+            "dequeues",
+            "manifest_refreshes",
+            "index_moves",
         )
         self.fetch_latency = LatencySummary()
         """Seconds to read and decode one batch object."""
@@ -124,6 +131,7 @@ class Consumer:
         self._initialized = False
         self._closed = False
         self._fenced: FencedError | None = None
+        self._index: BacklogIndex | None = None
 
     # -- properties ------------------------------------------------------------------------
 
@@ -205,9 +213,20 @@ class Consumer:
             # Refuse a sink that is ahead of the queue before taking over: an operator's
             # mistake must not fence the consumer that is right.
             self._check_ahead(last_acked_sequence, self._peek_next_sequence())
-            self._queue.initialize()
+            held = self._queue.initialize()
+            # Always claimed, enabled or not: a consumer that takes over drains an index an
+            # earlier one left. Claimed before the manifest is read, so nothing older writes it.
+            index = BacklogIndex(
+                self._store,
+                data_path_prefix=self._prefix,
+                epoch=held,
+                retry=self._config.retry,
+                clock=self._clock,
+            )
+            indexed = self._guard(index.claim)
+            self._index = index
             snapshot = self._guard(self._queue.read)
-            manifest = snapshot.manifest
+            manifest = queue_view(snapshot.manifest, index.head, indexed)
             first = self._first_available(manifest)
             if last_acked_sequence is None:
                 acked = first - 1
@@ -228,8 +247,12 @@ class Consumer:
                 self._config.read_ahead, thread_name_prefix="millpond-read"
             )
             self._initialized = True
+            if snapshot.manifest.entries and snapshot.manifest.entries[0].sequence <= index.end:
+                # A move that stopped before its manifest write: finish it.
+                self._guard(lambda: self._queue.dequeue(index.end))
             if self._acked > self._dequeued:
                 self._dequeue()
+            self._maybe_move()
             if self._config.gc_enabled:
                 epoch = self._queue.epoch
                 assert epoch is not None
@@ -283,6 +306,7 @@ class Consumer:
                 self._refresh()  # checks the epoch too
                 if not self._cache and self._dequeue_overdue():
                     self._dequeue()  # idle: acked entries do not wait for more acks
+                self._maybe_move()
             else:
                 self._guard(self._queue.check_fence)
             self._top_up()
@@ -421,6 +445,14 @@ class Consumer:
                 self._closed = True
                 self._shutdown()
 
+    def next_entry(self) -> ManifestEntry | None:
+        """The entry :meth:`next_batch` delivers next (the one it failed on, after a failure),
+        or ``None`` when none is read yet; from the manifest or the backlog index."""
+        with self._lock:
+            if self._inflight:
+                return self._inflight[0][0]
+            return self._cache[0] if self._cache else None
+
     def backlog(self) -> Backlog:
         """Undelivered entries as of the last manifest read (for lag reporting)."""
         with self._lock:
@@ -529,8 +561,10 @@ class Consumer:
             return
         manifest = snapshot.manifest
         first = self._first_available(manifest)
-        if first > self._next:
-            # Only this consumer dequeues, and never past what it delivered.
+        moved = self._index.end if self._index is not None else -1
+        if first > max(self._next, moved + 1):
+            # Only this consumer dequeues (or moves entries into its index), and never past
+            # what it delivered (or read).
             raise MillpondError(
                 f"{self._config.manifest_path}: entries {self._next}..{first - 1} were removed "
                 f"before this consumer (epoch {self._queue.epoch}) read them"
@@ -608,10 +642,52 @@ class Consumer:
 
     def _dequeue(self) -> None:
         through = self._acked
-        self._guard(lambda: self._queue.dequeue(through))
+        index = self._index
+        # The index first: together with the manifest it stays contiguous (module doc of
+        # millpond.queue.index); an index being drained leaves the manifest alone.
+        if index is not None and index.live:
+            self._guard(lambda: index.drain(through))
+        if index is None or through > index.end:
+            self._guard(lambda: self._queue.dequeue(through))
         self._dequeued = through
         self._ack_waiting_since = None
         self.counters.add("dequeues")
+
+    def _maybe_move(self) -> None:
+        """Move what the manifest holds into the backlog index once it holds too much."""
+        index = self._index
+        config = self._config
+        if not config.backlog_index or index is None:
+            return
+        start = max(index.end, self._dequeued) + 1
+        if self._known - start + 1 < config.backlog_index_threshold:
+            return
+        try:
+            self._move(index, start, self._known)
+        except FencedError:
+            raise
+        except MillpondError as err:
+            # Only an optimisation: the entries are still queued in the manifest.
+            logger.warning(
+                "moving entries %s..%s into the backlog index failed: %s", start, self._known, err
+            )
+
+    def _move(self, index: BacklogIndex, start: int, end: int) -> None:
+        acked = self._acked
+        snapshot = self._guard(self._queue.read)
+        entries = [e for e in snapshot.manifest.entries if start <= e.sequence <= end]
+        to_index = [e for e in entries if e.sequence > acked]
+        if not to_index:
+            return
+        # The index first, the manifest after: a crash between them leaves the entries in
+        # both, which every reader takes once and the next initialize() tidies up.
+        self._guard(lambda: index.add(to_index, dequeued_through=acked))
+        if acked > self._dequeued:
+            self._dequeued = acked
+            self._ack_waiting_since = None
+        self._guard(lambda: self._queue.dequeue(end))
+        self.counters.add("index_moves")
+        logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
 
     def _reset(self) -> None:
         self._shutdown()

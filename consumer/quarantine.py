@@ -49,6 +49,7 @@ from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Metadata
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
+from millpond.queue.index import queue_view, read_indexed
 from millpond.storage.store import ObjectStore, open_store
 
 __all__ = [
@@ -276,7 +277,10 @@ def quarantine(
     prefix = _dead_letter_prefix(config, dead_letter_prefix)
     store = open_store(config.store, config.store_options)
     queue = queue_identity(store.url, config.manifest_path)
-    manifest = read_manifest(store, config.manifest_path).manifest
+    snapshot = read_manifest(store, config.manifest_path)
+    # The entry may sit in the consumer's backlog index rather than the manifest.
+    head, indexed = read_indexed(store, config.data_path_prefix)
+    manifest = queue_view(snapshot.manifest, head, indexed)
     last = sink.last_sequence(queue)  # refuses a sink of another queue
     if last is not None and sequence <= last:
         rows = sink.quarantined(queue, sequence=sequence)

@@ -461,6 +461,10 @@ class ConsumerService:
         one is the first entry after the last ack.
         """
         consumer = self._consumer
+        # The consumer knows it (it may sit in the backlog index, not the manifest).
+        known = consumer.next_entry()
+        if known is not None:
+            return known
         try:
             manifest = read_manifest(consumer.store, consumer.config.manifest_path).manifest
         except MillpondError:

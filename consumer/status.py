@@ -25,6 +25,7 @@ from millpond.consumer._watch import watch
 from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
 from millpond.queue import read_manifest
+from millpond.queue.index import queue_view, read_indexed
 from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
 
@@ -39,7 +40,7 @@ class QueueStatus:
     epoch: int
     """The epoch of the consumer in charge (0: no consumer ever initialized)."""
     queue_length: int
-    """Entries waiting in the manifest."""
+    """Entries waiting: in the manifest, and in the consumer's backlog index."""
     first_sequence: int | None
     next_sequence: int
     manifest_bytes: int
@@ -54,6 +55,8 @@ class QueueStatus:
     """Now minus the earliest ingestion time of the oldest unconsumed entry; 0 when none."""
     unconsumed_entries: int = 0
     """Entries past ``consumed_through`` (every entry when that is not known)."""
+    indexed_entries: int = 0
+    """Of ``queue_length``, the entries the consumer moved into its backlog index."""
 
 
 def queue_status(
@@ -78,8 +81,10 @@ def queue_status(
         StorageError: the store failed.
     """
     snapshot = read_manifest(store, manifest_path)
+    # After the manifest: an entry moved meanwhile is in the index by then.
+    head, indexed = read_indexed(store, data_path_prefix)
     now_ms = (clock or SystemClock()).now_ms()
-    manifest = snapshot.manifest
+    manifest = queue_view(snapshot.manifest, head, indexed)
     entries = manifest.entries
     oldest = entries[0] if entries else None
     total: int | None = None
@@ -107,6 +112,7 @@ def queue_status(
         oldest_entry_age_seconds=age,
         consumer_lag_seconds=waiting.lag_seconds(now_ms),
         unconsumed_entries=waiting.length,
+        indexed_entries=len(indexed),
     )
 
 
@@ -251,7 +257,12 @@ def _text(url: str, record: Mapping[str, Any]) -> list[str]:
         f"queue            {url}/{record['manifest_path']}",
         f"epoch            {record['epoch']}",
         f"queue length     {record['queue_length']} entries "
-        f"(sequences {first if first is not None else '-'}..{record['next_sequence'] - 1})",
+        f"(sequences {first if first is not None else '-'}..{record['next_sequence'] - 1}"
+        + (
+            f"; {record['indexed_entries']} in the consumer's backlog index)"
+            if record.get("indexed_entries")
+            else ")"
+        ),
         f"bytes referenced {referenced}",
         f"oldest entry     {record['oldest_location'] or '-'} "
         f"({seconds(record['oldest_entry_age_seconds'])} old)",

@@ -26,13 +26,17 @@ its own guarantees need nothing from a peer:
   giving it a new one (which the sink could not recognise as already written), and that fresh
   write is what protects it;
 - a location a **hold** names is kept like a referenced one (:mod:`millpond.queue.holds`);
+- a location the consumer's **backlog index** holds (:mod:`millpond.queue.index`) is
+  referenced like a manifest entry, and counts for the queue's oldest ULID time too. An RFC
+  peer's collector does not read the index: it would delete indexed batch objects;
 - a pass sends **no delete later than half the queue's delete window** after its listing
   began (:class:`~millpond.queue.claim.QueueClaim`): a producer that rewrote an object waits
   the whole window before appending it, so a pass working from a listing older than the
   rewrite cannot delete it after the append.
 
-Order of a pass: store clock probe, listing, holds, manifest. Everything read later can only
-make a pass keep more.
+Order of a pass: store clock probe, listing, holds, manifest, backlog index. Everything read
+later can only make a pass keep more; the index comes after the manifest because the consumer
+writes an entry into the index before removing it from the manifest.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from millpond.queue.claim import (
     open_claim,
 )
 from millpond.queue.holds import held_locations
+from millpond.queue.index import read_indexed
 from millpond.storage.store import DeleteFailure, ObjectInfo, ObjectStore
 from millpond.storage.store_time import probe_store_time, to_ms
 
@@ -285,6 +290,12 @@ def collect_once(
         )
     if check_manifest is not None:
         check_manifest(snapshot.manifest)
+    _head, indexed = read_indexed(store, prefix)
+    queued = snapshot.manifest
+    if indexed:
+        # Every entry of either is referenced (an entry in both is a move that has not
+        # finished); plan_collection only looks at the locations and their ULID times.
+        queued = Manifest(footer=queued.footer, entries=(*indexed, *queued.entries))
     if claim is None and not dry_run:
         # A queue no millpond role has claimed yet (written by an RFC peer, or older): claim
         # it, so a second queue pointed at this prefix is refused from now on.
@@ -298,7 +309,7 @@ def collect_once(
         )
     plan = plan_collection(
         listing,
-        snapshot.manifest,
+        queued,
         data_path_prefix=prefix,
         now_ms=now_ms,
         grace_period_ms=grace_ms,
