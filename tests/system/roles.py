@@ -174,9 +174,11 @@ class ConsumerRole:
         *,
         table: str | None = None,
         progress_table: str | None = None,
+        backlog_index: bool = False,
     ) -> None:
         self.number = number
         self.queue = queue
+        self.backlog_index = backlog_index
         self.store = RoleStore(recorder, f"consumer-{number}", down)
         self._clock = clock
         self._events = events
@@ -200,6 +202,10 @@ class ConsumerRole:
                 gc_enabled=False,
                 read_ahead=1,
                 ack_batch_size=3,
+                # Half of what is queued behind: proportional steps even on short queues.
+                dequeue_fraction=0.5,
+                backlog_index=self.backlog_index,
+                backlog_index_threshold=3,
                 retry=RETRY,
                 clock=self._clock,
             ),

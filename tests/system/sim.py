@@ -25,6 +25,7 @@ from typing import Any
 
 from millpond.errors import CommitStateUnknownError, StorageError
 from millpond.formats.manifest import decode_manifest
+from millpond.queue.index import decode_head
 from millpond.storage.store import (
     DeleteFailure,
     ForwardingStore,
@@ -93,6 +94,9 @@ class Recorder(ForwardingStore):
         self._stamps: dict[str, int] = {}
         self._manifests = set(manifests)
         self._referenced: dict[str, set[str]] = {m: set() for m in self._manifests}
+        # Locations each backlog index head names (by head path): referenced like the
+        # manifest's, so a delete of one is a deleted live batch.
+        self._indexed: dict[str, set[str]] = {}
         self.footers: dict[str, list[tuple[int, int]]] = {m: [] for m in self._manifests}
         self.objects: list[ObjectEvent] = []
         self.step = 0
@@ -113,10 +117,20 @@ class Recorder(ForwardingStore):
             self.objects.append(ObjectEvent(self.step, "append", location))
         self._referenced[path] = now
 
+    def _index_written(self, path: str, data: bytes) -> None:
+        head = decode_head(data, name=path)
+        locations: set[str] = set()
+        for segment in head.segments:
+            entries = decode_manifest(self.inner.get(segment.path).data).entries
+            locations.update(e.location for e in entries if e.sequence > head.dequeued_through)
+        self._indexed[path] = locations
+
     def _written(self, path: str, data: bytes) -> None:
         self._stamp(path)
         if path in self._manifests:
             self._manifest_written(path, data)
+        elif path.endswith("/_millpond/index/head"):
+            self._index_written(path, data)
         elif path.endswith(".batch"):
             self.objects.append(ObjectEvent(self.step, "write", path))
 
@@ -164,7 +178,7 @@ class Recorder(ForwardingStore):
         with self.lock:
             failures = self.inner.delete_many(wanted)
             failed = {f.path for f in failures}
-            referenced = set().union(*self._referenced.values())
+            referenced = set().union(*self._referenced.values(), *self._indexed.values())
             for path in wanted:
                 if path not in failed and path.endswith(".batch"):
                     self.objects.append(

@@ -53,8 +53,30 @@ _MAX_SKEW_MS = 20_000
 Event = tuple[Any, ...]
 
 
+def uses_backlog_index(seed: int) -> bool:
+    """Whether queue A's consumers run with the backlog index in this schedule (half do).
+
+    A draw of its own, so the events the main draw makes stay what they were for every seed.
+    """
+    return random.Random(seed ^ 0x1DE5).random() < 0.5
+
+
 def schedule(seed: int, length: int = 28) -> list[Event]:
     """The events of one schedule, chosen by ``seed``."""
+    events = _main_events(seed, length)
+    if uses_backlog_index(seed):
+        # A consumer that dies behind, leaving the index full: once, with time passing and
+        # the collector running before anyone drains it (a day-long outage in small), and
+        # twice more anywhere. Inserted by a draw of their own, after the main ones.
+        rng = random.Random(seed ^ 0xBAC1)
+        at = rng.randrange(len(events) + 1)
+        events[at:at] = [("stall", rng.randint(0, 2)), ("advance", 200.0), ("gc",)]
+        for _ in range(2):
+            events.insert(rng.randrange(len(events) + 1), ("stall", rng.randint(0, 3)))
+    return events
+
+
+def _main_events(seed: int, length: int) -> list[Event]:
     rng = random.Random(seed)
     ops = ["cas", "put", "read", "any"]
     modes = ["fail", "land", "hold", "crash", "crash_after"]
@@ -121,6 +143,9 @@ class World:
         rng = random.Random(seed ^ 0x5EED)
         self.seed = seed
         self.directory = directory
+        # Half the schedules run queue A's consumers with the backlog index (its own draw, so
+        # the schedules of a seed stay what they were).
+        self.backlog_index = uses_backlog_index(seed)
         self.clock = SimClock()
         self.queue_a = QueueSpec("a", "ingest/manifest", "ingest")
         self.queue_b = QueueSpec("b", "qb/manifest", "qb")
@@ -198,6 +223,7 @@ class World:
             self._outage,
             table=table,
             progress_table=progress,
+            backlog_index=self.backlog_index and queue is self.queue_a,
         )
 
     # -- running --------------------------------------------------------------------------
@@ -253,6 +279,8 @@ class World:
             self._consume(self.queue_a, fault=Fault(op, mode, after))
         elif kind == "takeover":
             self._takeover(event[1], event[2])
+        elif kind == "stall":
+            self._stall(event[1])
         elif kind == "gc":
             GcRole(self.queue_a, self.recorder, self.clock, GRACE, self._outage).run_once()
         elif kind == "gc_with_fault":
@@ -315,6 +343,19 @@ class World:
             self.violations.append(f"step {self.step}: takeover failed: {err}")
         for role in (older, newer):
             role.close()
+
+    def _stall(self, count: int) -> None:
+        """A consumer takes over (moving what is queued into its index), writes ``count``
+        batches and dies: the index stays full until the next consumer."""
+        role = self._consumer(self.queue_a)
+        try:
+            role.take_over()
+            role.step_batches(count)
+        except (SimulatedCrash, StorageError):
+            pass
+        except MillpondError as err:
+            self.violations.append(f"step {self.step}: stalled consumer failed: {err}")
+        role.crash()
 
     def _misconfigured(self) -> None:
         """An operator starts a consumer of queue B on queue A's database (its table and its
