@@ -67,6 +67,8 @@ __all__ = [
     "BacklogIndex",
     "IndexHead",
     "Segment",
+    "decode_head",
+    "encode_segment",
     "head_path",
     "queue_view",
     "read_indexed",
