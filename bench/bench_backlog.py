@@ -27,16 +27,27 @@ times each:
 
 Baseline: the same append on an empty queue (footer only) in the same run.
 
-Draining. The consumer today dequeues every 100 acks, each dequeue rewriting what is left, so
-draining N entries moves about 82 N^2 / 200 bytes. Measured for the smaller sizes by draining
-a fresh copy with ``QueueConsumer.dequeue`` in steps of 100 (the manifest side of what a real
-consumer does; fetching batches is O(N) anyway), and with steps proportional to what is left
-(``max(100, 10% of the remaining entries)``: the "dequeue in proportion to the backlog"
-direction, no code change needed to measure it). A linear fit of one dequeue's cost against
-manifest size, from the dequeue figures above, projects both patterns to 1,000,000; the
-plot shows measured points and projections together.
+Draining. Each dequeue rewrites what is left of the manifest. Dequeuing every 100 acks (the
+consumer before issue 11) drains N entries moving about 82 N^2 / 200 bytes. The consumer now
+dequeues in proportion to the backlog (``ConsumerConfig.dequeue_step``: at least
+``ack_batch_size`` = 100, and 10% of the entries still behind), which is O(N). Measured by
+draining a fresh copy with ``QueueConsumer.dequeue`` in the consumer's steps (the manifest side
+of what a real consumer does; fetching batches is O(N) anyway): every 100 for the smaller
+sizes (``DRAIN_SIZES``), proportionally for every size up to 1,000,000, and through the
+backlog index (``index``: a real ``Consumer`` with ``backlog_index=True`` moves everything into
+its index at ``initialize()``, then the same steps drain it, each a write of the small index
+head). A linear fit of one dequeue's cost against manifest size projects the fixed step to
+the sizes it was not run at.
 
-``ratio`` (target <= 2.0): cold append at the largest size / cold append on the empty queue.
+The backlog index. For each size a real ``Consumer(backlog_index=True)`` (default threshold,
+10,000 entries) takes over the built manifest and moves it into its index (``index_move``,
+timed); then a producer's append is timed right after the move (``index_append_*``: the
+manifest is nearly empty) and with the manifest refilled to one entry short of the threshold
+(``index_worst_append_*``: the largest manifest a producer meets while the index is on).
+
+``ratio`` (target <= 2.0): the worst cold append with the index on at the largest size / cold
+append on the empty queue. ``append_cold_over_empty`` in ``by_size`` is the same without the
+index (the manifest holds the whole backlog).
 """
 
 from __future__ import annotations
@@ -97,6 +108,7 @@ def _timed(fn: Any) -> float:
 
 def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[str, Any]:
     """Time every operation ``repeats`` times on a fresh root holding ``raw``."""
+    from millpond.common.clock import SystemClock
     from millpond.common.ulids import UlidMinter
     from millpond.consumer.status import queue_status
     from millpond.formats.manifest import append_entries, decode_manifest, remove_through
@@ -145,8 +157,8 @@ def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[s
                     store,
                     manifest_path=MANIFEST,
                     data_path_prefix="ingest",
-                    now_ms=int(time.time() * 1000),
-                    grace_period_ms=600_000,
+                    clock=SystemClock(),
+                    grace_period=600.0,
                 )
             )
         )
@@ -171,36 +183,120 @@ def _status_heads(direct: Any, measured: Any, raw: bytes, n: int) -> float:
     return _timed(lambda: queue_status(store, MANIFEST, measure_bytes=True))
 
 
-def _drain(direct: Any, measured: Any, raw: bytes, n: int, proportional: bool) -> dict[str, Any]:
+def _steps(n: int, pattern: str) -> list[int]:
+    """How many entries each dequeue of a drain of ``n`` takes, by the consumer's rule."""
+    from millpond.consumer import ConsumerConfig
+
+    config = ConsumerConfig(store="memory://bench-backlog-rule", ack_batch_size=STEP)
+    if pattern == "every_100":
+        return [min(STEP, n - first) for first in range(0, n, STEP)]
+    # Ack by ack, as the consumer decides (the final flush takes the rest).
+    steps, dequeued = [], 0
+    for acked in range(1, n + 1):
+        if acked - dequeued >= config.dequeue_step(n - acked):
+            steps.append(acked - dequeued)
+            dequeued = acked
+    if dequeued < n:
+        steps.append(n - dequeued)
+    return steps
+
+
+def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict[str, Any]:
     """Dequeue a fresh copy down to empty; returns seconds, dequeues and bytes written."""
+    from millpond.consumer import Consumer, ConsumerConfig
     from millpond.formats.manifest import decode_footer
     from millpond.queue import QueueConsumer
+    from millpond.queue.index import BacklogIndex
     from millpond.storage.store import open_store
 
     root = f"bench-backlog-drain-{n}-{uuid.uuid4().hex[:8]}"
     open_store(direct.url_for(root), direct.store_options()).put(MANIFEST, raw)
     store = open_store(measured.url_for(root), measured.store_options())
-    consumer = QueueConsumer(store, MANIFEST)
-    consumer.initialize()
     through = decode_footer(raw).next_sequence - n - 1
-    dequeues = 0
-    written = 0
     started = time.perf_counter()
+    index: BacklogIndex | None = None
+    if pattern == "index":
+        # The consumer moves what it read into its index at initialize(); draining is then
+        # the head's dequeued_through going up (drained segments deleted).
+        consumer = Consumer(
+            ConsumerConfig(
+                store=store,
+                manifest_path=MANIFEST,
+                data_path_prefix="ingest",
+                gc_enabled=False,
+                backlog_index=True,
+            )
+        )
+        consumer.initialize()
+        epoch = consumer.epoch
+        assert epoch is not None
+        index = BacklogIndex(store, data_path_prefix="ingest", epoch=epoch)
+        index.claim()
+        dequeue = index.drain
+    if index is None or not index.live:  # below the threshold nothing moves
+        index = None
+        queue = QueueConsumer(store, MANIFEST)
+        queue.initialize()
+        dequeue = queue.dequeue  # type: ignore[assignment]
+    steps = _steps(n, pattern)
+    written = 0
     remaining = n
-    while remaining > 0:
-        step = max(STEP, remaining // 10) if proportional else STEP
-        step = min(step, remaining)
+    for step in steps:
         through += step
-        consumer.dequeue(through)
+        dequeue(through)
         remaining -= step
-        dequeues += 1
-        written += 22 + 82 * remaining
+        written += 22 + 82 * remaining if index is None else 200
     return {
         "entries": n,
-        "pattern": "proportional" if proportional else "every_100",
+        "pattern": pattern,
         "seconds": round(time.perf_counter() - started, 2),
-        "dequeues": dequeues,
+        "dequeues": len(steps),
         "bytes_written": written,
+    }
+
+
+def _indexed_appends(direct: Any, measured: Any, raw: bytes, n: int) -> dict[str, Any]:
+    """Appends with the backlog index on: right after the move, and just before the next."""
+    from millpond.common.ulids import UlidMinter
+    from millpond.consumer import Consumer, ConsumerConfig
+    from millpond.formats.manifest import append_entries
+    from millpond.queue import QueueProducer
+    from millpond.storage.store import open_store
+
+    root = f"bench-backlog-index-{n}-{uuid.uuid4().hex[:8]}"
+    plain = open_store(direct.url_for(root), direct.store_options())
+    plain.put(MANIFEST, raw)
+    store = open_store(measured.url_for(root), measured.store_options())
+    config = ConsumerConfig(
+        store=store,
+        manifest_path=MANIFEST,
+        data_path_prefix="ingest",
+        gc_enabled=False,
+        backlog_index=True,
+    )
+    consumer = Consumer(config)
+    move = _timed(consumer.initialize)
+    minter = UlidMinter()
+    now_ms = int(time.time() * 1000)
+    times: dict[str, list[float]] = {k: [] for k in ("cold", "warm", "worst_cold", "worst_warm")}
+    for _ in range(REPEATS):
+        producer = QueueProducer(store, MANIFEST)
+        times["cold"].append(_timed(lambda p=producer: p.append(_entries(1, minter, now_ms))))
+        times["warm"].append(_timed(lambda p=producer: p.append(_entries(1, minter, now_ms))))
+    # Refill the manifest (directly) to one entry short of the next move.
+    current = plain.get(MANIFEST).data
+    short = config.backlog_index_threshold - 1 - 2 * REPEATS
+    refilled, _ = append_entries(current, _entries(short, minter, now_ms))
+    plain.put(MANIFEST, refilled)
+    for _ in range(REPEATS):
+        producer = QueueProducer(store, MANIFEST)
+        times["worst_cold"].append(_timed(lambda p=producer: p.append(_entries(1, minter, now_ms))))
+        times["worst_warm"].append(_timed(lambda p=producer: p.append(_entries(1, minter, now_ms))))
+    consumer.close()  # nothing acked: no dequeue
+    return {
+        "index_move_s": round(move, 2),
+        "index_worst_manifest_bytes": len(refilled),
+        **{f"index_append_{k}_ms": round(1000 * statistics.median(v), 1) for k, v in times.items()},
     }
 
 
@@ -213,11 +309,10 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _project(n: int, a: float, b: float, proportional: bool) -> float:
+def _project(n: int, a: float, b: float, pattern: str) -> float:
     """Seconds to drain ``n`` entries if one dequeue of a manifest of s bytes costs a + b s."""
     total, remaining = 0.0, n
-    while remaining > 0:
-        step = min(max(STEP, remaining // 10) if proportional else STEP, remaining)
+    for step in _steps(n, pattern):
         total += a + b * (22 + 82 * remaining)  # the dequeue reads then writes what is left
         remaining -= step
     return total
@@ -246,12 +341,13 @@ def run(quick: bool) -> dict[str, Any]:
                 "built %s entries (%s bytes) in %.1f s", n, len(raw), time.perf_counter() - built
             )
             rows.append(_ops(direct, measured, raw, n, REPEATS))
+            rows[-1].update(_indexed_appends(direct, measured, raw, n))
             logger.info("%s", {k: v for k, v in rows[-1].items() if k != "samples"})
             if n in head_sizes:
                 heads[n] = _status_heads(direct, measured, raw, n)
-            for proportional in (False, True):
-                if n in drain_sizes:
-                    drains.append(_drain(direct, measured, raw, n, proportional))
+            for pattern in ("every_100", "proportional", "index"):
+                if pattern != "every_100" or n in drain_sizes:
+                    drains.append(_drain(direct, measured, raw, n, pattern))
                     logger.info("drain %s", drains[-1])
             del raw
         empty_again = _ops(direct, measured, _build(0), 0, REPEATS)
@@ -261,23 +357,24 @@ def run(quick: bool) -> dict[str, Any]:
         r["append_cold_over_empty"] = round(r["append_cold_ms"] / base_cold, 2)
         r["append_warm_over_empty"] = round(r["append_warm_ms"] / base_warm, 2)
     a, b = _fit([(r["manifest_bytes"], r["dequeue_100_ms"] / 1000) for r in rows])
+    for r in rows:
+        r["index_worst_append_cold_over_empty"] = round(
+            r["index_append_worst_cold_ms"] / base_cold, 2
+        )
     projection = {
         n: {
-            "every_100_s": round(_project(n, a, b, False), 1),
-            "proportional_s": round(_project(n, a, b, True), 1),
+            "every_100_s": round(_project(n, a, b, "every_100"), 1),
+            "proportional_s": round(_project(n, a, b, "proportional"), 1),
         }
         for n in sizes
     }
     largest = rows[-1]
-    ratio = largest["append_cold_over_empty"]
+    ratio = largest["index_worst_append_cold_over_empty"]
     xs = [r["entries"] for r in rows]
-    drain_x = list(drain_sizes)
 
     def drained(pattern: str) -> list[float]:
-        return [
-            next(d["seconds"] for d in drains if d["entries"] == n and d["pattern"] == pattern)
-            for n in drain_x
-        ]
+        found = {d["entries"]: d["seconds"] for d in drains if d["pattern"] == pattern}
+        return [found.get(n, float("nan")) for n in xs]
 
     series = [
         plot_spec(
@@ -286,10 +383,12 @@ def run(quick: bool) -> dict[str, Any]:
             "ms",
             xs,
             {
-                "append (cold: GET + PUT)": [r["append_cold_ms"] for r in rows],
-                "append (warm: PUT)": [r["append_warm_ms"] for r in rows],
+                "append, no index (cold: GET + PUT)": [r["append_cold_ms"] for r in rows],
+                "append, no index (warm: PUT)": [r["append_warm_ms"] for r in rows],
+                "append, index on, worst (cold)": [r["index_append_worst_cold_ms"] for r in rows],
+                "append, index on, after a move (cold)": [r["index_append_cold_ms"] for r in rows],
                 "dequeue 100": [r.get("dequeue_100_ms", float("nan")) for r in rows],
-                "status --no-bytes": [r["status_ms"] for r in rows],
+                "status": [r["status_ms"] for r in rows],
                 "GC pass": [r["gc_pass_ms"] for r in rows],
                 "decode (CPU only)": [r["decode_cpu_ms"] for r in rows],
             },
@@ -304,15 +403,9 @@ def run(quick: bool) -> dict[str, Any]:
             xs,
             {
                 "every 100 acks, projected": [projection[n]["every_100_s"] for n in xs],
-                "every 100 acks, measured": [
-                    drained("every_100")[drain_x.index(n)] if n in drain_x else float("nan")
-                    for n in xs
-                ],
-                "proportional (10%), projected": [projection[n]["proportional_s"] for n in xs],
-                "proportional (10%), measured": [
-                    drained("proportional")[drain_x.index(n)] if n in drain_x else float("nan")
-                    for n in xs
-                ],
+                "every 100 acks, measured": drained("every_100"),
+                "proportional (consumer's rule), measured": drained("proportional"),
+                "index on (move + head writes), measured": drained("index"),
             },
             log_x=True,
             log_y=True,
@@ -339,14 +432,16 @@ def run(quick: bool) -> dict[str, Any]:
         },
         series=series,
         headline=(
-            f"{delay:g} ms: append at {largest['entries']:,} entries {ratio:.1f}x empty "
-            f"({largest['append_cold_ms']:.0f} vs {base_cold:.0f} ms); dequeue "
-            f"{largest.get('dequeue_100_ms', float('nan')):.0f} ms; drain every 100: "
-            f"{projection[largest['entries']]['every_100_s']:.0f} s projected vs "
-            f"{projection[largest['entries']]['proportional_s']:.0f} s proportional"
+            f"{delay:g} ms: append at {largest['entries']:,} entries with the index "
+            f"{ratio:.1f}x empty ({largest['index_append_worst_cold_ms']:.0f} vs "
+            f"{base_cold:.0f} ms; {largest['append_cold_over_empty']:.1f}x without); drain "
+            f"{drained('proportional')[-1]:.0f} s proportional, {drained('index')[-1]:.0f} s "
+            f"with the index vs {projection[largest['entries']]['every_100_s']:.0f} s every "
+            "100 (projected)"
         ),
         notes=(
-            "ratio = cold append (fresh producer: GET + conditional PUT) with the largest "
+            "ratio = cold append (fresh producer: GET + conditional PUT) with the backlog "
+            "index on and the manifest one entry short of the next move, at the largest "
             "backlog / the same on an empty queue; drain projection = sum over the dequeues "
             "of a + b x manifest bytes, fitted to the measured dequeue costs"
         ),

@@ -98,6 +98,11 @@ class ConsumerConfig:
         check_duration("gc_interval", self.gc_interval, allow_zero=False)
         check_duration("gc_grace_period", self.gc_grace_period, allow_zero=True)
 
+    def dequeue_step(self, behind: int) -> int:
+        """Acked entries that make a dequeue due when ``behind`` entries are queued after
+        them: ``max(ack_batch_size, dequeue_fraction * behind)``."""
+        return max(self.ack_batch_size, int(self.dequeue_fraction * max(0, behind)))
+
 
 def check_paths(manifest_path: str, data_path_prefix: str) -> None:
     """Validate a manifest path and a data prefix.

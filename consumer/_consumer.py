@@ -401,9 +401,8 @@ class Consumer:
         waiting = self._acked - self._dequeued
         if waiting <= 0:
             return False
-        behind = max(0, self._known - self._acked)  # queued after them, as last read
-        step = max(self._config.ack_batch_size, int(self._config.dequeue_fraction * behind))
-        return waiting >= step or self._dequeue_overdue()
+        behind = self._known - self._acked  # queued after them, as last read
+        return waiting >= self._config.dequeue_step(behind) or self._dequeue_overdue()
 
     def _dequeue_overdue(self) -> bool:
         since = self._ack_waiting_since
