@@ -30,8 +30,9 @@ from millpond.cli.common import add_metrics_arguments
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.metrics import Counters, LatencySummary
-from millpond.errors import MillpondError
-from millpond.formats.manifest import decode_manifest
+from millpond.errors import MillpondError, NotFoundError
+from millpond.formats.manifest import ManifestEntry, decode_manifest
+from millpond.queue.index import IndexHead, decode_head, head_path, queue_view
 from millpond.queue.observe import Waiting, list_sizes, waiting_after
 from millpond.storage.store import ObjectStore
 
@@ -165,6 +166,9 @@ class QueueSampler:
         self._sizes: dict[str, int] = {}
         self._sampled_at: float | None = None
         self._etag: str | None = None
+        self._head: IndexHead | None = None
+        self._head_etag: str | None = None
+        self._segments: dict[str, tuple[ManifestEntry, ...]] = {}
         self._cost = 0.0  # seconds the last full sample took
         self.errors = 0
         self._stop = threading.Event()
@@ -180,11 +184,22 @@ class QueueSampler:
         started = self._clock.monotonic()
         got = self._store.get_if_changed(self._manifest_path, self._etag)
         if got is None:  # unchanged since the last sample: a 304, nothing to decode
+            # The backlog index cannot have changed but by drains, which only remove what
+            # gauges() filters out past the ack anyway: a move rewrites the manifest too.
             with self._lock:
                 self._sampled_at = self._clock.monotonic()
             return
+        # After the manifest, as every reader of the backlog index does (one more conditional
+        # GET; segments never change, so each is read once).
+        self._read_index()
         manifest = decode_manifest(got.data, name=self._manifest_path)
-        waiting = waiting_after(manifest)
+        indexed = [
+            entry
+            for segment in (self._head.segments if self._head is not None else ())
+            for entry in self._segments[segment.path]
+            if self._head is not None and entry.sequence > self._head.dequeued_through
+        ]
+        waiting = waiting_after(queue_view(manifest, self._head, indexed))
         referenced = {entry.location for entry in waiting.entries}
         with self._lock:
             known = self._sizes
@@ -198,6 +213,26 @@ class QueueSampler:
             self._etag = got.etag
             self._sampled_at = self._clock.monotonic()
             self._cost = self._sampled_at - started
+
+    def _read_index(self) -> None:
+        """Refresh the backlog index head and its segments."""
+        path = head_path(self._prefix)
+        try:
+            got = self._store.get_if_changed(path, self._head_etag)
+        except NotFoundError:
+            self._head, self._head_etag, self._segments = None, None, {}
+            return
+        if got is None:
+            return
+        head = decode_head(got.data, name=path)
+        segments = {}
+        for segment in head.segments:
+            entries = self._segments.get(segment.path)
+            if entries is None:
+                data = self._store.get(segment.path).data
+                entries = decode_manifest(data, name=segment.path).entries
+            segments[segment.path] = entries
+        self._head, self._head_etag, self._segments = head, got.etag, segments
 
     def gauges(self, acked: int | None) -> tuple[Waiting, int, float] | None:
         """What waits past ``acked``, its bytes, and the sample's age; ``None`` before the

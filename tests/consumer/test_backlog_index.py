@@ -8,6 +8,7 @@ import pytest
 from consumer_support import FAST_RETRY, MANIFEST, PREFIX, QueueWriter, open_target
 
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer._metrics import QueueSampler
 from millpond.consumer.status import queue_status
 from millpond.errors import FencedError
 from millpond.queue import read_manifest
@@ -91,6 +92,11 @@ def test_moves_the_backlog_out_of_the_manifest_and_drains_it_first(store: Object
     assert _queued(store) == [12, 13, 14]
     status = queue_status(store, MANIFEST)
     assert (status.queue_length, status.indexed_entries, status.first_sequence) == (15, 12, 0)
+    sampler = QueueSampler(store, manifest_path=MANIFEST, data_path_prefix=PREFIX)
+    sampler.sample_once()
+    gauges = sampler.gauges(acked=None)
+    assert gauges is not None
+    assert [e.sequence for e in gauges[0].entries] == list(range(15))
     assert _drain(consumer, until=5) == _expected(0, 5)
     assert _indexed(store)[0] <= 6  # drained through an ack, never past it
     assert _queued(store) == [12, 13, 14]  # draining the index leaves the manifest alone
