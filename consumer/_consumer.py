@@ -132,6 +132,7 @@ class Consumer:
         self._closed = False
         self._fenced: FencedError | None = None
         self._index: BacklogIndex | None = None
+        self._unfinished_move = False  # moved into the index, not yet out of the manifest
 
     # -- properties ------------------------------------------------------------------------
 
@@ -395,6 +396,8 @@ class Consumer:
             self._ack_waiting_since = self._clock.monotonic()
         if self._dequeue_due():
             self._dequeue()
+        if self._unfinished_move:
+            self._maybe_move()  # producers are paying for those entries in the manifest
 
     def _dequeue_due(self) -> bool:
         """Whether the acked entries should leave the manifest now (see the module doc)."""
@@ -656,13 +659,16 @@ class Consumer:
         """Move what the manifest holds into the backlog index once it holds too much."""
         index = self._index
         config = self._config
-        if not config.backlog_index or index is None:
+        if index is None:
             return
         start = max(index.end, self._dequeued) + 1
-        if self._known - start + 1 < config.backlog_index_threshold:
-            return
         try:
-            self._move(index, start, self._known)
+            if self._unfinished_move:
+                # The manifest write of an earlier move failed: the entries are in both.
+                self._guard(lambda: self._queue.dequeue(index.end))
+                self._unfinished_move = False
+            if config.backlog_index and self._known - start + 1 >= config.backlog_index_threshold:
+                self._move(index, start, self._known)
         except FencedError:
             raise
         except MillpondError as err:
@@ -684,7 +690,9 @@ class Consumer:
         if acked > self._dequeued:
             self._dequeued = acked
             self._ack_waiting_since = None
+        self._unfinished_move = True
         self._guard(lambda: self._queue.dequeue(end))
+        self._unfinished_move = False
         self.counters.add("index_moves")
         logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
 
@@ -693,6 +701,7 @@ class Consumer:
         self._cache.clear()
         self._known = -1
         self._ack_waiting_since = None
+        self._unfinished_move = False
         self._initialized = False
         self._fenced = None
 

@@ -49,6 +49,7 @@ from millpond.errors import (
     ConflictError,
     FencedError,
     FormatError,
+    MillpondError,
     NotFoundError,
     StorageError,
 )
@@ -298,10 +299,14 @@ class BacklogIndex:
             FencedError: a newer consumer owns the head.
             StorageError: the store failed past the retry budget (the entries are still in the
                 manifest; the index may or may not hold them).
+            MillpondError: the entries are not contiguous, or would leave a gap after (or
+                overlap part of) what the index holds; the head is not written.
         """
         if not entries:
             return
         first, last = entries[0].sequence, entries[-1].sequence
+        if last - first + 1 != len(entries):
+            raise MillpondError(f"{self._path}: entries {first}..{last} are not contiguous")
         segment = Segment(_segment_path(self._prefix, first, last, self._epoch), first, last)
         backoff = self._retry.start(self._clock)
         while True:
@@ -316,11 +321,15 @@ class BacklogIndex:
 
         def transform(head: IndexHead) -> IndexHead:
             segments = head.segments
-            if head.end < last:
-                if head.end >= first:  # part of it is there already (our own earlier write)
-                    raise StorageError(f"{self._path}: segment {segment.path} overlaps the index")
-                segments = (*segments, segment)
             through = max(head.dequeued_through, dequeued_through)
+            if head.end < last:
+                # Index and manifest must stay contiguous: never a gap, never a half overlap.
+                if head.end >= first or first > max(head.end, through) + 1:
+                    raise MillpondError(
+                        f"{self._path}: segment {first}..{last} does not follow the index "
+                        f"(it ends at {head.end}, dequeued through {through})"
+                    )
+                segments = (*segments, segment)
             return IndexHead(
                 epoch=self._epoch,
                 dequeued_through=through,

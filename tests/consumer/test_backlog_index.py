@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from consumer_support import FAST_RETRY, MANIFEST, PREFIX, QueueWriter, open_target
 
+from millpond.common.retry import RetryPolicy
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer._metrics import QueueSampler
 from millpond.consumer.status import queue_status
-from millpond.errors import FencedError
+from millpond.errors import FencedError, StorageError
 from millpond.queue import read_manifest
 from millpond.queue.claim import internal_path
 from millpond.queue.index import BacklogIndex, head_path, read_indexed
@@ -187,3 +188,47 @@ def test_a_stale_index_writer_cannot_write_after_a_claim(store: ObjectStore) -> 
     last.initialize()
     assert _segments(store) == []
     last.close()
+
+
+class _ManifestWritesFail(ForwardingStore):
+    """Manifest writes after the index head was written fail (the store is down for them)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.armed = True
+        self.head_written = False
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        self.head_written |= path == head_path(PREFIX)
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        if path == MANIFEST and self.head_written and self.armed:
+            raise StorageError(f"{path}: injected: the store is down")
+        self.head_written |= path == head_path(PREFIX)
+        return self.inner.put_if_match(path, data, etag)
+
+
+def test_a_move_whose_manifest_write_failed_is_finished_on_the_next_ack(
+    store: ObjectStore,
+) -> None:
+    writer = QueueWriter(store)
+    _fill(writer, 0, 10)
+    failing = _ManifestWritesFail(store)
+    consumer = _consumer(
+        failing,
+        backlog_index=True,
+        backlog_index_threshold=5,
+        retry=RetryPolicy(max_attempts=2, base_delay=0.001, max_delay=0.002),
+    )
+    consumer.initialize()  # the move's manifest write fails: a warning, not an error
+    assert _queued(store) == list(range(10))
+    assert _indexed(store) == list(range(10))
+    failing.armed = False
+    batch = consumer.next_batch()
+    assert batch is not None
+    consumer.ack(batch.sequence)
+    assert _queued(store) == []  # finished
+    assert _drain(consumer) == _expected(1, 9)
+    consumer.close()
+    assert _indexed(store) == []
