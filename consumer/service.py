@@ -567,7 +567,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="column holding each Arrow row's batch sequence ('' for none)",
     )
     parser.add_argument("--progress-table", default="millpond_progress")
-    parser.add_argument("--ack-batch-size", type=int, default=100, help="acks per dequeue")
+    parser.add_argument(
+        "--ack-batch-size",
+        type=int,
+        default=100,
+        help="fewest acks per dequeue (with a backlog, also 10%% of what is queued behind)",
+    )
+    parser.add_argument(
+        "--backlog-index",
+        action="store_true",
+        help="move a long backlog out of the manifest into the consumer's own index, so "
+        "appends stay cheap; only with millpond's GC (an RFC peer's GC would delete indexed "
+        "batch objects)",
+    )
+    parser.add_argument(
+        "--backlog-index-threshold",
+        type=int,
+        default=10_000,
+        help="manifest entries that trigger a move into the backlog index (default 10000)",
+    )
     parser.add_argument("--read-ahead", type=int, default=4, help="batch objects fetched ahead")
     parser.add_argument(
         "--max-group",
@@ -639,6 +657,8 @@ def run(args: argparse.Namespace) -> int:
         manifest_path=args.manifest_path,
         data_path_prefix=args.data_prefix,
         ack_batch_size=args.ack_batch_size,
+        backlog_index=args.backlog_index,
+        backlog_index_threshold=args.backlog_index_threshold,
         read_ahead=args.read_ahead,
         gc_enabled=args.gc,
         gc_interval=args.gc_interval,

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from consumer_support import MANIFEST, Database, QueueWriter, numbered, open_target
 
+from millpond.formats.manifest import Manifest
 from millpond.queue import read_manifest
+from millpond.queue.index import queue_view, read_indexed
 from millpond.storage.store import ObjectStore
 from tests.invariants import assert_exactly_once
 
@@ -128,8 +130,12 @@ def _check_exactly_once(database: Database, total_rows: int, batches: int) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backlog_index", [False, True], ids=["manifest", "backlog-index"])
 def test_exactly_once_through_repeated_sigkills(
-    shared_store_target: Any, database: Database, services: Callable[..., Service]
+    shared_store_target: Any,
+    database: Database,
+    services: Callable[..., Service],
+    backlog_index: bool,
 ) -> None:
     """50,000 numbered rows; the service is SIGKILLed at random points at least 10 times.
 
@@ -150,7 +156,10 @@ def test_exactly_once_through_repeated_sigkills(
             time.sleep(0.1)
         produced.set()
 
-    options = ("--ack-batch-size", "3", "--max-group", "2", "--read-ahead", "2")
+    options: tuple[str, ...] = ("--ack-batch-size", "3", "--max-group", "2", "--read-ahead", "2")
+    if backlog_index:
+        # Every life moves what piled up into its index: kills land between every step.
+        options += ("--backlog-index", "--backlog-index-threshold", "3")
     producer = threading.Thread(target=produce)
     producer.start()
     kills = 0
@@ -172,7 +181,7 @@ def test_exactly_once_through_repeated_sigkills(
             if before < after < total:
                 cut_short += 1
             # Killed after a commit but before its dequeue: the next life must skip ahead.
-            queued = read_manifest(store, MANIFEST).manifest.first_sequence
+            queued = _queue(store).first_sequence
             recorded = database.query(f'SELECT max(sequence) FROM "{database.progress}"')[0][0]
             if queued is not None and recorded is not None and queued <= recorded:
                 committed_not_dequeued += 1
@@ -188,7 +197,16 @@ def test_exactly_once_through_repeated_sigkills(
     assert service.stop() == 0, service.stderr
     _check_exactly_once(database, total, BATCHES)
     # The final service flushed its acks on SIGTERM: nothing is left in the queue.
-    assert read_manifest(store, MANIFEST).manifest.entries == ()
+    assert _queue(store).entries == ()
+    # Lives did move entries into the index (and only with the option).
+    assert (read_indexed(store, "ingest")[0] is not None) == backlog_index
+
+
+def _queue(store: ObjectStore) -> Manifest:
+    """The queue as its consumer sees it: the backlog index's entries, then the manifest's."""
+    manifest = read_manifest(store, MANIFEST).manifest
+    head, indexed = read_indexed(store, "ingest")
+    return queue_view(manifest, head, indexed)
 
 
 @pytest.mark.slow
