@@ -220,9 +220,10 @@ def queue_view(
         return manifest
     rest = [e for e in manifest.entries if e.sequence > head.end]
     entries = (*indexed, *rest)
-    footer = Footer(
-        entry_count=len(entries), next_sequence=manifest.next_sequence, epoch=manifest.epoch
-    )
+    # A reader that read the manifest before a move of entries appended since sees them in
+    # the index only: the queue then reaches past the manifest it read.
+    next_sequence = max(manifest.next_sequence, entries[-1].sequence + 1 if entries else 0)
+    footer = Footer(entry_count=len(entries), next_sequence=next_sequence, epoch=manifest.epoch)
     return Manifest(footer=footer, entries=entries)
 
 

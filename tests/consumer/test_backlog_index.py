@@ -12,9 +12,17 @@ from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer._metrics import QueueSampler
 from millpond.consumer.status import queue_status
 from millpond.errors import FencedError, StorageError
+from millpond.formats.manifest import Footer, Manifest, ManifestEntry
 from millpond.queue import read_manifest
 from millpond.queue.claim import internal_path
-from millpond.queue.index import BacklogIndex, head_path, read_indexed
+from millpond.queue.index import (
+    BacklogIndex,
+    IndexHead,
+    Segment,
+    head_path,
+    queue_view,
+    read_indexed,
+)
 from millpond.storage.store import ForwardingStore, ObjectStore
 
 
@@ -232,3 +240,28 @@ def test_a_move_whose_manifest_write_failed_is_finished_on_the_next_ack(
     assert _drain(consumer) == _expected(1, 9)
     consumer.close()
     assert _indexed(store) == []
+
+
+def test_queue_view_takes_each_sequence_once_and_reaches_past_an_older_manifest() -> None:
+    def entry(sequence: int) -> ManifestEntry:
+        return ManifestEntry(sequence, f"{PREFIX}/{sequence}.batch")
+
+    def manifest(first: int, next_sequence: int) -> Manifest:
+        entries = tuple(entry(s) for s in range(first, next_sequence))
+        return Manifest(Footer(len(entries), next_sequence, 4), entries)
+
+    segment = Segment("s", 3, 9)
+    # A move that crashed before its manifest write: 3..9 in both.
+    view = queue_view(
+        manifest(3, 12), IndexHead(4, 2, (segment,)), [entry(s) for s in range(3, 10)]
+    )
+    assert [e.sequence for e in view.entries] == list(range(3, 12))
+    assert (view.first_sequence, view.next_sequence) == (3, 12)
+    # The manifest was read before the consumer moved 8..9 (appended after it was read).
+    view = queue_view(manifest(3, 8), IndexHead(4, 2, (segment,)), [entry(s) for s in range(3, 10)])
+    assert [e.sequence for e in view.entries] == list(range(3, 10))
+    assert view.next_sequence == 10
+    # Drained through 5: only what is past it.
+    head = IndexHead(4, 5, (segment,))
+    view = queue_view(manifest(10, 12), head, [entry(s) for s in range(6, 10)])
+    assert [e.sequence for e in view.entries] == list(range(6, 12))
