@@ -225,6 +225,7 @@ def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict
                 data_path_prefix="ingest",
                 gc_enabled=False,
                 backlog_index=True,
+                backlog_index_interval=3600.0,  # its mover thread stays out of the timings
             )
         )
         consumer.initialize()
@@ -273,6 +274,7 @@ def _indexed_appends(direct: Any, measured: Any, raw: bytes, n: int) -> dict[str
         data_path_prefix="ingest",
         gc_enabled=False,
         backlog_index=True,
+        backlog_index_interval=3600.0,  # its mover thread stays out of the timings
     )
     consumer = Consumer(config)
     move = _timed(consumer.initialize)

@@ -55,6 +55,9 @@ class ConsumerConfig:
     backlog_index_threshold: int = 10_000
     """Entries in the manifest (as the consumer last read it) that trigger a move into the
     backlog index. Default 10,000 (about 820 KB of manifest)."""
+    backlog_index_interval: float = 5.0
+    """Seconds between two looks at the manifest (a conditional GET) by the thread that moves
+    the backlog into the index while nothing is delivered (the sink is down). Default 5."""
     read_ahead: int = 4
     """Batch objects fetched and decoded concurrently ahead of delivery (1..256); batches are
     still delivered strictly in sequence order. Default 4."""
@@ -84,6 +87,7 @@ class ConsumerConfig:
                 "backlog_index", f"expected True or False, found {self.backlog_index!r}"
             )
         _check_int("backlog_index_threshold", self.backlog_index_threshold, 1, 1 << 32)
+        check_duration("backlog_index_interval", self.backlog_index_interval, allow_zero=False)
         if (
             isinstance(self.dequeue_fraction, bool)
             or not isinstance(self.dequeue_fraction, int | float)

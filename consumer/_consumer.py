@@ -133,6 +133,7 @@ class Consumer:
         self._fenced: FencedError | None = None
         self._index: BacklogIndex | None = None
         self._unfinished_move = False  # moved into the index, not yet out of the manifest
+        self._mover_stop = threading.Event()
 
     # -- properties ------------------------------------------------------------------------
 
@@ -269,6 +270,8 @@ class Consumer:
                     latency=self.gc_latency,
                 )
                 self._gc.start()
+            if self._config.backlog_index:
+                self._start_mover()
             logger.info(
                 "consumer at epoch %s starts after sequence %s (%s entries queued)",
                 self._queue.epoch,
@@ -705,7 +708,32 @@ class Consumer:
         self._initialized = False
         self._fenced = None
 
+    def _start_mover(self) -> None:
+        """A thread that keeps moving the backlog into the index while nothing is delivered
+        (the sink is down, the service retrying one write): that is when the backlog grows."""
+        stop = threading.Event()
+        self._mover_stop = stop
+        threading.Thread(
+            target=self._move_periodically, args=(stop,), name="millpond-backlog-index", daemon=True
+        ).start()
+
+    def _move_periodically(self, stop: threading.Event) -> None:
+        while not stop.wait(self._config.backlog_index_interval):
+            with self._lock:
+                # Each thread has its own event: one of an earlier initialize() never runs on.
+                if stop.is_set() or self._closed or self._fenced is not None:
+                    return
+                try:
+                    self._refresh()  # only new entries are cached; a 304 when nothing changed
+                    self._maybe_move()
+                except FencedError:
+                    return
+                except MillpondError as err:
+                    logger.warning("backlog index: reading the manifest failed: %s", err)
+
     def _shutdown(self) -> None:
+        # Not joined: it may be waiting for the lock this runs under; it sees its event set.
+        self._mover_stop.set()
         if self._gc is not None:
             self._gc.stop()
             self._gc = None

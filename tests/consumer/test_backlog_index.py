@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -191,6 +192,7 @@ def test_a_stale_index_writer_cannot_write_after_a_claim(store: ObjectStore) -> 
     assert len(_segments(store)) == 2
     assert _drain(new) == _expected(0, 9)
     new.close()
+    old.close()  # fenced: closes without a dequeue
     # The next consumer deletes the segment no head names.
     last = _consumer(store)
     last.initialize()
@@ -265,3 +267,27 @@ def test_queue_view_takes_each_sequence_once_and_reaches_past_an_older_manifest(
     head = IndexHead(4, 5, (segment,))
     view = queue_view(manifest(10, 12), head, [entry(s) for s in range(6, 10)])
     assert [e.sequence for e in view.entries] == list(range(6, 12))
+
+
+def test_the_backlog_moves_while_nothing_is_delivered(store: ObjectStore) -> None:
+    """The sink is down: the service retries one write and asks for nothing; the backlog that
+    piles up meanwhile still leaves the manifest."""
+    writer = QueueWriter(store)
+    consumer = _consumer(
+        store, backlog_index=True, backlog_index_threshold=5, backlog_index_interval=0.05
+    )
+    consumer.initialize()
+    first = consumer.next_batch()
+    assert first is None
+    _fill(writer, 0, 12)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_queued(store)) >= 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Below the threshold what is left stays; what is moved is the oldest, in order.
+        assert len(_queued(store)) < 5
+        assert _indexed(store) + _queued(store) == list(range(12))
+        assert _drain(consumer) == _expected(0, 11)
+    finally:
+        consumer.close()
+    assert _indexed(store) == []
