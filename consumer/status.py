@@ -1,7 +1,8 @@
 """``millpond status STORE_URL``: how far behind is the consumer, at a glance.
 
 Queue length, the oldest entry's age (from its ULID), the epoch, and the consumer lag (now
-minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog.
+minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog,
+and one of the consumer's backlog index head (with its segments when it holds entries).
 ``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
 points at) from one listing of the data prefix. Then what the consumer service last reported
 (:mod:`millpond.consumer._report`, one GET): its state, rows/s, lag, the last error, and a
@@ -68,8 +69,9 @@ def queue_status(
     data_path_prefix: str = "ingest",
     consumed_through: int | None = None,
 ) -> QueueStatus:
-    """Measure a queue: one GET of the manifest, plus one listing of the data prefix (a
-    request per 1000 objects) with ``measure_bytes``.
+    """Measure a queue: one GET of the manifest and one of the backlog index head (with its
+    segments when it holds entries), plus one listing of the data prefix (a request per 1000
+    objects) with ``measure_bytes``.
 
     ``consumed_through`` is the last sequence the sink recorded, when known: entries up to it
     are in the database already (acknowledged, not yet dequeued) and count neither as

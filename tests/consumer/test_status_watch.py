@@ -35,16 +35,17 @@ def _queue(tmp_path: Path, entries: int) -> tuple[str, QueueWriter]:
     return url, writer
 
 
-def test_the_default_reads_the_manifest_only_and_bytes_cost_one_listing(tmp_path: Path) -> None:
+def test_the_default_reads_the_manifest_and_index_head_and_bytes_cost_one_listing(tmp_path: Path) -> None:
     url, _writer = _queue(tmp_path, 40)
     store = RecordingStore(open_store(url))
     cheap = queue_status(store, MANIFEST)
     assert cheap.queue_length == 40
     assert cheap.bytes_referenced is None
-    assert store.calls == {f"get:{MANIFEST}": 1}  # one request, whatever the backlog
+    # The manifest and the backlog index head (none here): two requests, whatever the backlog.
+    assert store.calls == {f"get:{MANIFEST}": 1, "get": 1}
     store.calls.clear()
     measured = queue_status(store, MANIFEST, measure_bytes=True)
-    assert store.calls == {f"get:{MANIFEST}": 1, "list": 1}  # no HEAD per entry
+    assert store.calls == {f"get:{MANIFEST}": 1, "get": 1, "list": 1}  # no HEAD per entry
     plain = open_store(url)
     sizes = {e.location: plain.head(e.location).size for e in _entries(url)}
     assert measured.bytes_referenced == sum(sizes.values())
