@@ -35,7 +35,7 @@ def _queue(tmp_path: Path, entries: int) -> tuple[str, QueueWriter]:
     return url, writer
 
 
-def test_the_default_reads_the_manifest_and_index_head_and_bytes_cost_one_listing(tmp_path: Path) -> None:
+def test_the_default_reads_manifest_and_index_head_bytes_cost_one_listing(tmp_path: Path) -> None:
     url, _writer = _queue(tmp_path, 40)
     store = RecordingStore(open_store(url))
     cheap = queue_status(store, MANIFEST)
