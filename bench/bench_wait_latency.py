@@ -29,15 +29,22 @@ Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,11 @@ QUICK_SECONDS = 6.0
 WARMUP = 3.0
 START_TIMEOUT = 300.0
 PERCENTILES = (50, 90, 99, 100)
+COORDINATED = "coordinator"
+"""The policy name of runs whose producers append through a ``millpond coordinator``."""
+COORDINATED_RETRY = "default"
+"""The retry policy those producers use for their direct appends (fallback)."""
+COORDINATOR_P99_LIMIT = 3.0
 
 
 class _Warnings(logging.Handler):
@@ -88,16 +100,23 @@ def _worker(
     policy_name: str,
     barrier: Any,
     out: Any,
+    coordinator: str | None = None,
 ) -> None:
     try:
-        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier))
+        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier, coordinator))
     except BaseException as err:
         out.put({"error": f"{type(err).__name__}: {err}"})
         raise
 
 
 def _produce(
-    url: str, options: dict[str, str], wal_dir: str, seconds: float, policy_name: str, barrier: Any
+    url: str,
+    options: dict[str, str],
+    wal_dir: str,
+    seconds: float,
+    policy_name: str,
+    barrier: Any,
+    coordinator: str | None,
 ) -> dict[str, Any]:
     import resource
 
@@ -106,7 +125,11 @@ def _produce(
     warnings = _Warnings()
     logging.getLogger("millpond").addHandler(warnings)
     config = ProducerConfig(
-        store=url, store_options=options, wal_dir=wal_dir, retry=policy(policy_name)
+        store=url,
+        store_options=options,
+        wal_dir=wal_dir,
+        retry=policy(COORDINATED_RETRY if policy_name == COORDINATED else policy_name),
+        coordinator=coordinator,
     )
     calls = int((WARMUP + seconds) / PERIOD)
     produced = [0.0] * calls
@@ -153,7 +176,14 @@ def _produce(
         if waiter.is_alive():
             raise RuntimeError("handles still not durable 600 s after the last produce()")
     window = window_end - produced[measured_from]
-    keys = ("batches_committed", "manifest_appends", "manifest_reads", "manifest_writes")
+    keys = (
+        "batches_committed",
+        "manifest_appends",
+        "manifest_reads",
+        "manifest_writes",
+        "coordinator_appends",
+        "direct_appends",
+    )
     return {
         "latencies": [durable[i] - produced[i] for i in range(measured_from, calls)],
         "window": window,
@@ -163,6 +193,40 @@ def _produce(
         "gave_up": warnings.gave_up,
         "warning_samples": warnings.samples,
     }
+
+
+@contextlib.contextmanager
+def start_coordinator(url: str, options: dict[str, str]) -> Iterator[str]:
+    """A ``millpond coordinator`` process for the queue at ``url``; yields its URL."""
+    command = [sys.executable, "-m", "millpond.cli", "--log-level", "WARNING", "coordinator"]
+    command += [url, "--port", "0", "--create"]
+    for key, value in options.items():
+        command += ["--store-option", f"{key}={value}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if " on http://" not in line:
+            raise RuntimeError(f"coordinator did not start: {line!r}")
+        yield line.rsplit(" on ", 1)[1].strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _coordinator_stats(coordinator: str | None) -> dict[str, Any] | None:
+    if coordinator is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"{coordinator}/v1/health", timeout=5) as response:
+            stats: dict[str, Any] = json.loads(response.read())
+            return stats
+    except OSError:
+        return None
 
 
 def _percentile(values: list[float], pct: float) -> float:
@@ -178,6 +242,28 @@ def _run(
     url = endpoint.url_for(root)
     barrier = ctx.Barrier(n)
     out = ctx.Queue()
+    with contextlib.ExitStack() as stack:
+        coordinator = None
+        if policy_name == COORDINATED:
+            coordinator = stack.enter_context(start_coordinator(url, endpoint.store_options()))
+        row = _measure(ctx, endpoint, workdir, n, seconds, policy_name, url, root, coordinator)
+        row["coordinator_stats"] = _coordinator_stats(coordinator)
+        return row
+
+
+def _measure(
+    ctx: Any,
+    endpoint: Any,
+    workdir: Path,
+    n: int,
+    seconds: float,
+    policy_name: str,
+    url: str,
+    root: str,
+    coordinator: str | None,
+) -> dict[str, Any]:
+    barrier = ctx.Barrier(n)
+    out = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker,
@@ -189,6 +275,7 @@ def _run(
                 policy_name,
                 barrier,
                 out,
+                coordinator,
             ),
             name=f"bench-producer-{i}",
         )
@@ -213,6 +300,7 @@ def _run(
             (delta["manifest_reads"] + delta["manifest_writes"]) / appends, 2
         ),
         "conflicts_per_append": round(delta["cas_conflicts"] / appends, 2),
+        "through_coordinator": round(delta["coordinator_appends"] / appends, 3),
         "gave_up_warnings": sum(o["gave_up"] for o in outs),
         "warnings": sum(o["warnings"] for o in outs),
         "warning_samples": [s for o in outs for s in o["warning_samples"]][:3],
@@ -231,10 +319,9 @@ def run(quick: bool) -> dict[str, Any]:
         counts = tuple(int(v) for v in os.environ["MILLPOND_BENCH_COUNTS"].split(","))
     if os.environ.get("MILLPOND_BENCH_SECONDS"):
         seconds = float(os.environ["MILLPOND_BENCH_SECONDS"])
-    policies = (
-        tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p)
-        or available_policies()
-    )
+    policies = tuple(
+        p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p
+    ) or (*available_policies(), COORDINATED)
     delay = latency_ms(DEFAULT_LATENCY_MS)
     ctx = mp.get_context("spawn")
     workdir = Path(tempfile.mkdtemp(prefix="millpond-bench-wait-"))

@@ -44,7 +44,7 @@ from millpond.producer._publisher import fail_fatal, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
-from millpond.queue import QueueProducer
+from millpond.queue.cas import Appender
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
@@ -65,7 +65,7 @@ class Committer:
         wal: Wal,
         config: ProducerConfig,
         store: ObjectStore,
-        queue: QueueProducer,
+        queue: Appender,
         session: QueueSession,
         clock: Clock,
     ) -> None:

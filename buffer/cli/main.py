@@ -37,6 +37,10 @@ _COMMANDS = {
     ),
     "consume": ("millpond.consumer.service", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),
+    "coordinator": (
+        "millpond.cli.coordinator",
+        "append many producers' batches in one compare-and-swap per round (optional service)",
+    ),
 }
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -58,6 +62,7 @@ examples:
   millpond inspect az://my-container/queue --output json
   millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse
   millpond gc gs://my-bucket/queue --interval 300
+  millpond coordinator s3://my-bucket/queue --port 7411
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer
 consumer. `millpond COMMAND --help` describes each command."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
@@ -48,9 +49,22 @@ from millpond.formats.manifest import (
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 
-__all__ = ["ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
+__all__ = ["Appender", "ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
 
 logger = logging.getLogger(__name__)
+
+
+class Appender(Protocol):
+    """What appends to a queue: :class:`QueueProducer`, or a producer's coordinated appender
+    (``millpond.producer.coordinator``), which keeps the same contract."""
+
+    @property
+    def counters(self) -> Counters: ...
+
+    @property
+    def seen_next_sequence(self) -> int: ...
+
+    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +160,33 @@ class QueueProducer:
         self._cached: _Raw | None = None
         # Decides whether an append waits its turn first and how a lost race waits.
         self._pacer = self._cas.retry.pacer(self._cas.clock)
+        self._seen_next = 0
 
     @property
     def counters(self) -> Counters:
         return self._cas.counters
 
-    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]:
+    @property
+    def path(self) -> str:
+        """The manifest's path."""
+        return self._cas.path
+
+    @property
+    def seen_next_sequence(self) -> int:
+        """The highest ``next_sequence`` this writer has read or written (0 before any).
+
+        ``next_sequence`` never goes back, so whatever this writer appends from now on lands
+        at or after it: a lower bound a caller can hand to the landed-check later.
+        """
+        return self._seen_next
+
+    def append(
+        self,
+        entries: Sequence[PendingEntry],
+        *,
+        maybe_landed_from: int | None = None,
+        deadline: float | None = None,
+    ) -> tuple[int, ...]:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
         Returns only when every entry is provably in the queue (in the manifest, or already
@@ -161,6 +196,15 @@ class QueueProducer:
         request of ours) only the rest is appended — so the sequences are contiguous except in
         that case. A group that may have landed and been dequeued whole is appended again under
         the same locations, which the sink recognises.
+
+        Args:
+            entries: the group, in order.
+            maybe_landed_from: an earlier attempt to append this very group (by this writer, or
+                a coordinator acting for it) may have landed at or after this sequence and can
+                no longer land later: look for it first, and append only what is missing.
+            deadline: a time on the queue's clock after which no write is sent (what is known
+                is then raised, as when the retry budget runs out). A coordinator promises its
+                clients this way that it never writes their entries after they stopped waiting.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -186,8 +230,8 @@ class QueueProducer:
         backoff = self._pacer.start(cached=current is not None)
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
-        # Lowest sequence an attempt of ours could have landed at; set once a write may have.
-        maybe_landed_from: int | None = None
+        # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
+        # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
             try:
                 if current is None or maybe_landed_from is not None:
@@ -196,6 +240,9 @@ class QueueProducer:
                     except StorageError as err:
                         cas.backoff(backoff, "manifest read", err)
                         continue
+                    if current is not None:
+                        footer = decode_footer(current.data, name=cas.path)
+                        self._seen_next = max(self._seen_next, footer.next_sequence)
                     if maybe_landed_from is not None and current is not None:
                         todo = self._settle_landed(
                             current, entries, todo, result, maybe_landed_from
@@ -206,6 +253,8 @@ class QueueProducer:
                             return tuple(_filled(result))
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
+                if deadline is not None and cas.clock.monotonic() >= deadline:
+                    raise StorageError(f"{cas.path}: append deadline passed before the write")
                 try:
                     etag = cas.write(current, data)
                 except (ConflictError, CommitStateUnknownError) as err:
@@ -231,6 +280,7 @@ class QueueProducer:
             for index, sequence in zip(todo, sequences, strict=True):
                 result[index] = sequence
             self._cached = _Raw(data, etag) if etag is not None else None
+            self._seen_next = max(self._seen_next, sequences.stop)
             self._pacer.won(backoff)
             return tuple(_filled(result))
 
@@ -249,6 +299,7 @@ class QueueProducer:
             from_sequence=from_sequence,
             name=self._cas.path,
         )
+
         if landing.status is LandingStatus.UNKNOWN:
             logger.warning(
                 "append to %s: none of %s entries is in the manifest, but entries from sequence "

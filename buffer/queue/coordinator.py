@@ -1,0 +1,489 @@
+"""The append coordinator: many writers' entries in one compare-and-swap per round.
+
+At 50 ms a request the manifest takes about 15-20 compare-and-swaps a second, whoever writes
+them, and a writer that just won keeps its ETag and wins again while the others need a read
+and a write to get in (issue 11). The RFC's alternative is a small stateless service that
+writers send their entries to and that appends them for everybody, one CAS per round on its
+cached ETag: :class:`AppendCoordinator` is that service's core (``millpond coordinator`` serves
+it over HTTP, :mod:`millpond.queue.coordinator_http`; producers and the Spark driver reach it
+through ``millpond.producer.coordinator``).
+
+No new durability promise. The coordinator keeps nothing on disk: a writer waits for the
+reply, and a writer that gets none looks in the manifest itself (the landed-check of
+:mod:`millpond.queue.landed`) before appending the *same* locations directly. What makes that
+safe is one promise per request, kept on the coordinator's own clock: **no write containing a
+request's entries is sent later than ``budget`` seconds after the request arrived.** A writer
+that waited longer than that (plus a grace for the request's transit) knows that only a write
+already in flight can still land, and a write in flight carries the ETag it was read at, so it
+lands only if the manifest has not changed since — before the writer's own look, which then
+finds it. A request that never got into a round is answered ``refused``: nothing of it was or
+will be written, and the writer appends it directly at once.
+
+Fencing. Rounds carry the footer's epoch forward unchanged (``append_entries``), like any
+producer. A writer on its cached ETag wins every race against one that must read first, so
+back-to-back rounds would starve the consumer's dequeue and epoch bump (a read, then a write):
+after ``yield_every`` back-to-back rounds the coordinator waits ``yield_slots`` store requests'
+time, long enough for a read and a write of someone else to land.
+
+Several coordinators may serve one queue: they contend like producers do, each with its own
+clients' entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import parse_batch_name
+from millpond.errors import (
+    CommitStateUnknownError,
+    FormatError,
+    InvalidInputError,
+    MillpondError,
+    StorageError,
+)
+from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
+from millpond.queue.cas import QueueProducer
+from millpond.storage.store import ObjectStore
+
+__all__ = [
+    "APPENDED",
+    "DEFAULT_BUDGET",
+    "REFUSED",
+    "UNKNOWN",
+    "AppendCoordinator",
+    "Outcome",
+    "decode_entries",
+    "encode_entries",
+]
+
+logger = logging.getLogger(__name__)
+
+APPENDED = "appended"
+"""Every entry is in the queue; ``Outcome.sequences`` says where."""
+UNKNOWN = "unknown"
+"""Some entries may have landed: ``sequences`` holds what is known, ``maybe_landed_from`` where
+the rest may be. No write containing them is sent after the reply."""
+REFUSED = "refused"
+"""Nothing of the request was written, and nothing of it will be."""
+
+DEFAULT_BUDGET = 2.0
+"""Seconds after a request arrives during which the coordinator may send writes containing it."""
+_MIN_BUDGET = 0.05  # a request with less time left is refused rather than tried
+_REMEMBER = 120.0  # seconds an answered request's outcome is kept for an outcome query
+_MAX_ROUND_ENTRIES = 10_000
+_MAX_PENDING_ENTRIES = 200_000
+_SLOT_SMOOTHING = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one request."""
+
+    status: str
+    """:data:`APPENDED`, :data:`UNKNOWN` or :data:`REFUSED`."""
+    sequences: tuple[int | None, ...] = ()
+    """Per entry, its sequence when known to be in the queue."""
+    next_sequence: int | None = None
+    """The manifest's ``next_sequence`` after the round (a lower bound for later appends)."""
+    maybe_landed_from: int | None = None
+    """With :data:`UNKNOWN`: the lowest sequence an attempt could have landed at."""
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Outcome:
+        """Parse a reply.
+
+        Raises:
+            FormatError: not an outcome.
+        """
+        try:
+            record = json.loads(data)
+            status = record["status"]
+            if status not in (APPENDED, UNKNOWN, REFUSED):
+                raise ValueError(f"status {status!r}")
+            sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
+            return cls(
+                status=status,
+                sequences=sequences,
+                next_sequence=_opt_int(record.get("next_sequence")),
+                maybe_landed_from=_opt_int(record.get("maybe_landed_from")),
+                reason=str(record.get("reason", "")),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def encode_entries(entries: Sequence[PendingEntry]) -> bytes:
+    """A request body: the entries in the RFC manifest encoding (validated on both ends).
+
+    Raises:
+        InvalidInputError: an entry does not fit the wire format.
+    """
+    data, _ = append_entries(empty_manifest(), entries)
+    return data
+
+
+def decode_entries(data: bytes) -> list[PendingEntry]:
+    """The entries of a request body.
+
+    Raises:
+        FormatError: not a manifest encoding.
+    """
+    manifest = decode_manifest(data, name="coordinator request")
+    return [PendingEntry(e.location, e.metadata) for e in manifest.entries]
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One request, from arrival to its outcome."""
+
+    request_id: str
+    entries: list[PendingEntry]
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Outcome | None = None
+    started: bool = False
+    settled_at: float = 0.0
+
+
+class AppendCoordinator:
+    """Appends its clients' entries to one queue manifest, one CAS per round.
+
+    Thread-safe: :meth:`submit` and :meth:`outcome` are called from request threads, the
+    rounds run on one thread (``millpond-coordinator``) started by :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str = "ingest/manifest",
+        *,
+        data_path_prefix: str = "ingest",
+        queue: str = "",
+        retry: RetryPolicy | None = None,
+        clock: Clock | None = None,
+        yield_every: int = 3,
+        yield_slots: float = 1.5,
+        max_round_entries: int = _MAX_ROUND_ENTRIES,
+        max_pending_entries: int = _MAX_PENDING_ENTRIES,
+    ) -> None:
+        """Set up; nothing is read or written until the first round.
+
+        Args:
+            store: the queue's store.
+            manifest_path: the queue manifest.
+            data_path_prefix: where the queue's batch objects live; entries elsewhere are
+                refused.
+            queue: this queue's identity (:func:`~millpond.queue.claim.queue_identity`);
+                requests naming another queue are refused.
+            retry: backoff of a round's compare-and-swap (default: 2 s, then the round gives
+                up; a round never outlives its requests' budget anyway).
+            clock: time source.
+            yield_every: back-to-back rounds after which the coordinator leaves the manifest
+                alone for ``yield_slots`` store requests' time (fencing and dequeues get in).
+            yield_slots: see ``yield_every``.
+            max_round_entries: entries in one round at most; the rest wait for the next.
+            max_pending_entries: entries waiting at most; requests beyond are refused.
+
+        Raises:
+            ConfigError: a bad retry policy.
+        """
+        self.queue = queue
+        self.manifest_path = manifest_path
+        self._prefix = data_path_prefix.strip("/")
+        self._clock: Clock = clock or SystemClock()
+        policy = retry or RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET)
+        self._policy = policy
+        self.counters = Counters(
+            "requests",
+            "rounds",
+            "entries_appended",
+            "refused",
+            "unknown",
+            "yields",
+            "manifest_reads",
+            "manifest_writes",
+            "cas_conflicts",
+            "cas_retries",
+            "fence_checks",
+        )
+        self._queue = QueueProducer(
+            store, manifest_path, retry=policy, clock=self._clock, counters=self.counters
+        )
+        self._yield_every = yield_every
+        self._yield_slots = yield_slots
+        self._max_round = max_round_entries
+        self._max_pending = max_pending_entries
+        self._lock = threading.Condition()
+        self._pending: deque[_Ticket] = deque()
+        self._pending_entries = 0
+        self._tickets: dict[str, _Ticket] = {}
+        self._stopping = False
+        self.dead: BaseException | None = None
+        """Set when the round thread died of something unexpected: nothing more is written."""
+        self._thread: threading.Thread | None = None
+        self.slot = 0.05
+        """Seconds one store request takes, as measured on uncontended rounds."""
+        self._back_to_back = 0
+        self._last_round_end = float("-inf")
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, entries: list[PendingEntry], budget: float = DEFAULT_BUDGET
+    ) -> _Ticket:
+        """Queue a request for the next round; the ticket's ``done`` is set with its outcome.
+
+        A request id seen before returns the earlier ticket (a request is never appended twice
+        under one id).
+
+        Raises:
+            InvalidInputError: no entries, duplicate locations, or a location outside the
+                data prefix (nothing is queued).
+        """
+        if not entries:
+            raise InvalidInputError("entries: expected at least one entry, found none")
+        if len({e.location for e in entries}) != len(entries):
+            raise InvalidInputError("entries: expected distinct locations, found duplicates")
+        for entry in entries:
+            parent, _, name = entry.location.rpartition("/")
+            if parent != self._prefix or parse_batch_name(name) is None:
+                raise InvalidInputError(
+                    f"entries: expected {self._prefix}/{{ULID}}.batch locations, found "
+                    f"{entry.location!r}"
+                )
+        now = self._clock.monotonic()
+        with self._lock:
+            self._forget(now)
+            known = self._tickets.get(request_id)
+            if known is not None:
+                return known
+            ticket = _Ticket(request_id, entries, now + min(budget, DEFAULT_BUDGET * 30))
+            self._tickets[request_id] = ticket
+            self.counters.add("requests")
+            if self._stopping or self.dead is not None:
+                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            elif self._pending_entries + len(entries) > self._max_pending:
+                self._settle(
+                    ticket,
+                    Outcome(REFUSED, reason=f"{self._pending_entries} entries already waiting"),
+                )
+            else:
+                self._pending.append(ticket)
+                self._pending_entries += len(entries)
+                self._lock.notify_all()
+            return ticket
+
+    def outcome(self, request_id: str, wait: float) -> Outcome | None:
+        """The outcome of a request, for a client whose reply was lost.
+
+        A request still waiting for its round is withdrawn (``refused``); one inside a round is
+        waited for up to ``wait`` seconds (``None`` if still running); an id never seen is
+        remembered as refused, so the request, should it still arrive, is never appended.
+        """
+        now = self._clock.monotonic()
+        with self._lock:
+            ticket = self._tickets.get(request_id)
+            if ticket is None:
+                ticket = _Ticket(request_id, [], now)
+                self._tickets[request_id] = ticket
+                self._settle(ticket, Outcome(REFUSED, reason="request never arrived"))
+            elif not ticket.started and ticket.outcome is None:
+                self._pending.remove(ticket)
+                self._pending_entries -= len(ticket.entries)
+                self._settle(ticket, Outcome(REFUSED, reason="withdrawn before its round"))
+        ticket.done.wait(wait)
+        return ticket.outcome
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            waiting = self._pending_entries
+        return {
+            **self.counters.snapshot(),
+            "waiting_entries": waiting,
+            "slot_ms": round(self.slot * 1000, 1),
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="millpond-coordinator", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse what has not started, finish the round under way, stop."""
+        with self._lock:
+            self._stopping = True
+            while self._pending:
+                ticket = self._pending.popleft()
+                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            self._pending_entries = 0
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- rounds ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                round_ = self._next_round()
+                if round_ is None:
+                    return
+                self._append(round_)
+        except BaseException as err:
+            # A crash: the requests of the round get no reply (their clients look in the
+            # manifest themselves); every later request is refused.
+            with self._lock:
+                self.dead = err
+                self._lock.notify_all()
+            if not isinstance(err, Exception):
+                raise
+            logger.exception("coordinator of %s stopped", self.manifest_path)
+
+    def _next_round(self) -> list[_Ticket] | None:
+        with self._lock:
+            while not self._pending:
+                if self._stopping:
+                    return None
+                self._lock.wait()
+        self._pace()
+        now = self._clock.monotonic()
+        with self._lock:
+            round_: list[_Ticket] = []
+            size = 0
+            while self._pending and (not round_ or size + len(self._pending[0].entries) <= (
+                self._max_round
+            )):
+                ticket = self._pending.popleft()
+                self._pending_entries -= len(ticket.entries)
+                if ticket.deadline - now < _MIN_BUDGET:
+                    self._settle(ticket, Outcome(REFUSED, reason="its budget ran out waiting"))
+                    continue
+                ticket.started = True
+                round_.append(ticket)
+                size += len(ticket.entries)
+            return round_
+
+    def _pace(self) -> None:
+        """After ``yield_every`` back-to-back rounds, leave the manifest alone for a while."""
+        gap = self._yield_slots * self.slot
+        idle = self._clock.monotonic() - self._last_round_end
+        if idle >= gap:
+            self._back_to_back = 0
+            return
+        if self._back_to_back < self._yield_every:
+            return
+        self._back_to_back = 0
+        self.counters.add("yields")
+        self._clock.sleep(gap - idle)
+
+    def _append(self, round_: list[_Ticket]) -> None:
+        if not round_:
+            return
+        entries = [entry for ticket in round_ for entry in ticket.entries]
+        deadline = min(ticket.deadline for ticket in round_)
+        before = self.counters.snapshot()
+        started = self._clock.monotonic()
+        outcomes: list[Outcome]
+        try:
+            sequences: tuple[int | None, ...] = self._queue.append(entries, deadline=deadline)
+            self._measure(started, before)
+            next_sequence = self._queue.seen_next_sequence
+            outcomes = [
+                Outcome(APPENDED, seqs, next_sequence)
+                for seqs in _slices(sequences, round_)
+            ]
+            self.counters.add("entries_appended", len(entries))
+        except CommitStateUnknownError as err:
+            known = err.sequences or (None,) * len(entries)
+            logger.warning(
+                "round of %s entries from %s requests may or may not have landed: %s",
+                len(entries),
+                len(round_),
+                err,
+            )
+            outcomes = [
+                Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
+                if all(s is not None for s in seqs)
+                else Outcome(UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err))
+                for seqs in _slices(known, round_)
+            ]
+        except StorageError as err:
+            # No write of the round can have landed: the clients append directly.
+            logger.warning("round of %s entries refused: %s", len(entries), err)
+            outcomes = [Outcome(REFUSED, reason=str(err)) for _ in round_]
+        except MillpondError as err:
+            logger.error("round of %s entries failed: %s", len(entries), err)
+            outcomes = [
+                Outcome(UNKNOWN, (None,) * len(t.entries), reason=str(err)) for t in round_
+            ]
+        self.counters.add("rounds")
+        self._back_to_back += 1
+        self._last_round_end = self._clock.monotonic()
+        with self._lock:
+            for ticket, outcome in zip(round_, outcomes, strict=True):
+                self._settle(ticket, outcome)
+
+    def _measure(self, started: float, before: dict[str, int]) -> None:
+        after = self.counters.snapshot()
+        requests = sum(
+            after.get(k, 0) - before.get(k, 0) for k in ("manifest_reads", "manifest_writes")
+        )
+        if requests == 1:  # an uncontended round on the cached ETag: one request
+            sample = self._clock.monotonic() - started
+            if sample > 0:
+                self.slot += _SLOT_SMOOTHING * (sample - self.slot)
+
+    def _settle(self, ticket: _Ticket, outcome: Outcome) -> None:
+        """Record the outcome (holding the lock)."""
+        ticket.outcome = outcome
+        ticket.settled_at = self._clock.monotonic()
+        if outcome.status == REFUSED:
+            self.counters.add("refused")
+        elif outcome.status == UNKNOWN:
+            self.counters.add("unknown")
+        ticket.done.set()
+
+    def _forget(self, now: float) -> None:
+        """Drop outcomes older than ``_REMEMBER`` (holding the lock)."""
+        if len(self._tickets) < 1024:
+            return
+        stale = [
+            rid
+            for rid, t in self._tickets.items()
+            if t.outcome is not None and now - t.settled_at > _REMEMBER
+        ]
+        for rid in stale:
+            del self._tickets[rid]
+
+
+def _slices(
+    sequences: Sequence[int | None], round_: list[_Ticket]
+) -> list[tuple[int | None, ...]]:
+    out: list[tuple[int | None, ...]] = []
+    begin = 0
+    for ticket in round_:
+        out.append(tuple(sequences[begin : begin + len(ticket.entries)]))
+        begin += len(ticket.entries)
+    return out
+
