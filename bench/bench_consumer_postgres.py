@@ -20,6 +20,11 @@ The consumer writes the batches its read-ahead has already fetched in one transa
 batch still with its own progress row), so with a backlog it commits once per few batches.
 Rounds alternate baseline and consumer; the ratio is median consumer rows/s over median
 single-commit baseline rows/s.
+
+Fencing costs: every ``next_batch()`` and ``ack()`` checks the epoch with one conditional GET
+of the manifest's 22-byte footer. The consumer's store is wrapped to time those requests;
+``fence`` reports how many there were, their share of the run, and the rows/s the run would
+have reached without them (rows over the run's time less theirs).
 """
 
 from __future__ import annotations
@@ -94,12 +99,36 @@ def _enqueue(store: Any, locations: list[str]) -> None:
         )
 
 
+def _fence_timer(store: Any) -> Any:
+    """``store``, timing its footer reads (the consumer's fencing checks)."""
+    from millpond.storage.store import ForwardingStore, GetResult
+
+    class FenceTimer(ForwardingStore):
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner)
+            self.checks = 0
+            self.seconds = 0.0
+            self._lock = threading.Lock()
+
+        def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+            start = time.perf_counter()
+            try:
+                return self.inner.get_tail(path, length, etag)
+            finally:
+                with self._lock:
+                    self.checks += 1
+                    self.seconds += time.perf_counter() - start
+
+    return FenceTimer(store)
+
+
 def _run_consumer(store: Any, pg_url: str, expected_rows: int) -> dict[str, Any]:
     """The service loop of ``millpond consume``, until the queue is drained."""
     from millpond.consumer import Consumer, ConsumerConfig
     from millpond.consumer.service import ConsumerService
     from millpond.consumer.sinks import PostgresSink
 
+    store = _fence_timer(store)
     suffix = uuid.uuid4().hex[:8]
     sink = PostgresSink(
         pg_url,
@@ -119,6 +148,9 @@ def _run_consumer(store: Any, pg_url: str, expected_rows: int) -> dict[str, Any]
         "rows_per_s": round(expected_rows / sw.seconds),
         "batches_per_s": round(stats.batches / sw.seconds, 1),
         "seconds": round(sw.seconds, 3),
+        "fence_checks": store.checks,
+        "fence_seconds": round(store.seconds, 3),
+        "rows_per_s_without_fencing": round(expected_rows / max(sw.seconds - store.seconds, 1e-9)),
     }
 
 
@@ -175,12 +207,20 @@ def run(quick: bool) -> dict[str, Any]:
     single_rate = statistics.median(r["rows_per_s"] for r in single_commit_runs)
     ratio = consumer_rate / single_rate
     rounds_x = list(range(1, rounds + 1))
+    fence_share = statistics.median(r["fence_seconds"] / r["seconds"] for r in consumer_runs)
+    unfenced_rate = statistics.median(r["rows_per_s_without_fencing"] for r in consumer_runs)
     return make_result(
         NAME,
         ratio=ratio,
         target=TARGET,
         figures={
             "consumer_rows_per_s": consumer_rate,
+            "fence": {
+                "checks_per_run": statistics.median(r["fence_checks"] for r in consumer_runs),
+                "share_of_run": round(fence_share, 4),
+                "rows_per_s_without_fencing": unfenced_rate,
+                "rows_per_s_cost": round(unfenced_rate - consumer_rate),
+            },
             "batches": batches,
             "rows_per_batch": rows,
             "rounds": consumer_runs,
@@ -209,7 +249,8 @@ def run(quick: bool) -> dict[str, Any]:
         ],
         headline=(
             f"{consumer_rate:,.0f} rows/s vs adbc_ingest {single_rate:,.0f} rows/s "
-            f"({batches} batches x {rows} rows)"
+            f"({batches} batches x {rows} rows); fencing checks {fence_share:.1%} of the run "
+            f"(~{unfenced_rate - consumer_rate:,.0f} rows/s)"
         ),
         notes=(
             "baseline: adbc_ingest of the decoded tables with one commit; "

@@ -16,9 +16,32 @@ long-running service is ``millpond consume`` (:mod:`millpond.consumer.service`).
 
 from __future__ import annotations
 
-from millpond.consumer._batch import ConsumedBatch
-from millpond.consumer._config import ConsumerConfig
-from millpond.consumer._consumer import Backlog, Consumer
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from millpond.formats.manifest import Metadata
 
+if TYPE_CHECKING:
+    from millpond.consumer._batch import ConsumedBatch
+    from millpond.consumer._config import ConsumerConfig
+    from millpond.consumer._consumer import Backlog, Consumer
+
 __all__ = ["Backlog", "ConsumedBatch", "Consumer", "ConsumerConfig", "Metadata"]
+
+# Imported on first use: the commands that only look at a queue (``millpond status``) must
+# not pay for pyarrow, which ``ConsumedBatch`` brings (half a second on a busy machine).
+_LAZY = {
+    "Backlog": "millpond.consumer._consumer",
+    "Consumer": "millpond.consumer._consumer",
+    "ConsumedBatch": "millpond.consumer._batch",
+    "ConsumerConfig": "millpond.consumer._config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -12,7 +12,7 @@ import logging
 import threading
 
 from millpond.common.clock import Clock
-from millpond.common.metrics import Counters
+from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ConfigError, MillpondError
 from millpond.formats.manifest import Manifest
 from millpond.queue.gc_rules import collect_once
@@ -40,6 +40,8 @@ class BackgroundCollector:
         grace_period: float,
         clock: Clock,
         epoch: int,
+        counters: Counters | None = None,
+        latency: LatencySummary | None = None,
     ) -> None:
         self._store = store
         self._manifest_path = manifest_path
@@ -49,7 +51,11 @@ class BackgroundCollector:
         self._clock = clock
         self._epoch = epoch
         self._stop = threading.Event()
-        self.counters = Counters("gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors")
+        self.counters = counters or Counters(
+            "gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors"
+        )
+        self.latency = latency or LatencySummary()
+        """Seconds per completed pass."""
         self._thread = threading.Thread(
             target=self._run, name=f"millpond-consumer-gc-{epoch}", daemon=True
         )
@@ -76,14 +82,15 @@ class BackgroundCollector:
         # would otherwise never collect.
         while not self._stop.is_set():
             try:
-                report = collect_once(
-                    self._store,
-                    manifest_path=self._manifest_path,
-                    data_path_prefix=self._prefix,
-                    clock=self._clock,
-                    grace_period=self._grace,
-                    check_manifest=self._check_epoch,
-                )
+                with self.latency.time():
+                    report = collect_once(
+                        self._store,
+                        manifest_path=self._manifest_path,
+                        data_path_prefix=self._prefix,
+                        clock=self._clock,
+                        grace_period=self._grace,
+                        check_manifest=self._check_epoch,
+                    )
             except _EpochMovedError as moved:
                 logger.info(
                     "gc: manifest epoch is %s, this consumer held %s; GC stops",

@@ -11,10 +11,12 @@ has been delivered, with a conditional GET (an unchanged manifest costs a 304). 
 ``read_ahead`` batch objects are fetched and decoded on a thread pool while batches are handed
 out strictly in sequence order.
 
-Fencing. Every ``next_batch()`` and every ``ack()`` first checks that the manifest still
-carries this consumer's epoch: a conditional GET of its 22-byte footer, a 304 when nothing
-changed. Once a newer consumer's ``initialize()`` has returned, this one delivers and acks
-nothing more: its next call raises ``FencedError``.
+Fencing. Every ``next_batch()``/``next_batches()`` and every ``ack()``/``ack_through()``
+first checks that the manifest still carries this consumer's epoch: a conditional GET of its
+22-byte footer, a 304 when nothing changed. Once a newer consumer's ``initialize()`` has
+returned, this one delivers and acks nothing more: its next call raises ``FencedError``. A
+caller that takes several fetched batches at once, and acks them at once, pays one check for
+each.
 
 Bad entries. An entry whose location is not ``{data_path_prefix}/{ULID}.batch``, whose object
 is missing, or whose bytes are corrupt raises an error naming the sequence and location. The
@@ -34,7 +36,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.metrics import Counters
+from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import parse_batch_name
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
@@ -91,8 +93,17 @@ class Consumer:
         self.counters = Counters(
             "batches", "entries", "bytes", "acks", "dequeues", "manifest_refreshes"
         )
+        self.fetch_latency = LatencySummary()
+        """Seconds to read and decode one batch object."""
+        # Kept across initialize() calls, which start a new collector each.
+        self.gc_counters = Counters("gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors")
+        self.gc_latency = LatencySummary()
         self._queue = QueueConsumer(
-            self._store, config.manifest_path, retry=config.retry, clock=self._clock
+            self._store,
+            config.manifest_path,
+            retry=config.retry,
+            clock=self._clock,
+            counters=self.counters,  # manifest reads, writes and conflicts count here too
         )
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
@@ -225,6 +236,8 @@ class Consumer:
                     grace_period=self._config.gc_grace_period,
                     clock=self._clock,
                     epoch=epoch,
+                    counters=self.gc_counters,
+                    latency=self.gc_latency,
                 )
                 self._gc.start()
             logger.info(
@@ -245,6 +258,20 @@ class Consumer:
             StorageError: the store failed; the same entry is tried again on the next call.
             ClosedError: the consumer was closed.
         """
+        batches = self.next_batches(1)
+        return batches[0] if batches else None
+
+    def next_batches(self, limit: int) -> list[ConsumedBatch]:
+        """The next batch, and up to ``limit - 1`` more that the read-ahead has already
+        fetched, in sequence order; ``[]`` when the queue holds nothing new.
+
+        One fencing check covers them all: a caller with a backlog (the consumer service
+        writing several batches in one transaction) pays one conditional GET per group.
+
+        Raises:
+            FormatError, NotFoundError, FencedError, StorageError, ClosedError: as
+                :meth:`next_batch`.
+        """
         with self._lock:
             self._check_ready()
             if not self._cache and not self._inflight:
@@ -252,20 +279,25 @@ class Consumer:
             else:
                 self._guard(self._queue.check_fence)
             self._top_up()
-            if not self._inflight:
-                return None
-            entry, future = self._inflight[0]
-            try:
-                batch = future.result()
-            except MillpondError:
-                self._rewind()
-                raise
-            self._inflight.popleft()
-            self._next = entry.sequence + 1
-            self.counters.add("batches")
-            self.counters.add("entries", len(batch.entries))
-            self._top_up()
-            return batch
+            batches: list[ConsumedBatch] = []
+            while self._inflight and len(batches) < max(1, limit):
+                entry, future = self._inflight[0]
+                if batches and not _ready(future):
+                    break
+                try:
+                    batch = future.result()
+                except MillpondError:
+                    if batches:
+                        break  # the ones before it are delivered; it fails on the next call
+                    self._rewind()
+                    raise
+                self._inflight.popleft()
+                self._next = entry.sequence + 1
+                self.counters.add("batches")
+                self.counters.add("entries", len(batch.entries))
+                self._top_up()
+                batches.append(batch)
+            return batches
 
     def has_ready_batch(self) -> bool:
         """Whether :meth:`next_batch` would return a batch at once, without any IO.
@@ -301,16 +333,33 @@ class Consumer:
                 raise InvalidInputError(
                     f"sequence: expected {expected} (acks are in order), found {sequence!r}"
                 )
-            if sequence >= self._next:
+            self._ack_through_locked(sequence)
+
+    def ack_through(self, sequence: int) -> None:
+        """Confirm every delivered batch up to ``sequence`` (one fencing check for them all).
+
+        Raises:
+            InvalidInputError: ``sequence`` is not past the last acked, or was not delivered.
+            FencedError, StorageError, ClosedError: as :meth:`ack`.
+        """
+        with self._lock:
+            self._check_ready()
+            if isinstance(sequence, bool) or sequence <= self._acked:
                 raise InvalidInputError(
-                    f"sequence: expected a delivered sequence (below {self._next}), "
-                    f"found {sequence}"
+                    f"sequence: expected more than the last acked {self._acked}, found {sequence!r}"
                 )
-            self._guard(self._queue.check_fence)
-            self._acked = sequence
-            self.counters.add("acks")
-            if self._acked - self._dequeued >= self._config.ack_batch_size:
-                self._dequeue()
+            self._ack_through_locked(sequence)
+
+    def _ack_through_locked(self, sequence: int) -> None:
+        if sequence >= self._next:
+            raise InvalidInputError(
+                f"sequence: expected a delivered sequence (below {self._next}), found {sequence}"
+            )
+        self._guard(self._queue.check_fence)
+        self.counters.add("acks", sequence - self._acked)
+        self._acked = sequence
+        if self._acked - self._dequeued >= self._config.ack_batch_size:
+            self._dequeue()
 
     def flush(self) -> None:
         """Dequeue every acknowledged entry now.
@@ -502,6 +551,10 @@ class Consumer:
         return None
 
     def _fetch(self, entry: ManifestEntry) -> ConsumedBatch:
+        with self.fetch_latency.time():
+            return self._fetch_untimed(entry)
+
+    def _fetch_untimed(self, entry: ManifestEntry) -> ConsumedBatch:
         location = entry.location
         try:
             got = self._store.get(location)
@@ -548,3 +601,8 @@ class Consumer:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def _ready(future: Future[ConsumedBatch]) -> bool:
+    """Whether a fetch finished (successfully or not) without waiting for it."""
+    return future.done() and not future.cancelled()

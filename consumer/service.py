@@ -16,6 +16,15 @@ writes, acks and their dequeues alike — because a batch is only acked after it
 committed and a retried transaction either commits once or finds its sequence already
 recorded. ``--exit-when-idle`` drains the queue and exits,
 for a consumer run as a scheduled job.
+
+Bad batches: by default the service stops on a batch it cannot decode or the database refuses
+for good, naming it, and says how to set it aside (``millpond quarantine``, see
+:mod:`millpond.consumer.quarantine`). ``--on-bad-batch quarantine`` sets such batches aside by
+itself, counting each, and stops after ``--quarantine-limit`` in a row (then the cause is the
+database or the configuration, not the data).
+
+Report: every ``--report-interval`` seconds, and when it stops, the service writes what it is
+doing where ``millpond status`` reads it from any other process (:mod:`millpond.consumer._report`).
 """
 
 from __future__ import annotations
@@ -28,22 +37,53 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from types import FrameType
 from typing import TypeVar
 
-from millpond.cli.common import add_store_arguments, parse_options, require_queue_unless_create
+from millpond.cli.common import (
+    add_store_arguments,
+    parse_options,
+    require_queue_unless_create,
+    serving_metrics,
+)
 from millpond.common.clock import Clock, SystemClock
+from millpond.consumer import _metrics
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer
-from millpond.consumer.sinks import Sink, SinkError, open_sink
-from millpond.errors import ConfigError, FencedError, FormatError, MillpondError, StorageError
+from millpond.consumer._report import ServiceReporter, ServiceState
+from millpond.consumer.quarantine import (
+    default_dead_letter_prefix,
+    quarantine_command,
+    set_aside,
+)
+from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError, open_sink
+from millpond.errors import (
+    ConfigError,
+    FencedError,
+    FormatError,
+    MillpondError,
+    NotFoundError,
+    StorageError,
+)
+from millpond.formats.manifest import ManifestEntry
+from millpond.queue import read_manifest
 
-__all__ = ["ConsumerService", "ServiceStats", "add_arguments", "run"]
+__all__ = ["BadBatchPolicy", "ConsumerService", "ServiceStats", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+class BadBatchPolicy(StrEnum):
+    """What the service does with a batch it cannot decode or the database refuses for good."""
+
+    STOP = "stop"
+    """Stop, naming it (the default): an operator decides (``millpond quarantine``)."""
+    QUARANTINE = "quarantine"
+    """Copy it to the dead-letter prefix, record it quarantined, count it, go on."""
 
 
 @dataclass(slots=True)
@@ -58,6 +98,8 @@ class ServiceStats:
     """Rows written."""
     last_sequence: int | None = None
     """The last sequence acked."""
+    quarantined: int = 0
+    """Batches set aside by ``--on-bad-batch quarantine``."""
 
 
 class ConsumerService:
@@ -75,7 +117,39 @@ class ConsumerService:
         retry_max_delay: float = 30.0,
         progress_interval: float = 10.0,
         clock: Clock | None = None,
+        on_bad_batch: BadBatchPolicy | str = BadBatchPolicy.STOP,
+        dead_letter_prefix: str | None = None,
+        quarantine_limit: int = 10,
+        reporter: ServiceReporter | None = None,
+        ledger: QuarantineLedger | None = None,
     ) -> None:
+        """``ledger`` records quarantines (default ``sink`` itself, when it can: pass it when
+        ``sink`` wraps the database's sink, as the metrics' timing wrapper does).
+
+        Raises:
+        ConfigError: ``on_bad_batch`` is not ``stop`` or ``quarantine``, or ``quarantine``
+            with a sink that cannot record quarantines.
+        """
+        try:
+            self._on_bad_batch = BadBatchPolicy(on_bad_batch)
+        except ValueError:
+            raise ConfigError(
+                "on_bad_batch", f"expected 'stop' or 'quarantine', found {on_bad_batch!r}"
+            ) from None
+        if ledger is None and isinstance(sink, QuarantineLedger):
+            ledger = sink
+        self._ledger = ledger
+        if self._on_bad_batch is BadBatchPolicy.QUARANTINE and ledger is None:
+            raise ConfigError(
+                "on_bad_batch",
+                f"expected a sink that records quarantines (SQLite, PostgreSQL), found {sink!r}",
+            )
+        self._dead_letter = dead_letter_prefix or default_dead_letter_prefix(
+            consumer.config.data_path_prefix
+        )
+        self._quarantine_limit = max(1, quarantine_limit)
+        self._bad_in_a_row = 0
+        self._reporter = reporter
         self._consumer = consumer
         self._sink = sink
         self._poll_min = poll_min
@@ -127,10 +201,17 @@ class ConsumerService:
                 start,
                 consumer.epoch,
             )
+            if self._reporter is not None:
+                self._reporter.start(consumer.epoch)
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
-        except FencedError:
+            # A store that is down when the work is done is waited out like one that fails
+            # mid-run: a clean exit leaves nothing written in the queue.
+            if not stop.is_set():
+                self._with_retry(stop, "dequeue what was written", consumer.flush)
+        except FencedError as err:
             self._close_quietly("fenced")
+            self._finish_report(ServiceState.FENCED, err)
             raise
         except BaseException as err:
             if isinstance(err, MillpondError):
@@ -142,10 +223,19 @@ class ConsumerService:
             # Dequeue what was written and acked, even when stopping on bad data; a failure
             # there must not hide why the service stopped.
             self._close_quietly(type(err).__name__)
+            self._finish_report(ServiceState.STOPPED, err)
             raise
         self._close_quietly(None)
         self._log_progress(final=True)
+        self._finish_report(ServiceState.STOPPED, None)
         return self.stats
+
+    def _finish_report(self, state: ServiceState, err: BaseException | None) -> None:
+        if self._reporter is None:
+            return
+        self._report_progress()
+        error = None if err is None else f"{type(err).__name__}: {err}"
+        self._reporter.finish(state, error)
 
     def _close_quietly(self, stopping_on: str | None) -> None:
         """Close the consumer (its final dequeue); log, never raise, what that hits.
@@ -167,13 +257,24 @@ class ConsumerService:
         idle_delay = self._poll_min
         while not stop.is_set():
             try:
-                batch = consumer.next_batch()
+                # With a backlog, batches the read-ahead already fetched share one transaction
+                # (fewer commits, the same exactly-once guarantee per batch) and one fencing
+                # check.
+                group = consumer.next_batches(self._max_group)
             except StorageError as err:
                 logger.warning("reading the queue failed, retrying in %.2f s: %s", idle_delay, err)
+                if self._reporter is not None:
+                    self._reporter.error(f"reading the queue failed: {err}", retrying=True)
                 stop.wait(idle_delay)
                 idle_delay = min(idle_delay * 2, self._poll_max)
                 continue
-            if batch is None:
+            except (FormatError, NotFoundError) as err:
+                # A batch object that cannot be read (or the manifest: then it raises again).
+                if not self._bad_batch(None, err, stop):
+                    return
+                continue
+            if not group:
+                self._report_progress()
                 if until_idle:
                     return
                 stop.wait(idle_delay)
@@ -181,14 +282,6 @@ class ConsumerService:
                 self._maybe_log_progress()
                 continue
             idle_delay = self._poll_min
-            # With a backlog, batches the read-ahead already fetched share one transaction:
-            # fewer commits, the same exactly-once guarantee per batch.
-            group = [batch]
-            while len(group) < self._max_group and consumer.has_ready_batch():
-                more = consumer.next_batch()
-                if more is None:
-                    break
-                group.append(more)
             if not self._write_and_ack(group, stop):
                 return  # stopped while the database was unavailable; nothing more is acked
             self._maybe_log_progress()
@@ -215,19 +308,24 @@ class ConsumerService:
             else:
                 if results is None:
                     return False
+                if not self._ack(group[-1], stop):
+                    return False
                 for batch, written in zip(group, results, strict=True):
-                    if not self._ack(batch, stop):
-                        return False
                     self._count(batch, written, 0)
                 self._count_rows(self._sink.rows_written - rows_before)
                 return True
         for batch in group:
             rows_before = self._sink.rows_written
-            one = self._with_retry(
-                stop,
-                f"write sequence {batch.sequence}",
-                functools.partial(self._sink.write, batch),
-            )
+            try:
+                one = self._with_retry(
+                    stop,
+                    f"write sequence {batch.sequence}",
+                    functools.partial(self._sink.write, batch),
+                )
+            except (FormatError, SinkError) as err:  # permanent: transient ones are retried
+                if not self._bad_batch(batch, err, stop):
+                    return False
+                continue
             if one is None:
                 return False
             if not self._ack(batch, stop):
@@ -236,16 +334,18 @@ class ConsumerService:
         return True
 
     def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
-        """Ack a written batch, retrying for as long as the store is down; ``False`` when stopped
-        first (the batch is in the sink, so nothing is lost).
+        """Ack a written batch and every delivered one before it (one fencing check), retrying
+        for as long as the store is down; ``False`` when stopped first (the batches are in the
+        sink, so nothing is lost).
 
         An ack that was recorded but whose dequeue failed is not repeated: the next ack (or the
         final ``close()``) dequeues it with the rest.
         """
 
         def ack() -> bool:
-            if self._consumer.acked_sequence != batch.sequence:
-                self._consumer.ack(batch.sequence)
+            acked = self._consumer.acked_sequence
+            if acked is None or acked < batch.sequence:
+                self._consumer.ack_through(batch.sequence)
             return True
 
         return self._with_retry(stop, f"ack sequence {batch.sequence}", ack) is not None
@@ -258,10 +358,134 @@ class ConsumerService:
                 stats.batches += 1
             else:
                 stats.skipped += 1
+        if written:
+            self._bad_in_a_row = 0
+        self._report_progress()
 
     def _count_rows(self, rows: int) -> None:
         self.stats.rows += rows
         self._window.rows += rows
+        self._report_progress()
+
+    # -- bad batches -----------------------------------------------------------------------
+
+    def _bad_batch(
+        self, batch: ConsumedBatch | None, err: MillpondError, stop: threading.Event
+    ) -> bool:
+        """A batch that cannot be written: stop on it (raise ``err``) or set it aside.
+
+        ``batch`` is ``None`` when it could not even be fetched or decoded. ``False`` when
+        stopped meanwhile.
+
+        Raises:
+            MillpondError: ``err`` itself when stopping on it (the default), or when
+                ``quarantine_limit`` batches in a row were set aside; what setting it aside
+                ran into (a missing object, a sink of another queue).
+        """
+        if batch is not None:
+            sequence, location, metadata = batch.sequence, batch.location, batch.metadata
+        else:
+            entry = self._pending_entry()
+            if entry is None:
+                raise err  # not a batch: the manifest itself
+            sequence, location, metadata = entry.sequence, entry.location, entry.metadata
+        why = f"{type(err).__name__}: {err}"
+        if self._reporter is not None:
+            self._reporter.stopped_on(sequence, location, why)
+        if self._on_bad_batch is BadBatchPolicy.STOP:
+            stopped = self._reporter.report.stopped_on if self._reporter is not None else None
+            if stopped is not None:
+                logger.error(
+                    "stopped on sequence %s; to set it aside: %s", sequence, stopped.command
+                )
+            raise err
+        if self._bad_in_a_row >= self._quarantine_limit:
+            raise MillpondError(
+                f"{self._bad_in_a_row} batches in a row were set aside; stopping on sequence "
+                f"{sequence} ({location}) instead: that many look like a problem of the "
+                f"database or the configuration, not of the data. {why}"
+            ) from err
+        sink = self._ledger
+        assert sink is not None  # checked in __init__
+        consumer = self._consumer
+        outcome = self._with_retry(
+            stop,
+            f"set aside sequence {sequence}",
+            functools.partial(
+                set_aside,
+                consumer.store,
+                sink,
+                queue=consumer.queue,
+                sequence=sequence,
+                location=location,
+                metadata=metadata,
+                reason=f"--on-bad-batch quarantine: {why}",
+                dead_letter_prefix=self._dead_letter,
+                clock=self._clock,
+            ),
+        )
+        if outcome is None:
+            return False
+        self._bad_in_a_row += 1
+        for stats in (self.stats, self._window):
+            stats.quarantined += 1
+            stats.last_sequence = sequence
+        logger.warning(
+            "set aside sequence %s (%s), %s this run: %s",
+            sequence,
+            location,
+            self.stats.quarantined,
+            why,
+        )
+        if batch is not None:
+            if not self._ack(batch, stop):
+                return False
+        else:
+            # Never delivered: the consumer would fetch it again. Resume after it, as a
+            # restarted service does (the sink's last sequence now covers it).
+            def move_past() -> bool:
+                consumer.initialize(last_acked_sequence=sequence)
+                return True
+
+            if self._with_retry(stop, f"move past sequence {sequence}", move_past) is None:
+                return False
+        if self._reporter is not None:
+            self._reporter.moved_past(consumer.epoch)
+        self._report_progress()
+        return True
+
+    def _pending_entry(self) -> ManifestEntry | None:
+        """The entry ``next_batch()`` failed on, or ``None`` when the manifest cannot be read.
+
+        The loop acks every batch it was handed before asking for the next, so the failing
+        one is the first entry after the last ack.
+        """
+        consumer = self._consumer
+        try:
+            manifest = read_manifest(consumer.store, consumer.config.manifest_path).manifest
+        except MillpondError:
+            return None
+        acked = consumer.acked_sequence
+        return next((e for e in manifest.entries if acked is None or e.sequence > acked), None)
+
+    def _report_progress(self) -> None:
+        if self._reporter is None:
+            return
+        backlog = self._consumer.backlog()
+        lag = (
+            max(0.0, (self._clock.now_ms() - backlog.oldest_ingestion_ms) / 1000)
+            if backlog.oldest_ingestion_ms is not None
+            else 0.0
+        )
+        stats = self.stats
+        self._reporter.progress(
+            rows=stats.rows,
+            batches=stats.batches,
+            skipped=stats.skipped,
+            quarantined=stats.quarantined,
+            last_sequence=stats.last_sequence,
+            lag_seconds=round(lag, 3),
+        )
 
     def _with_retry(self, stop: threading.Event, what: str, call: Callable[[], _T]) -> _T | None:
         delay = self._retry_initial
@@ -272,11 +496,17 @@ class ConsumerService:
                 if not err.transient:
                     raise
                 logger.warning("could not %s, retrying in %.1f s: %s", what, delay, err)
+                self._note_retry(what, err)
             except StorageError as err:
                 logger.warning("could not %s, retrying in %.1f s: %s", what, delay, err)
+                self._note_retry(what, err)
             if stop.wait(delay):
                 return None
             delay = min(delay * 2, self._retry_max)
+
+    def _note_retry(self, what: str, err: MillpondError) -> None:
+        if self._reporter is not None:
+            self._reporter.error(f"could not {what} (retrying): {err}", retrying=True)
 
     def _maybe_log_progress(self) -> None:
         if self._clock.monotonic() - self._window_start >= self._progress_interval:
@@ -363,6 +593,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gc-grace-period", type=float, default=600.0, help="seconds (default 600)"
     )
+    _metrics.add_arguments(parser)
+    parser.add_argument(
+        "--on-bad-batch",
+        choices=("stop", "quarantine"),
+        default="stop",
+        help="a batch that cannot be decoded or that the database refuses for good: stop on "
+        "it (default) or set it aside in the dead-letter prefix, counting each",
+    )
+    parser.add_argument(
+        "--dead-letter-prefix",
+        default=None,
+        help="where set-aside batches are copied (default {data-prefix}-dead-letter)",
+    )
+    parser.add_argument(
+        "--quarantine-limit",
+        type=int,
+        default=10,
+        help="with --on-bad-batch quarantine, stop after this many in a row (default 10)",
+    )
+    parser.add_argument(
+        "--report-interval",
+        type=float,
+        default=5.0,
+        help="seconds between reports for millpond status (default 5; 0: at start and stop)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -387,6 +642,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.poll_interval <= 0:
         raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")
+    if args.report_interval < 0:
+        raise ConfigError("report-interval", f"expected >= 0 seconds, found {args.report_interval}")
     stop = threading.Event()
     with (
         _stop_on_signals(stop),
@@ -400,14 +657,46 @@ def run(args: argparse.Namespace) -> int:
     ):
         require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
+        description = sink.description
+
+        def command(sequence: int) -> str:
+            return quarantine_command(
+                consumer.store.url,
+                sequence,
+                sink=description,
+                table=args.table,
+                progress_table=args.progress_table,
+                manifest_path=args.manifest_path,
+                data_prefix=args.data_prefix,
+                dead_letter_prefix=args.dead_letter_prefix,
+            )
+
+        reporter = ServiceReporter(
+            consumer.store,
+            data_path_prefix=config.data_path_prefix,
+            queue=consumer.queue,
+            interval=args.report_interval,
+            quarantine_command=command,
+        )
+        timed = _metrics.TimedSink(sink)
+        metrics = _metrics.ConsumerMetrics(consumer, timed, interval=args.metrics_interval)
         service = ConsumerService(
             consumer,
-            sink,
+            timed,
             poll_max=args.poll_interval,
             max_group=args.max_group,
             progress_interval=args.progress_interval,
+            on_bad_batch=args.on_bad_batch,
+            dead_letter_prefix=args.dead_letter_prefix,
+            quarantine_limit=args.quarantine_limit,
+            reporter=reporter,
+            ledger=sink,
         )
-        service.run(stop, until_idle=args.exit_when_idle)
+        with (
+            serving_metrics(args, [metrics.collector()]) as server,
+            metrics.sampling(enabled=server is not None),
+        ):
+            service.run(stop, until_idle=args.exit_when_idle)
     return 0
 
 

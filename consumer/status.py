@@ -1,28 +1,34 @@
 """``millpond status STORE_URL``: how far behind is the consumer, at a glance.
 
-Queue length, bytes referenced (the sum of the sizes of the batch objects the manifest points
-at, one HEAD each on a bounded pool), the oldest entry's age (from its ULID), the epoch, and
-the consumer lag (now minus the ingestion time of the oldest entry). Reads the manifest without
-fencing; changes nothing.
+Queue length, the oldest entry's age (from its ULID), the epoch, and the consumer lag (now
+minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog.
+``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
+points at) from one listing of the data prefix. Then what the consumer service last reported
+(:mod:`millpond.consumer._report`, one GET): its state, rows/s, lag, the last error, and a
+batch it is stopped on with the command that sets it aside. ``--watch`` refreshes in place
+(:mod:`millpond.consumer._watch`). Reads without fencing; changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
+from millpond.consumer._report import status_section
+from millpond.consumer._sink_progress import ProgressReader, SinkProgress
+from millpond.consumer._watch import watch
+from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
-from millpond.formats.manifest import ManifestEntry
 from millpond.queue import read_manifest
+from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
 
-__all__ = ["QueueStatus", "add_arguments", "queue_status", "run"]
-
-_HEAD_CONCURRENCY = 16
+__all__ = ["QueueStatus", "add_arguments", "queue_status", "run", "status_record"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +51,9 @@ class QueueStatus:
     oldest_entry_age_seconds: float | None
     """Now minus the ULID time of the oldest entry."""
     consumer_lag_seconds: float | None
-    """Now minus the earliest ingestion time of the oldest entry; 0 with an empty queue."""
+    """Now minus the earliest ingestion time of the oldest unconsumed entry; 0 when none."""
+    unconsumed_entries: int = 0
+    """Entries past ``consumed_through`` (every entry when that is not known)."""
 
 
 def queue_status(
@@ -53,10 +61,16 @@ def queue_status(
     manifest_path: str = "ingest/manifest",
     *,
     clock: Clock | None = None,
-    measure_bytes: bool = True,
-    concurrency: int = _HEAD_CONCURRENCY,
+    measure_bytes: bool = False,
+    data_path_prefix: str = "ingest",
+    consumed_through: int | None = None,
 ) -> QueueStatus:
-    """Measure a queue.
+    """Measure a queue: one GET of the manifest, plus one listing of the data prefix (a
+    request per 1000 objects) with ``measure_bytes``.
+
+    ``consumed_through`` is the last sequence the sink recorded, when known: entries up to it
+    are in the database already (acknowledged, not yet dequeued) and count neither as
+    unconsumed nor for the lag.
 
     Raises:
         NotFoundError: no manifest at ``manifest_path``.
@@ -70,20 +84,16 @@ def queue_status(
     oldest = entries[0] if entries else None
     total: int | None = None
     missing = 0
-    if measure_bytes and entries:
-        sizes = _sizes(store, entries, concurrency)
-        missing = sum(1 for size in sizes if size is None)
-        total = sum(size for size in sizes if size is not None)
-    elif measure_bytes:
-        total = 0
+    if measure_bytes:
+        total, missing = referenced_bytes(
+            store, (entry.location for entry in entries), data_path_prefix=data_path_prefix
+        )
     age: float | None = None
-    lag: float | None = 0.0
     if oldest is not None:
         ulid = parse_batch_name(oldest.location.rpartition("/")[2])
         if ulid is not None:
             age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
-        times = [item.ingestion_time_ms for item in oldest.metadata]
-        lag = max(0.0, (now_ms - min(times)) / 1000) if times else age
+    waiting = waiting_after(manifest, consumed_through)
     return QueueStatus(
         manifest_path=manifest_path,
         epoch=manifest.epoch,
@@ -95,59 +105,158 @@ def queue_status(
         missing_objects=missing,
         oldest_location=oldest.location if oldest else None,
         oldest_entry_age_seconds=age,
-        consumer_lag_seconds=lag,
+        consumer_lag_seconds=waiting.lag_seconds(now_ms),
+        unconsumed_entries=waiting.length,
     )
-
-
-def _sizes(store: ObjectStore, entries: tuple[ManifestEntry, ...], limit: int) -> list[int | None]:
-    # A location appended twice is one object: HEAD it once.
-    locations = list(dict.fromkeys(entry.location for entry in entries))
-
-    def size(location: str) -> int | None:
-        try:
-            return store.head(location).size
-        except NotFoundError:
-            return None
-
-    with ThreadPoolExecutor(
-        max(1, min(limit, len(locations))), thread_name_prefix="millpond-head"
-    ) as pool:
-        return list(pool.map(size, locations))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument(
-        "--no-bytes",
+        "--bytes",
         action="store_true",
-        help="skip the HEAD of every referenced object (bytes referenced is then unknown)",
+        help="also sum the sizes of the referenced batch objects (one listing of the data "
+        "prefix: a request per 1000 objects)",
     )
+    # The default no longer measures bytes; kept so existing scripts do not break.
+    parser.add_argument("--no-bytes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--watch",
+        type=_interval,
+        nargs="?",
+        const=2.0,
+        metavar="S",
+        help="refresh every S seconds (default 2) until Ctrl-C, with append and dequeue "
+        "rates (rows/s with --sink) and the last error",
+    )
+    parser.add_argument(
+        "--sink",
+        metavar="URL",
+        help="also read the consumer's progress from its database (read-only): rows and "
+        "batches written, the last sequence, the last commit; lag and length then count "
+        "only what it has not written",
+    )
+    parser.add_argument("--table", default="millpond_rows", help="the sink's target table")
+    parser.add_argument("--progress-table", default="millpond_progress")
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.05 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0.05, found {text!r}")
+    return value
+
+
+def status_record(
+    status: QueueStatus, progress: SinkProgress | None = None, *, now_ms: int | None = None
+) -> dict[str, Any]:
+    """The JSON record of ``status --output json``: the status's fields, the sink's progress
+    (``sink``, with ``--sink``), and under ``metrics`` the same figures under the names the
+    consumer exports them."""
+    record: dict[str, Any] = asdict(status)
+    record["metrics"] = {
+        "millpond_queue_length": status.unconsumed_entries,
+        "millpond_queue_bytes": status.bytes_referenced,
+        "millpond_consumer_lag_seconds": status.consumer_lag_seconds,
+        "millpond_consumer_epoch": status.epoch,
+    }
+    if progress is not None:
+        now = now_ms if now_ms is not None else SystemClock().now_ms()
+        at = progress.last_commit_ms
+        record["sink"] = {
+            "rows": progress.rows,
+            "batches": progress.batches,
+            "last_sequence": progress.last_sequence,
+            "last_commit_age_seconds": None if at is None else max(0.0, (now - at) / 1000),
+        }
+        record["metrics"] |= {
+            "millpond_consumer_rows_total": progress.rows,
+            "millpond_consumer_batches_total": progress.batches,
+            "millpond_consumer_last_sequence": _or(progress.last_sequence, -1),
+        }
+    return record
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def run(args: argparse.Namespace) -> int:
     store = open_store_from_args(args)
     require_queue(store, args.manifest_path)
-    status = queue_status(store, args.manifest_path, measure_bytes=not args.no_bytes)
+    measure = args.bytes and not args.no_bytes
+    reader = None
+    if args.sink:
+        reader = ProgressReader(args.sink, table=args.table, progress_table=args.progress_table)
 
+    service_lines: list[str] = []
+
+    def look() -> dict[str, Any]:
+        progress = None
+        if reader is not None:
+            try:
+                progress = reader.read()
+            except NotFoundError:  # nothing consumed into it yet
+                progress = SinkProgress(rows=0, batches=0, last_sequence=None, last_commit_ms=None)
+        status = queue_status(
+            store,
+            args.manifest_path,
+            measure_bytes=measure,
+            data_path_prefix=args.data_prefix,
+            consumed_through=None if progress is None else progress.last_sequence,
+        )
+        record = status_record(status, progress)
+        # The consumer service's own report: rows/s, its lag, the last error, a batch it
+        # stops on.
+        nonlocal service_lines
+        service_lines, record["consumer"] = status_section(
+            store, args.data_prefix, now_ms=SystemClock().now_ms(), epoch=status.epoch
+        )
+        return record
+
+    def render(record: Mapping[str, Any]) -> list[str]:
+        lines = _text(store.url, record)
+        sink = record.get("sink")
+        if sink is not None:
+            age = sink["last_commit_age_seconds"]
+            lines.append(
+                f"sink             {redact(args.sink)}: {sink['rows']:,} rows in "
+                f"{sink['batches']:,} batches, last sequence "
+                f"{'-' if sink['last_sequence'] is None else sink['last_sequence']}, "
+                f"last commit {'-' if age is None else f'{age:.1f} s ago'}; "
+                f"{record['unconsumed_entries']} entries not yet written"
+            )
+        return lines + service_lines
+
+    if args.watch is not None:
+        return watch(args, look, render)
+    record = look()
+    emit(args, record, render(record))
+    return 0
+
+
+def _text(url: str, record: Mapping[str, Any]) -> list[str]:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f} s"
 
-    referenced = "-" if status.bytes_referenced is None else _human(status.bytes_referenced)
-    if status.missing_objects:
-        referenced += f" ({status.missing_objects} referenced objects MISSING)"
-    text = [
-        f"queue            {store.url}/{status.manifest_path}",
-        f"epoch            {status.epoch}",
-        f"queue length     {status.queue_length} entries "
-        f"(sequences {status.first_sequence if status.first_sequence is not None else '-'}"
-        f"..{status.next_sequence - 1})",
+    nbytes = record["bytes_referenced"]
+    referenced = "- (--bytes measures it)" if nbytes is None else _human(nbytes)
+    if record["missing_objects"]:
+        referenced += f" ({record['missing_objects']} referenced objects MISSING)"
+    first = record["first_sequence"]
+    return [
+        f"queue            {url}/{record['manifest_path']}",
+        f"epoch            {record['epoch']}",
+        f"queue length     {record['queue_length']} entries "
+        f"(sequences {first if first is not None else '-'}..{record['next_sequence'] - 1})",
         f"bytes referenced {referenced}",
-        f"oldest entry     {status.oldest_location or '-'} "
-        f"({seconds(status.oldest_entry_age_seconds)} old)",
-        f"consumer lag     {seconds(status.consumer_lag_seconds)}",
+        f"oldest entry     {record['oldest_location'] or '-'} "
+        f"({seconds(record['oldest_entry_age_seconds'])} old)",
+        f"consumer lag     {seconds(record['consumer_lag_seconds'])}",
     ]
-    emit(args, asdict(status), text)
-    return 0
 
 
 def _human(size: int) -> str:

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.metrics import Counters
+from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ClosedError, ConfigError, MillpondError
 from millpond.queue.gc_rules import GcReport, collect_once
 from millpond.storage.store import ObjectStore, open_store
@@ -91,6 +91,8 @@ class GarbageCollector:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.counters = Counters("passes", "deleted", "failed_deletes", "errors")
+        self.latency = LatencySummary()
+        """Seconds per completed pass."""
         self.last_report: GcReport | None = None
 
     @property
@@ -116,14 +118,15 @@ class GarbageCollector:
         """
         config = self._config
         try:
-            report = collect_once(
-                self._store,
-                manifest_path=config.manifest_path,
-                data_path_prefix=config.data_path_prefix,
-                clock=self._clock,
-                grace_period=config.gc_grace_period,
-                dry_run=config.dry_run,
-            )
+            with self.latency.time():
+                report = collect_once(
+                    self._store,
+                    manifest_path=config.manifest_path,
+                    data_path_prefix=config.data_path_prefix,
+                    clock=self._clock,
+                    grace_period=config.gc_grace_period,
+                    dry_run=config.dry_run,
+                )
         except MillpondError:
             self.counters.add("errors")
             raise

@@ -11,9 +11,18 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
-from millpond.cli.common import add_store_arguments, emit, parse_options, require_queue
+from millpond.cli.common import (
+    add_metrics_arguments,
+    add_store_arguments,
+    emit,
+    parse_options,
+    require_queue,
+    serving_metrics,
+)
+from millpond.common.exposition import MetricsCollector, Sample
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
 from millpond.queue.gc_rules import GcReport
 
@@ -38,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--list-deleted", action="store_true", help="print every deleted path (text output)"
     )
+    add_metrics_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     def report(result: GcReport) -> None:
         _print(args, result)
 
+    with serving_metrics(args, [metrics_collector(collector)]):
+        return _passes(args, collector, report)
+
+
+def _passes(
+    args: argparse.Namespace, collector: GarbageCollector, report: Callable[[GcReport], None]
+) -> int:
     if args.interval is None:
         report(collector.run_once())
         return 0
@@ -85,3 +102,29 @@ def _print(args: argparse.Namespace, report: GcReport) -> None:
         text.extend(f"  {verb} {path}" for path in report.deleted)
     text.extend(f"  FAILED {f.path}: {f.reason}" for f in report.failures)
     emit(args, report.to_dict(), text)
+
+
+GC_METRICS = (
+    "millpond_gc_passes_total",
+    "millpond_gc_deleted_total",
+    "millpond_gc_failed_total",
+    "millpond_gc_errors_total",
+    "millpond_gc_duration_seconds",
+)
+"""What ``millpond gc --metrics-port`` exports."""
+
+
+def metrics_collector(collector: GarbageCollector) -> MetricsCollector:
+    """The collector's counters and pass times as Prometheus metrics."""
+
+    def samples() -> list[Sample]:
+        counters = collector.counters.snapshot()
+        return [
+            Sample("millpond_gc_passes_total", counters.get("passes", 0)),
+            Sample("millpond_gc_deleted_total", counters.get("deleted", 0)),
+            Sample("millpond_gc_failed_total", counters.get("failed_deletes", 0)),
+            Sample("millpond_gc_errors_total", counters.get("errors", 0)),
+            Sample("millpond_gc_duration_seconds", collector.latency.histogram()),
+        ]
+
+    return MetricsCollector(samples, GC_METRICS)

@@ -8,8 +8,13 @@
 5. checks the database holds every row exactly once and prints a report: rows written, rows in
    the database, batches, requests by kind, elapsed time, rows/s.
 
-Progress goes to stderr while it runs; the report to stdout (``--output json`` for JSON). Exits
-1 on any mismatch or error. Every service it starts binds 127.0.0.1 and is stopped at the end.
+Progress goes to stderr while it runs (Spark's tasks as Spark's status tracker reports them);
+the report to stdout (``--output json`` for JSON). Exits 1 on any mismatch or error. Every
+service it starts binds 127.0.0.1 and is stopped at the end.
+
+What it writes on disk — the default SQLite database, Spark's scratch and temporary files, and
+the JVM's own output (start-up lines and logs, kept out of the console) — lives in one
+temporary directory that is removed at the end, unless ``--keep`` (then its path is printed).
 
 It is an application, not part of the core: it uses every role (producer, consumer, collector,
 Spark) and lives here, next to the local services it starts. The core never imports it.
@@ -23,6 +28,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -189,13 +195,15 @@ class Progress:
         self._last = 0.0
         self._lock = threading.Lock()
 
-    def update(self, text: str) -> None:
+    def update(self, text: str, *, changed: bool = False) -> None:
+        """Show ``text``; off a terminal at most every 2 s, unless it reports a ``changed``
+        state (a task finished) that must not be skipped."""
         with self._lock:
             now = time.monotonic()
             if self._tty:
                 self._out.write("\r" + text.ljust(78)[:120])
                 self._out.flush()
-            elif now - self._last >= 2.0:
+            elif changed or now - self._last >= 2.0:
                 self._out.write(text + "\n")
                 self._out.flush()
                 self._last = now
@@ -241,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", choices=("text", "json"), default="text")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the working directory (the default database, Spark's log and scratch files)",
+    )
     return parser
 
 
@@ -287,8 +300,9 @@ def run(args: argparse.Namespace, progress: Progress) -> DemoReport:
     run_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
+        work = _work_dir(args, progress, stack)
         target = _open_target(args, run_id, stack)
-        sink_url = args.sink or _default_sink(stack)
+        sink_url = args.sink or f"sqlite:///{work / 'millpond-demo.db'}"
         report = DemoReport(
             rows_requested=args.rows,
             store=target.description,
@@ -297,7 +311,7 @@ def run(args: argparse.Namespace, progress: Progress) -> DemoReport:
             run_id=run_id,
         )
         progress.done(f"millpond demo: {args.rows:,} rows -> {target.description} -> {report.sink}")
-        _spark_phase(args, target, run_id, report, progress)
+        _spark_phase(args, target, run_id, report, progress, work)
         _consume_phase(args, target, sink_url, report, progress)
         _gc_phase(args, target, report, progress)
         _verify(args, sink_url, report)
@@ -322,10 +336,28 @@ def _open_target(args: argparse.Namespace, run_id: str, stack: contextlib.ExitSt
     )
 
 
-def _default_sink(stack: contextlib.ExitStack) -> str:
-    directory = Path(tempfile.mkdtemp(prefix="millpond-demo-"))
-    del stack  # the database is kept for inspection
-    return f"sqlite:///{directory / 'millpond-demo.db'}"
+def _work_dir(args: argparse.Namespace, progress: Progress, stack: contextlib.ExitStack) -> Path:
+    """The run's directory on disk, removed when the run ends unless ``--keep``."""
+    work = Path(tempfile.mkdtemp(prefix="millpond-demo-"))
+    if args.keep:
+        stack.callback(progress.done, f"kept {work} (the database, Spark's log: spark.log)")
+        return work
+
+    def remove() -> None:
+        if sys.exc_info()[0] is not None:
+            _show_spark_log(work / "spark.log", progress)
+        shutil.rmtree(work, ignore_errors=True)
+
+    stack.callback(remove)
+    return work
+
+
+def _show_spark_log(path: Path, progress: Progress, lines: int = 20) -> None:
+    """On a failure, the end of the JVM's output (it is about to be removed)."""
+    with contextlib.suppress(OSError):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        if tail:
+            progress.done("the end of Spark's log:\n" + "\n".join(tail))
 
 
 def _spark_phase(
@@ -334,12 +366,17 @@ def _spark_phase(
     run_id: str,
     report: DemoReport,
     progress: Progress,
+    work: Path,
 ) -> None:
     from millpond.producer.spark import local_spark_session
 
     progress.update(f"[1/4] starting Spark {args.master} ...")
     begin = time.monotonic()
-    spark = local_spark_session(args.master, app_name="millpond-demo")
+    # The JVM's start-up lines and logs (and its Python workers' output) go to spark.log,
+    # not between the demo's own lines.
+    spark = local_spark_session(
+        args.master, app_name="millpond-demo", jvm_output=work / "spark.log", work_dir=work
+    )
     try:
         report.seconds["spark_start"] = time.monotonic() - begin
         progress.done(f"[1/4] Spark {args.master} started in {report.seconds['spark_start']:.1f} s")
@@ -377,8 +414,10 @@ def _spark_phase(
     }
     progress.done(
         f"[2/4] Spark wrote {report.rows_written:,} rows as {report.batches_enqueued} batch "
-        f"objects, enqueued in one append at sequences {receipt['first_sequence']}.."
-        f"{receipt['last_sequence']}, in {report.seconds['spark_write']:.1f} s"
+        f"objects ({report.bytes_enqueued / 2**20:.1f} MiB), enqueued in one append at "
+        f"sequences {receipt['first_sequence']}..{receipt['last_sequence']} "
+        f"({receipt['manifest'].get('cas_conflicts', 0)} CAS conflicts), "
+        f"in {report.seconds['spark_write']:.1f} s"
     )
     if report.rows_written != args.rows:
         report.problems.append(f"Spark wrote {report.rows_written} rows, expected {args.rows}")
@@ -390,18 +429,23 @@ def _spark_progress(spark: SparkSession, progress: Progress, begin: float) -> It
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.wait(0.5):
-            done = total = 0
+        shown: tuple[int, int, int] | None = None
+        while not stop.wait(0.2):
+            done = running = total = 0
             for stage_id in tracker.getActiveStageIds():
                 info = tracker.getStageInfo(stage_id)
                 if info is not None:
                     done += info.numCompletedTasks
+                    running += info.numActiveTasks
                     total += info.numTasks
             if total:
+                state = (done, running, total)
                 progress.update(
-                    f"[2/4] Spark job writing format('millpond'): {done}/{total} tasks, "
-                    f"{time.monotonic() - begin:.1f} s"
+                    f"[2/4] Spark job writing format('millpond'): {done}/{total} tasks done, "
+                    f"{running} running, {time.monotonic() - begin:.1f} s",
+                    changed=state != shown,
                 )
+                shown = state
 
     thread = threading.Thread(target=watch, name="millpond-demo-progress", daemon=True)
     thread.start()

@@ -219,6 +219,7 @@ class Committer:
                 self._mark_uncertain(group, 0)
             raise
         self._backoff = None
+        state.append_latency.observe(self._clock.monotonic() - self._last_append)
         with state.cond:
             state.counters.add("manifest_appends")
             for batch, sequence in zip(group, sequences, strict=True):

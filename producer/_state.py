@@ -254,6 +254,8 @@ class State:
         self.clock = clock
         self.counters = Counters(*COUNTER_NAMES)
         self.fsync_latency = LatencySummary()
+        self.append_latency = LatencySummary()
+        """Seconds per successful manifest append (a group of batches), retries included."""
         self.inbox: deque[Input] = deque()
         self.pending: deque[Staged] = deque()
         self.pending_bytes = 0

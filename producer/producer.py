@@ -18,16 +18,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from millpond.common.exposition import MetricsCollector, flatten
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
 from millpond.errors import BackpressureError, ClosedError, InvalidInputError
 from millpond.formats.batch import MAX_RECORD_BYTES
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
+from millpond.producer._metrics import producer_collector, producer_samples
 from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
 from millpond.producer._session import QueueSession
@@ -53,6 +55,7 @@ from millpond.wal import RecoveryReport, Wal, WalRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from prometheus_client.registry import CollectorRegistry
 
 __all__ = ["Producer"]
 
@@ -100,6 +103,7 @@ class Producer:
         )
         self._closed = False
         self._close_report: CloseReport | None = None
+        self._registered: tuple[CollectorRegistry, MetricsCollector] | None = None
         self._handle_lock = threading.Lock()  # shared by this producer's handles
         self._close_lock = threading.Lock()
         self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
@@ -368,6 +372,10 @@ class Producer:
         self._wal.close()
         self._closed = True
         self._close_report = report
+        if self._registered is not None:
+            registry, collector = self._registered
+            registry.unregister(collector)
+            self._registered = None
         if not report.complete:
             logger.warning(
                 "producer closed with %s produce() calls (%s entries) still only staged in %s "
@@ -382,9 +390,15 @@ class Producer:
         return report
 
     def metrics(self) -> dict[str, Any]:
-        """Counters, gauges and the fsync latency summary, as a plain dict."""
+        """Counters, gauges and the fsync latency summary, as a plain dict.
+
+        Also every metric :meth:`register_metrics` exports, under its Prometheus name
+        (``millpond_manifest_writes_total``, ...; histograms as ``{"count", "sum",
+        "buckets"}``).
+        """
         state = self._state
         values: dict[str, Any] = dict(state.counters.snapshot())
+        values.update(flatten(producer_samples(state, self._wal)))
         with state.cond:
             values["buffered_inputs"] = len(state.inbox)
             values["pending_records"] = len(state.pending)
@@ -403,6 +417,35 @@ class Producer:
             "quarantined": len(self._wal.report.quarantined),
         }
         return values
+
+    def register_metrics(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        """Export this producer's metrics (see the README's table) through ``registry``.
+
+        Each scrape of the registry reads the producer's counters; :meth:`close` unregisters
+        them. One registry takes one producer (``prometheus_client`` refuses a name twice):
+        give each producer in a process its own registry.
+
+        Args:
+            registry: a ``prometheus_client`` registry; default its global ``REGISTRY``.
+            labels: constant labels added to every series (``{"app": "ingest"}``).
+
+        Raises:
+            ValueError: this producer's metrics are already registered, or the registry
+                already holds these names (``prometheus_client``'s refusal).
+        """
+        from prometheus_client import REGISTRY
+
+        target = registry if registry is not None else REGISTRY
+        if self._registered is not None:
+            raise ValueError("producer metrics: already registered; call close() first")
+        collector = producer_collector(self._state, self._wal, dict(labels or {}))
+        target.register(collector)
+        self._registered = (target, collector)
 
     def __enter__(self) -> Producer:
         return self

@@ -336,6 +336,7 @@ def test_service_survives_the_store_down_during_a_dequeue(tmp_path: Path) -> Non
         ConsumerConfig(store=store, gc_enabled=False, retry=short, ack_batch_size=2)
     )
     errors: list[BaseException] = []
+    stop = threading.Event()
     store.armed = True
 
     def run() -> None:
@@ -344,22 +345,35 @@ def test_service_survives_the_store_down_during_a_dequeue(tmp_path: Path) -> Non
                 service = ConsumerService(
                     consumer, sink, poll_min=0.01, retry_initial_delay=0.01, retry_max_delay=0.05
                 )
-                service.run(threading.Event(), until_idle=True)
+                service.run(stop, until_idle=True)
         except BaseException as err:
             errors.append(err)
 
     thread = threading.Thread(target=run)
     thread.start()
-    # Several dequeue rounds run out of retries while the store is down.
-    wait_for(lambda: store.refused >= 60 or None, timeout=30, what="refused dequeues")
-    assert thread.is_alive()
-    assert not errors
-    store.down = False
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert errors == []
-    assert sorted(_sink_payloads(sink_url)) == sorted(b"entry-%d" % i for i in range(6))
-    assert _queued(store) == []
+    try:
+        # Every batch is written while the store is down; then several dequeue rounds run out of
+        # retries (0.2 s each) and the service, with nothing left to write, still waits.
+        # (Watched through the consumer: reading the SQLite file from this process while the
+        # sink's own SQLite library writes it would break SQLite's locking.)
+        wait_for(lambda: consumer.acked_sequence == 5 or None, timeout=30, what="all written")
+        written_at = store.refused
+        wait_for(
+            lambda: not thread.is_alive() or store.refused >= written_at + 150 or None,
+            timeout=30,
+            what="refused dequeues after the last write",
+        )
+        assert thread.is_alive()
+        assert not errors
+        store.down = False
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert errors == []
+        assert sorted(_sink_payloads(sink_url)) == sorted(b"entry-%d" % i for i in range(6))
+        assert _queued(store) == []
+    finally:
+        stop.set()  # a failed check must not leave the service retrying
+        thread.join(timeout=10)
 
 
 class CorruptBatch(DownAfterTakeover):
@@ -453,3 +467,79 @@ def test_two_queues_sharing_a_data_prefix_are_refused(tmp_path: Path) -> None:
         assert MANIFEST in str(refused.value)
         assert other in str(refused.value)
     assert [p.entries for p in read_back(store)] == [[b"a"]]
+
+
+# --- case 8 ----------------------------------------------------------------------------------
+
+
+def _claim(store: ObjectStore, grace: float, window: float | None = None) -> None:
+    record = {
+        "version": 1,
+        "manifest_path": MANIFEST,
+        "gc_grace_period_s": grace,
+        "gc_delete_window_s": window if window is not None else min(30.0, grace / 4),
+        "created_ms": 0,
+    }
+    store.put("ingest/_millpond/queue.json", json.dumps(record).encode())
+
+
+def test_timing_assumptions_reupload_after_is_tied_to_the_grace_period(tmp_path: Path) -> None:
+    store = fresh_memory()
+    _claim(store, grace=60.0)
+    # More than half the queue's grace period: a batch could wait for its append past the
+    # point where GC may take it.
+    with pytest.raises(ConfigError, match="reupload_after") as refused:
+        Producer(config(store, tmp_path / "a", reupload_after=40.0))
+    assert "60" in str(refused.value)
+    # Unset, it follows the queue: half its grace period.
+    with Producer(config(store, tmp_path / "b")) as producer:
+        producer.produce([b"x"]).wait(timeout=30)
+        assert producer._session.reupload_after == 30.0
+
+
+def test_timing_assumptions_a_zero_grace_period_is_refused_by_producers(tmp_path: Path) -> None:
+    store = fresh_memory()
+    _claim(store, grace=0.0, window=0.0)
+    with pytest.raises(ConfigError, match="grace period"):
+        Producer(config(store, tmp_path / "wal"))
+
+
+def test_timing_assumptions_a_shorter_gc_grace_period_is_refused(tmp_path: Path) -> None:
+    store = fresh_memory()
+    _claim(store, grace=600.0)
+    _enqueue(store, 1)
+    collector = GarbageCollector(GarbageCollectorConfig(store=store, gc_grace_period=0.0))
+    with pytest.raises(ConfigError, match="gc_grace_period"):
+        collector.run_once()
+    consumer = Consumer(ConsumerConfig(store=store, gc_grace_period=60.0, retry=_FAST))
+    with pytest.raises(ConfigError, match="gc_grace_period"):
+        consumer.initialize()
+
+
+class _ClockOff:
+    """This machine's clock, off by ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.offset_ms = round(seconds * 1000)
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000 + self.offset_ms
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize("off", [-300.0, 300.0])
+def test_timing_assumptions_clock_skew_against_the_store_is_refused(
+    tmp_path: Path, off: float
+) -> None:
+    store = fresh_memory()  # stamps writes with this machine's real clock
+    with pytest.raises(ConfigError, match="clock") as refused:
+        Producer(config(store, tmp_path / "wal", clock=_ClockOff(off)))
+    assert ("behind" if off < 0 else "ahead of") in str(refused.value)
+    # Within the bound it starts (the store's whole-second stamps are allowed for).
+    with Producer(config(store, tmp_path / "ok", clock=_ClockOff(20.0))) as producer:
+        producer.produce([b"x"]).wait(timeout=30)

@@ -5,21 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
+from millpond.common.exposition import MetricsServer
 from millpond.errors import ConfigError, NotFoundError
 from millpond.storage.checks import preflight
 from millpond.storage.file_store import FileStore
 from millpond.storage.store import ObjectStore, open_store
 
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
 __all__ = [
+    "add_metrics_arguments",
     "add_store_arguments",
     "emit",
     "open_store_from_args",
     "parse_options",
     "require_queue",
     "require_queue_unless_create",
+    "serving_metrics",
 ]
 
 
@@ -111,3 +118,54 @@ def emit(args: argparse.Namespace, record: Mapping[str, Any], text: list[str]) -
     else:
         sys.stdout.write("\n".join(text) + "\n")
     sys.stdout.flush()
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-address, for the long-running commands."""
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://ADDRESS:PORT/metrics (0: any free port, "
+        "printed at start); off by default",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="address the metrics server binds (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, found {text!r}")
+    return port
+
+
+@contextmanager
+def serving_metrics(
+    args: argparse.Namespace, collectors: Iterable[Collector]
+) -> Iterator[MetricsServer | None]:
+    """Serve ``collectors`` on ``/metrics`` while the block runs, when ``--metrics-port`` is
+    given; says where on stderr (one line, so a supervisor or a test can find the port).
+
+    Raises:
+        ConfigError: the address and port cannot be bound (exit 2).
+    """
+    if args.metrics_port is None:
+        yield None
+        return
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in collectors:
+        registry.register(collector)
+    with MetricsServer(registry, port=args.metrics_port, address=args.metrics_address) as server:
+        print(f"millpond {args.command}: serving metrics on {server.url}", file=sys.stderr)
+        sys.stderr.flush()
+        yield server

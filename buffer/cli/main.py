@@ -30,13 +30,18 @@ EXIT_FENCED = 3
 
 _COMMANDS = {
     "inspect": ("millpond.cli.inspect", "show the queue manifest's footer and oldest entry"),
-    "status": ("millpond.consumer.status", "queue length, bytes, oldest entry age, lag"),
+    "status": ("millpond.consumer.status", "queue length, oldest entry age, lag (--watch)"),
     "doctor": (
         "millpond.consumer.doctor",
         "check that a store (and a database) can hold a queue, with a fix for each problem",
     ),
     "consume": ("millpond.consumer.service", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),
+    "quarantine": (
+        "millpond.consumer.quarantine",
+        "set aside the batch the consumer is stopped on (copied to a dead-letter prefix)",
+    ),
+    "replay": ("millpond.consumer.replay", "write a quarantined batch again, exactly once"),
     "coordinator": (
         "millpond.cli.coordinator",
         "append many producers' batches in one compare-and-swap per round (optional service)",
@@ -58,10 +63,11 @@ AZURE_STORAGE_*, GOOGLE_*) or --store-option KEY=VALUE."""
 _EPILOG = """\
 examples:
   millpond doctor s3://my-bucket/queue --sink postgresql://app@db/warehouse
-  millpond status s3://my-bucket/queue
+  millpond status s3://my-bucket/queue --watch
   millpond inspect az://my-container/queue --output json
-  millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse
-  millpond gc gs://my-bucket/queue --interval 300
+  millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse --metrics-port 9464
+  millpond gc gs://my-bucket/queue --interval 300 --metrics-port 9465
+  millpond quarantine s3://my-bucket/queue --sequence 42 --reason 'bad dates' --sink ...
   millpond coordinator s3://my-bucket/queue --port 7411
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer

@@ -20,6 +20,7 @@ from __future__ import annotations
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from millpond.consumer.sinks._adbc import AdbcSink
+from millpond.consumer.sinks._dead_letter import QuarantineLedger, QuarantineRow, SetAside
 from millpond.consumer.sinks._rows import OPAQUE_SCHEMA, batch_rows, detect_format
 from millpond.consumer.sinks.base import EntryFormat, Sink, SinkError
 from millpond.consumer.sinks.postgres import PostgresSink, redact
@@ -31,7 +32,10 @@ __all__ = [
     "AdbcSink",
     "EntryFormat",
     "PostgresSink",
+    "QuarantineLedger",
+    "QuarantineRow",
     "SQLiteSink",
+    "SetAside",
     "Sink",
     "SinkError",
     "batch_rows",

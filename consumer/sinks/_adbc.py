@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
 
 from millpond.common.metrics import Counters
 from millpond.consumer._batch import ConsumedBatch
+from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX, QuarantineLedger
+from millpond.consumer.sinks._names import TableName, quote
 from millpond.consumer.sinks._rows import batch_rows
 from millpond.consumer.sinks._schema import SchemaPlan, plan_schema, unreconcilable
 from millpond.consumer.sinks.base import EntryFormat, SinkError
@@ -59,51 +59,17 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _QUICK_RETRIES = 3
 _OWNERS = "millpond_owners"
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def quote(identifier: str) -> str:
-    """A double-quoted SQL identifier (PostgreSQL and SQLite agree on this)."""
-    if "\x00" in identifier:
-        raise SinkError(f"identifier {identifier!r} contains a NUL byte", transient=False)
-    return '"' + identifier.replace('"', '""') + '"'
-
-
-@dataclass(frozen=True, slots=True)
-class TableName:
-    """``[schema.]table``; both parts plain identifiers."""
-
-    name: str
-    schema: str | None = None
-
-    @classmethod
-    def parse(cls, key: str, value: str) -> TableName:
-        """Parse ``table`` or ``schema.table``.
-
-        Raises:
-            ConfigError: a part that is not ``[A-Za-z_][A-Za-z0-9_]*``.
-        """
-        parts = value.split(".") if isinstance(value, str) else []
-        if not 1 <= len(parts) <= 2 or not all(_IDENTIFIER.match(part) for part in parts):
-            raise ConfigError(
-                key, f"expected a table name like 'rows' or 'schema.rows', found {value!r}"
-            )
-        return cls(name=parts[-1], schema=parts[0] if len(parts) == 2 else None)
-
-    @property
-    def sql(self) -> str:
-        return f"{quote(self.schema)}.{quote(self.name)}" if self.schema else quote(self.name)
-
-    def __str__(self) -> str:
-        return f"{self.schema}.{self.name}" if self.schema else self.name
 
 
 class _RolledBack(Exception):
     """Ends a probe transaction: it must roll back."""
 
 
-class AdbcSink(ABC):
-    """A sink over an ADBC DB-API connection; subclasses supply the dialect."""
+class AdbcSink(QuarantineLedger, ABC):
+    """A sink over an ADBC DB-API connection; subclasses supply the dialect.
+
+    Quarantined batches (set aside, replayed) are recorded by :class:`QuarantineLedger`.
+    """
 
     def __init__(
         self,
@@ -117,6 +83,7 @@ class AdbcSink(ABC):
         self._description = description
         self._table = TableName.parse("table", table)
         self._progress = TableName.parse("progress_table", progress_table)
+        self._quarantine = self._progress.sibling(QUARANTINE_SUFFIX)
         # Next to the target table and whatever the progress table is called: a consumer of
         # another queue configured with another progress table still meets the owner record.
         self._owners = TableName(name=_OWNERS, schema=self._table.schema)
@@ -586,6 +553,7 @@ class AdbcSink(ABC):
                 "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
                 "claimed_at_ms BIGINT NOT NULL)"
             )
+            self._create_quarantine_table(cur)
             self._commit(conn, cur)
         except BaseException:
             try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location, parse_batch_name, ulid_time_ms
 from millpond.errors import (
@@ -43,6 +44,7 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import PendingEntry
 from millpond.producer.spark.commit_state import CommitOutcome, commit_with_state, state_path
+from millpond.producer.spark.summary import log_summary
 from millpond.producer.spark.upload import TaskCommitMessage, UploadStats
 from millpond.queue import QueueProducer
 from millpond.storage.store import ObjectStore
@@ -188,18 +190,13 @@ def commit_job(
                 maybe_landed_from=err.maybe_landed_from,
             ) from err
         status = "appended"
-    if sequences:
-        logger.info(
-            "job %s: %s batches, %s rows %s at sequences %s..%s",
-            job_id,
-            len(sequences),
-            stats.rows,
-            status,
-            sequences[0],
-            sequences[-1],
-        )
-    else:
-        logger.info("job %s: nothing enqueued (%s)", job_id, status)
+    log_summary(
+        f"job {job_id}",
+        stats=stats,
+        status=status,
+        sequences=sequences,
+        manifest=queue.counters.snapshot(),
+    )
     return JobReceipt(
         job_id,
         sequences[0] if sequences else None,
@@ -293,8 +290,11 @@ def commit_micro_batch(
     gc_grace_period: float = 600.0,
     retry: RetryPolicy | None = None,
     clock: Clock | None = None,
+    counters: Counters | None = None,
 ) -> CommitOutcome:
     """Enqueue one micro-batch at most once per (stream, batch id); see the module docstring.
+
+    ``counters`` receives the commit's manifest reads, writes and CAS conflicts.
 
     Raises:
         MillpondError: an older batch id after a newer one, or an outcome that cannot be told.
@@ -305,7 +305,7 @@ def commit_micro_batch(
     fresh = fresh_copies(
         store, entries, data_path_prefix=data_path_prefix, limit=gc_grace_period / 2, clock=clock
     )
-    queue = QueueProducer(store, manifest_path, retry=retry, clock=clock)
+    queue = QueueProducer(store, manifest_path, retry=retry, clock=clock, counters=counters)
     return _commit_keyed(
         store,
         queue,

@@ -164,110 +164,116 @@ def commit_with_state(
         FormatError: the state or the manifest is corrupt.
         StorageError: the store failed.
     """
-    state, etag = _read(store, path)
-    if state is not None and state.batch_id > batch_id:
-        # Spark only ever re-runs its latest batch: an older id means the checkpoint was reset
-        # or two queries share one stream id. Skipping would lose data, appending may double it.
-        raise MillpondError(
-            f"{key}: batch {batch_id} arrived after batch {state.batch_id} was committed "
-            f"({path}): the checkpoint was reset or another query uses the same id; give this "
-            "query its own query_id option"
-        )
-    raw = _manifest(store, manifest_path)
-    if state is not None and state.batch_id == batch_id:
-        if state.status == COMMITTED:
-            logger.warning("%s batch %s: already committed; skipping the re-run", key, batch_id)
-            return CommitOutcome("skipped", state.sequences)
-        return _resolve(store, queue, path, etag, state, fresh, raw, manifest_path)
-    if not fresh:
-        return CommitOutcome("empty")
-    footer_next = _next_sequence(raw, manifest_path)
-    pending = CommitState(key, batch_id, PENDING, footer_next, fresh)
-    etag = _write(store, path, etag, pending)
-    sequences = queue.append(fresh)
-    _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
-    return CommitOutcome("appended", sequences)
+    return _Attempt(store, queue, path, manifest_path, key, batch_id, fresh).run()
 
 
-def _resolve(
-    store: ObjectStore,
-    queue: QueueProducer,
-    path: str,
-    etag: str | None,
-    state: CommitState,
-    fresh: tuple[PendingEntry, ...],
-    raw: bytes,
-    manifest_path: str,
-) -> CommitOutcome:
-    where = f"{state.key} batch {state.batch_id}"
-    landing = resolve_landing(
-        raw,
-        [e.location for e in state.entries],
-        from_sequence=state.next_sequence,
-        name=manifest_path,
-    )
-    known = list(landing.sequences)
-    if landing.status is LandingStatus.LANDED:
-        logger.warning(
-            "%s: already enqueued (%s since dequeued); skipping the re-run",
-            where,
-            len(landing.dequeued),
-        )
-        sequences = tuple(s for s in known if s is not None)
-        _write(store, path, etag, replace(state, status=COMMITTED, sequences=sequences))
-        return CommitOutcome("skipped", sequences)
-    missing = landing.missing
-    gone = [state.entries[i].location for i in missing if not _exists(store, state.entries[i])]
-    if gone:
-        if landing.status is LandingStatus.NOT_LANDED:
-            # Provably never enqueued, and something took the held objects: the re-run's own
-            # uploads take their place.
-            return _replace_pending(store, queue, path, etag, state, fresh, raw, manifest_path)
-        raise MillpondError(
-            f"{where}: cannot tell whether it was enqueued: its locations are not in the "
-            f"manifest, entries from sequence {state.next_sequence} on were dequeued since, and "
-            f"{len(gone)} of its held batch objects are gone (first: {gone[0]}; a collector "
-            "that does not read millpond's holds?). Look for these locations in the sink's "
-            f"progress table. Found: the batch was written; replace {path} with the same JSON "
-            'and "status": "committed", and the re-run is skipped. Not found: delete '
-            f"{path}; the re-run is then enqueued"
-        )
-    sequences = queue.append([state.entries[i] for i in missing])
-    for index, sequence in zip(missing, sequences, strict=True):
-        known[index] = sequence
-    done = tuple(s for s in known if s is not None)
-    _write(store, path, etag, replace(state, status=COMMITTED, sequences=done))
-    if landing.status is LandingStatus.UNKNOWN:
-        logger.warning(
-            "%s: not in the manifest, which was dequeued past sequence %s since; appended the "
-            "same %s locations again (the sink skips locations it has written)",
-            where,
-            state.next_sequence,
-            len(missing),
-        )
-        return CommitOutcome("reappended", done)
-    return CommitOutcome("appended", done)
+@dataclass(slots=True)
+class _Attempt:
+    """One decision about one key, from the state and the manifest as they are now."""
 
+    store: ObjectStore
+    queue: QueueProducer
+    path: str
+    manifest_path: str
+    key: str
+    batch_id: int
+    fresh: tuple[PendingEntry, ...]
+    etag: str | None = None
+    raw: bytes = b""
 
-def _replace_pending(
-    store: ObjectStore,
-    queue: QueueProducer,
-    path: str,
-    etag: str | None,
-    state: CommitState,
-    fresh: tuple[PendingEntry, ...],
-    raw: bytes,
-    manifest_path: str,
-) -> CommitOutcome:
-    if not fresh:
-        _write(store, path, etag, replace(state, status=COMMITTED, entries=(), sequences=()))
-        return CommitOutcome("empty")
-    next_sequence = _next_sequence(raw, manifest_path)
-    pending = CommitState(state.key, state.batch_id, PENDING, next_sequence, fresh)
-    etag = _write(store, path, etag, pending)
-    sequences = queue.append(fresh)
-    _write(store, path, etag, replace(pending, status=COMMITTED, sequences=sequences))
-    return CommitOutcome("appended", sequences)
+    def run(self) -> CommitOutcome:
+        state, self.etag = _read(self.store, self.path)
+        if state is not None and state.batch_id > self.batch_id:
+            # Spark only ever re-runs its latest batch: an older id means the checkpoint was
+            # reset or two queries share one stream id. Skipping would lose data, appending may
+            # double it.
+            raise MillpondError(
+                f"{self.key}: batch {self.batch_id} arrived after batch {state.batch_id} was "
+                f"committed ({self.path}): the checkpoint was reset or another query uses the "
+                "same id; give this query its own query_id option"
+            )
+        self.raw = _manifest(self.store, self.manifest_path)
+        if state is not None and state.batch_id == self.batch_id:
+            if state.status == COMMITTED:
+                logger.warning(
+                    "%s batch %s: already committed; skipping the re-run", self.key, self.batch_id
+                )
+                return CommitOutcome("skipped", state.sequences)
+            return self._resolve(state)
+        if not self.fresh:
+            return CommitOutcome("empty")
+        return self._append_fresh()
+
+    def _append_fresh(self) -> CommitOutcome:
+        """Hold the fresh entries (pending), append them, mark them committed."""
+        next_sequence = decode_footer(self.raw, name=self.manifest_path).next_sequence
+        pending = CommitState(self.key, self.batch_id, PENDING, next_sequence, self.fresh)
+        self._write(pending)
+        sequences = self.queue.append(self.fresh)
+        self._write(replace(pending, status=COMMITTED, sequences=sequences))
+        return CommitOutcome("appended", sequences)
+
+    def _resolve(self, state: CommitState) -> CommitOutcome:
+        where = f"{state.key} batch {state.batch_id}"
+        landing = resolve_landing(
+            self.raw,
+            [e.location for e in state.entries],
+            from_sequence=state.next_sequence,
+            name=self.manifest_path,
+        )
+        known = list(landing.sequences)
+        if landing.status is LandingStatus.LANDED:
+            logger.warning(
+                "%s: already enqueued (%s since dequeued); skipping the re-run",
+                where,
+                len(landing.dequeued),
+            )
+            sequences = tuple(s for s in known if s is not None)
+            self._write(replace(state, status=COMMITTED, sequences=sequences))
+            return CommitOutcome("skipped", sequences)
+        missing = landing.missing
+        gone = [
+            state.entries[i].location for i in missing if not _exists(self.store, state.entries[i])
+        ]
+        if gone:
+            if landing.status is LandingStatus.NOT_LANDED:
+                # Provably never enqueued, and something took the held objects: the re-run's
+                # own uploads take their place.
+                if not self.fresh:
+                    self._write(replace(state, status=COMMITTED, entries=(), sequences=()))
+                    return CommitOutcome("empty")
+                return self._append_fresh()
+            raise MillpondError(
+                f"{where}: cannot tell whether it was enqueued: its locations are not in the "
+                f"manifest, entries from sequence {state.next_sequence} on were dequeued since, "
+                f"and {len(gone)} of its held batch objects are gone (first: {gone[0]}; a "
+                "collector that does not read millpond's holds?). Look for these locations in "
+                "the sink's progress table. Found: the batch was written; replace "
+                f'{self.path} with the same JSON and "status": "committed", and the re-run is '
+                f"skipped. Not found: delete {self.path}; the re-run is then enqueued"
+            )
+        sequences = self.queue.append([state.entries[i] for i in missing])
+        for index, sequence in zip(missing, sequences, strict=True):
+            known[index] = sequence
+        done = tuple(s for s in known if s is not None)
+        self._write(replace(state, status=COMMITTED, sequences=done))
+        if landing.status is LandingStatus.UNKNOWN:
+            logger.warning(
+                "%s: not in the manifest, which was dequeued past sequence %s since; appended "
+                "the same %s locations again (the sink skips locations it has written)",
+                where,
+                state.next_sequence,
+                len(missing),
+            )
+            return CommitOutcome("reappended", done)
+        return CommitOutcome("appended", done)
+
+    def _write(self, state: CommitState) -> None:
+        data = state.encode()
+        if self.etag is None:
+            self.etag = self.store.put_if_absent(self.path, data)
+        else:
+            self.etag = self.store.put_if_match(self.path, data, self.etag)
 
 
 def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None]:
@@ -278,22 +284,11 @@ def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None
     return CommitState.decode(got.data, name=f"{store.url}/{path}"), got.etag
 
 
-def _write(store: ObjectStore, path: str, etag: str | None, state: CommitState) -> str | None:
-    data = state.encode()
-    if etag is None:
-        return store.put_if_absent(path, data)
-    return store.put_if_match(path, data, etag)
-
-
 def _manifest(store: ObjectStore, path: str) -> bytes:
     try:
         return store.get(path).data
     except NotFoundError:
         return empty_manifest()
-
-
-def _next_sequence(raw: bytes, name: str) -> int:
-    return decode_footer(raw, name=name).next_sequence
 
 
 def _exists(store: ObjectStore, entry: PendingEntry) -> bool:

@@ -23,6 +23,7 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
+from millpond.common.metrics import Counters
 from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
 from millpond.producer.spark.commit import (
     JobReceipt,
@@ -34,6 +35,7 @@ from millpond.producer.spark.executor import (
     partition_producer,
 )
 from millpond.producer.spark.options import SparkWriteSettings
+from millpond.producer.spark.summary import ensure_summary_output, log_summary
 from millpond.producer.spark.upload import BatchUploader, TaskCommitMessage, UploadStats
 
 if TYPE_CHECKING:
@@ -120,6 +122,7 @@ class MillpondBatchWriter(DataSourceArrowWriter):
             StorageError: the store failed before anything could be enqueued.
         """
         settings = self.settings
+        ensure_summary_output()
         store = settings.open_store()
         task_messages = [m if isinstance(m, TaskCommitMessage) else None for m in messages]
         if settings.commit == "job":
@@ -229,6 +232,8 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             for m in task_messages
             for upload in m.uploads
         )
+        ensure_summary_output()
+        counters = Counters()
         outcome = commit_micro_batch(
             settings.open_store(),
             entries,
@@ -238,8 +243,15 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             data_path_prefix=settings.data_path_prefix,
             gc_grace_period=settings.gc_grace_period,
             retry=settings.retry,
+            counters=counters,
         )
-        logger.info("stream %s batch %s: %s", stream_id, batchId, outcome.status)
+        log_summary(
+            f"stream {stream_id} batch {batchId}",
+            stats=sum((m.stats for m in task_messages), UploadStats()),
+            status=outcome.status,
+            sequences=outcome.sequences or (),
+            manifest=counters.snapshot(),
+        )
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
         logger.warning(

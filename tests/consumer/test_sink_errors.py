@@ -325,7 +325,7 @@ def test_postgres_disk_full_is_retried_until_there_is_room(
             # The database is this test's own: every table the sink made can go.
             run(
                 f'DROP TABLE IF EXISTS "{database.table}", "{database.progress}", '
-                '"millpond_owners"'
+                f'"{database.progress}_quarantine", "millpond_owners"'
             )
             run(f"DROP TABLESPACE IF EXISTS {space}")
     shutil.rmtree(parent, ignore_errors=True)

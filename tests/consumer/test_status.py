@@ -37,7 +37,7 @@ def test_status_of_a_queue(store: ObjectStore) -> None:
     consumer.initialize()
     consumer.dequeue(0)
     clock.advance(30)
-    status = queue_status(store, MANIFEST, clock=clock)
+    status = queue_status(store, MANIFEST, clock=clock, measure_bytes=True)
     assert status.epoch == 1
     assert status.queue_length == 3
     assert (status.first_sequence, status.next_sequence) == (1, 4)
@@ -52,12 +52,12 @@ def test_status_counts_missing_objects_and_empty_queues(store: ObjectStore) -> N
     _seq, location = writer.append([b"a"])
     writer.append([b"b"])
     store.delete_many([location])
-    status = queue_status(store, MANIFEST)
+    status = queue_status(store, MANIFEST, measure_bytes=True)
     assert status.missing_objects == 1
     consumer = QueueConsumer(store, MANIFEST)
     consumer.initialize()
     consumer.dequeue(1)
-    empty = queue_status(store, MANIFEST)
+    empty = queue_status(store, MANIFEST, measure_bytes=True)
     assert (empty.queue_length, empty.bytes_referenced, empty.consumer_lag_seconds) == (0, 0, 0.0)
     assert empty.oldest_entry_age_seconds is None
 
@@ -84,12 +84,17 @@ def test_status_command_text_and_json(tmp_path: Path) -> None:
             check=False,
         )
 
-    as_json = cli("--output", "json")
+    as_json = cli("--output", "json", "--bytes")
     assert as_json.returncode == 0, as_json.stderr
     record = json.loads(as_json.stdout)
     assert record["queue_length"] == 3
     assert record["bytes_referenced"] > 0
     assert record["epoch"] == 0
+    assert record["metrics"]["millpond_queue_length"] == 3
+    assert record["metrics"]["millpond_queue_bytes"] == record["bytes_referenced"]
+    cheap = json.loads(cli("--output", "json").stdout)  # the default reads the manifest only
+    assert cheap["bytes_referenced"] is None
+    assert cheap["queue_length"] == 3
     text = cli()
     assert text.returncode == 0, text.stderr
     for label in ("queue length", "bytes referenced", "oldest entry", "consumer lag", "epoch"):

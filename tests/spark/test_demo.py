@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -13,30 +15,28 @@ import pytest
 
 from millpond.localstack.demo import DemoReport, _verify
 
+# What the JVM prints at start-up (and logs) when nobody keeps it out of the console.
+_JVM_NOISE = ("WARNING: Using incubator", "Setting default log level", "log4j", " WARN ", "INFO ")
 
-@pytest.mark.slow
-def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
-    db = tmp_path / "demo.db"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "millpond.localstack.demo",
-            "--rows",
-            "30000",
-            "--partitions",
-            "3",
-            "--flush-size",
-            "256KiB",
-            "--sink",
-            f"sqlite:///{db}",
-            "--output",
-            "json",
-        ],
+
+def _demo(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The demo as a fresh process whose temporary directory is ``tmp`` (``TMPDIR``)."""
+    tmp.mkdir(exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "millpond.localstack.demo", *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+
+
+@pytest.mark.slow
+def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    run = _demo(
+        tmp, "--rows", "30000", "--partitions", "4", "--flush-size", "256KiB", "--output", "json"
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
@@ -47,6 +47,36 @@ def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     assert report["objects_left"] == 0
     assert report["requests"]["spark"]["put"] == report["batches_enqueued"] + 2  # + CAS, receipt
     assert "[3/4] consumer wrote 30,000 rows" in run.stderr  # progress was shown
+    # Task progress as Spark made it: some tasks done while others were still to come.
+    done = [int(n) for n in re.findall(r"(\d+)/4 tasks done", run.stderr)]
+    assert done == sorted(done), run.stderr
+    assert any(0 < n < 4 for n in done), run.stderr
+    assert "enqueued in one append at sequences 0.." in run.stderr
+    assert "(0 CAS conflicts)" in run.stderr
+    # The JVM kept quiet: none of its start-up lines or logs in the demo's output.
+    for noise in _JVM_NOISE:
+        assert noise not in run.stderr, (noise, run.stderr)
+    # It removed what it made: the default database, Spark's scratch files, the JVM's log.
+    database = Path(report["sink"].removeprefix("sqlite:///"))
+    assert database.is_relative_to(tmp)
+    assert not database.exists()
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_demo_keeps_its_files_with_keep(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    run = _demo(tmp, "--rows", "2000", "--partitions", "1", "--keep")
+    assert run.returncode == 0, run.stderr[-3000:]
+    kept = re.search(r"^kept (\S+) ", run.stderr, re.M)
+    assert kept, run.stderr
+    work = Path(kept.group(1))
+    assert work.parent == tmp
+    with sqlite3.connect(work / "millpond-demo.db") as db:
+        assert db.execute("SELECT count(*) FROM millpond_demo").fetchone() == (2000,)
+    log = (work / "spark.log").read_text()
+    # The driver's one line per job went to Spark's log with the rest of the JVM's output.
+    assert re.search(r"millpond job \w+: \d+ batches, \d+ bytes, 2000 rows appended", log), log
 
 
 def _db_with(path: Path, ids: list[int], run_id: str) -> str:
