@@ -240,8 +240,6 @@ def _run(
 ) -> dict[str, Any]:
     root = f"bench-wait-{policy_name}-{n}-{uuid.uuid4().hex[:8]}"
     url = endpoint.url_for(root)
-    barrier = ctx.Barrier(n)
-    out = ctx.Queue()
     with contextlib.ExitStack() as stack:
         coordinator = None
         if policy_name == COORDINATED:
@@ -319,9 +317,10 @@ def run(quick: bool) -> dict[str, Any]:
         counts = tuple(int(v) for v in os.environ["MILLPOND_BENCH_COUNTS"].split(","))
     if os.environ.get("MILLPOND_BENCH_SECONDS"):
         seconds = float(os.environ["MILLPOND_BENCH_SECONDS"])
-    policies = tuple(
-        p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p
-    ) or (*available_policies(), COORDINATED)
+    policies = tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p) or (
+        *available_policies(),
+        COORDINATED,
+    )
     delay = latency_ms(DEFAULT_LATENCY_MS)
     ctx = mp.get_context("spawn")
     workdir = Path(tempfile.mkdtemp(prefix="millpond-bench-wait-"))

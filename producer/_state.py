@@ -59,6 +59,11 @@ COUNTER_NAMES = (
     "records_recovered",
     "entries_recovered",
     "backpressure_waits",
+    "coordinator_appends",
+    "coordinator_refused",
+    "coordinator_unknown",
+    "coordinator_lost",
+    "direct_appends",
 )
 
 

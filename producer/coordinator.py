@@ -20,7 +20,11 @@ producer's own compare-and-swap:
   asked, wait until the coordinator's promise has run out — no write containing a request is
   sent later than ``budget`` seconds after it arrived; ``grace`` covers its way there — and
   then do the landed-check as above. Only a write already in flight can land after that, and
-  it carries the ETag it was read at: it lands before the check's read or never.
+  it carries the ETag it was read at: it lands before the check's read, or makes the direct
+  compare-and-swap fail and be looked at again, or never lands. A request that arrives later
+  than the grace allowed cannot double anything either: the coordinator writes only on a
+  manifest it read or wrote itself, and drops entries it finds there from the client's
+  ``X-Millpond-From`` on (``present_from`` of ``QueueProducer.append``).
 
 The lower bound the landed-check starts from is the highest ``next_sequence`` this writer has
 seen before sending: the request cannot have landed below it.
@@ -51,6 +55,7 @@ from millpond.queue.coordinator import (
 from millpond.queue.coordinator_http import (
     APPEND_PATH,
     BUDGET_HEADER,
+    FROM_HEADER,
     OUTCOME_PATH,
     QUEUE_HEADER,
     REQUEST_HEADER,
@@ -71,9 +76,11 @@ class CoordinatorOptions:
 
     budget: float = DEFAULT_BUDGET
     """Seconds after a request arrives during which a coordinator may write it. Default 2."""
-    grace: float = 8.0
+    grace: float = 3.0
     """Seconds added to ``budget`` for the request's way to the coordinator before a writer
-    that got no reply and cannot ask appends directly. Default 8."""
+    that got no reply and cannot ask appends directly. Default 3. (Should a request take longer
+    than that to arrive, the coordinator still never appends a location twice: a round that
+    reads the manifest drops the entries it finds there.)"""
     connect_timeout: float = 1.0
     """Seconds to open a connection. Default 1."""
     retry_after: float = 5.0
@@ -112,7 +119,8 @@ class _Endpoint:
 
     def __init__(self, url: str, options: CoordinatorOptions) -> None:
         parts = urlsplit(url)
-        assert parts.hostname is not None and parts.port is not None
+        assert parts.hostname is not None
+        assert parts.port is not None
         self.url = url
         self._host = parts.hostname
         self._port = parts.port
@@ -138,7 +146,8 @@ class _Endpoint:
             conn.close()
             return None
         assert conn.sock is not None
-        conn.sock.settimeout(self._options.budget + self._options.grace + 5.0)
+        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
+        conn.sock.settimeout(self._options.budget + self._options.grace)
         self._conn = conn
         return conn
 
@@ -211,11 +220,11 @@ class CoordinatedAppender:
                 continue
             if body is None:
                 body = encode_entries(entries)
-            outcome = self._through(endpoint, body)
+            outcome = self._through(endpoint, body, lower)
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
                 self.counters.add("coordinator_lost")
-                return self._direct.append(entries, maybe_landed_from=lower)
+                return self._direct.append(entries, maybe_landed_from=lower, present_from=lower)
             if outcome.status == APPENDED and (
                 len(outcome.sequences) != len(entries) or None in outcome.sequences
             ):
@@ -233,9 +242,11 @@ class CoordinatedAppender:
             self.counters.add("coordinator_unknown")
             return self._after_unknown(entries, outcome, lower)
         self.counters.add("direct_appends")
-        return self._direct.append(entries)
+        # A refused request was never written; were a coordinator's write still in flight, it
+        # carries an older ETag, and a manifest read since is searched for the entries anyway.
+        return self._direct.append(entries, present_from=lower)
 
-    def _through(self, endpoint: _Endpoint, body: bytes) -> Outcome | None:
+    def _through(self, endpoint: _Endpoint, body: bytes, lower: int) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
         when nobody could say (after waiting out the coordinator's promise)."""
         request_id = uuid.uuid4().hex
@@ -243,6 +254,7 @@ class CoordinatedAppender:
             QUEUE_HEADER: self._queue,
             REQUEST_HEADER: request_id,
             BUDGET_HEADER: f"{self._options.budget:g}",
+            FROM_HEADER: str(lower),
             "Content-Type": "application/octet-stream",
         }
         sent_at = self._clock.monotonic()
@@ -292,7 +304,9 @@ class CoordinatedAppender:
             len(rest),
         )
         try:
-            found = self._direct.append([entries[i] for i in rest], maybe_landed_from=start)
+            found = self._direct.append(
+                [entries[i] for i in rest], maybe_landed_from=start, present_from=lower
+            )
         except CommitStateUnknownError as err:
             inner = err.sequences or (None,) * len(rest)
             for index, sequence in zip(rest, inner, strict=True):

@@ -44,8 +44,8 @@ from millpond.producer._state import (
     StopAwareClock,
 )
 from millpond.producer.config import ProducerConfig
-from millpond.producer.handle import WriteHandle
 from millpond.producer.coordinator import CoordinatedAppender
+from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
 from millpond.queue.cas import Appender
 from millpond.queue.claim import queue_identity

@@ -73,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
         args.manifest_path,
         data_path_prefix=args.data_prefix,
         queue=identity,
-        retry=RetryPolicy(
-            max_attempts=1000, max_elapsed=DEFAULT_BUDGET, strategy=args.strategy
-        ),
+        retry=RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET, strategy=args.strategy),
         yield_every=args.yield_every,
         yield_slots=args.yield_slots,
     )
@@ -93,4 +91,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"millpond coordinator: serving {identity} on {server.url}", flush=True)
     server.serve_forever()
     return 0
-

@@ -43,6 +43,7 @@ from millpond.formats.manifest import (
     decode_manifest,
     decode_tail,
     empty_manifest,
+    find_locations,
     remove_through,
     with_epoch,
 )
@@ -186,6 +187,7 @@ class QueueProducer:
         *,
         maybe_landed_from: int | None = None,
         deadline: float | None = None,
+        present_from: int | None = None,
     ) -> tuple[int, ...]:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
@@ -205,6 +207,13 @@ class QueueProducer:
             deadline: a time on the queue's clock after which no write is sent (what is known
                 is then raised, as when the retry budget runs out). A coordinator promises its
                 clients this way that it never writes their entries after they stopped waiting.
+            present_from: entries may already be in the queue at or after this sequence,
+                appended by another writer for the same producer (a coordinator's client that
+                stopped waiting appends its own entries directly). Whenever the manifest is read
+                from the store, an entry found there from this sequence on is taken as in the
+                queue (its sequence is returned) and is not written again. Entries are only
+                ever written on a manifest state this writer read or wrote itself, so no
+                location found in that state is appended twice.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -243,6 +252,14 @@ class QueueProducer:
                     if current is not None:
                         footer = decode_footer(current.data, name=cas.path)
                         self._seen_next = max(self._seen_next, footer.next_sequence)
+                        if present_from is not None:
+                            low = present_from
+                            if maybe_landed_from is not None:
+                                low = min(low, maybe_landed_from)
+                            todo = self._drop_present(current, entries, todo, result, low)
+                            if not todo:
+                                self._cached = current
+                                return tuple(_filled(result))
                     if maybe_landed_from is not None and current is not None:
                         todo = self._settle_landed(
                             current, entries, todo, result, maybe_landed_from
@@ -253,8 +270,7 @@ class QueueProducer:
                             return tuple(_filled(result))
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
-                if deadline is not None and cas.clock.monotonic() >= deadline:
-                    raise StorageError(f"{cas.path}: append deadline passed before the write")
+                _check_deadline(cas, deadline)
                 try:
                     etag = cas.write(current, data)
                 except (ConflictError, CommitStateUnknownError) as err:
@@ -284,6 +300,33 @@ class QueueProducer:
             self._pacer.won(backoff)
             return tuple(_filled(result))
 
+    def _drop_present(
+        self,
+        current: _Raw,
+        entries: Sequence[PendingEntry],
+        todo: list[int],
+        result: list[int | None],
+        from_sequence: int,
+    ) -> list[int]:
+        """Record which of ``todo`` are in ``current`` already; return the others."""
+        found = find_locations(
+            current.data, {entries[i].location for i in todo}, from_sequence=from_sequence
+        )
+        if not found:
+            return todo
+        logger.info(
+            "append to %s: %s of %s entries are in the manifest already (appended by their "
+            "producer); not writing them again",
+            self._cas.path,
+            len(found),
+            len(todo),
+        )
+        for index in todo:
+            sequence = found.get(entries[index].location)
+            if sequence is not None:
+                result[index] = sequence
+        return [index for index in todo if entries[index].location not in found]
+
     def _settle_landed(
         self,
         current: _Raw,
@@ -299,7 +342,6 @@ class QueueProducer:
             from_sequence=from_sequence,
             name=self._cas.path,
         )
-
         if landing.status is LandingStatus.UNKNOWN:
             logger.warning(
                 "append to %s: none of %s entries is in the manifest, but entries from sequence "
@@ -321,6 +363,12 @@ class QueueProducer:
             if sequence is not None:
                 result[todo[position]] = sequence
         return [todo[position] for position in landing.missing]
+
+
+def _check_deadline(cas: _CasLoop, deadline: float | None) -> None:
+    """Raise ``StorageError`` once ``deadline`` (on the queue's clock) has passed."""
+    if deadline is not None and cas.clock.monotonic() >= deadline:
+        raise StorageError(f"{cas.path}: append deadline passed before the write")
 
 
 def _filled(result: list[int | None]) -> list[int]:

@@ -111,9 +111,7 @@ class Outcome:
         """
         try:
             record = json.loads(data)
-            status = record["status"]
-            if status not in (APPENDED, UNKNOWN, REFUSED):
-                raise ValueError(f"status {status!r}")
+            status = _status(record["status"])
             sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
             return cls(
                 status=status,
@@ -124,6 +122,12 @@ class Outcome:
             )
         except (ValueError, KeyError, TypeError) as err:
             raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
+
+
+def _status(value: Any) -> str:
+    if value not in (APPENDED, UNKNOWN, REFUSED):
+        raise ValueError(f"status {value!r}")
+    return str(value)
 
 
 def _opt_int(value: Any) -> int | None:
@@ -157,6 +161,8 @@ class _Ticket:
     request_id: str
     entries: list[PendingEntry]
     deadline: float
+    lower: int = 0
+    """The lowest sequence the client may have appended these entries at itself."""
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     started: bool = False
@@ -243,16 +249,23 @@ class AppendCoordinator:
         """Seconds one store request takes, as measured on uncontended rounds."""
         self._back_to_back = 0
         self._last_round_end = float("-inf")
+        self._round: list[_Ticket] = []
 
     # -- requests -------------------------------------------------------------------------
 
     def submit(
-        self, request_id: str, entries: list[PendingEntry], budget: float = DEFAULT_BUDGET
+        self,
+        request_id: str,
+        entries: list[PendingEntry],
+        budget: float = DEFAULT_BUDGET,
+        lower: int = 0,
     ) -> _Ticket:
         """Queue a request for the next round; the ticket's ``done`` is set with its outcome.
 
         A request id seen before returns the earlier ticket (a request is never appended twice
-        under one id).
+        under one id). ``lower`` is the highest ``next_sequence`` the client had seen when it
+        sent the request: should it stop waiting and append the entries itself, they land at
+        or after it, and a round that reads the manifest looks for them there first.
 
         Raises:
             InvalidInputError: no entries, duplicate locations, or a location outside the
@@ -275,7 +288,9 @@ class AppendCoordinator:
             known = self._tickets.get(request_id)
             if known is not None:
                 return known
-            ticket = _Ticket(request_id, entries, now + min(budget, DEFAULT_BUDGET * 30))
+            ticket = _Ticket(
+                request_id, entries, now + min(budget, DEFAULT_BUDGET * 30), max(0, lower)
+            )
             self._tickets[request_id] = ticket
             self.counters.add("requests")
             if self._stopping or self.dead is not None:
@@ -295,7 +310,8 @@ class AppendCoordinator:
         """The outcome of a request, for a client whose reply was lost.
 
         A request still waiting for its round is withdrawn (``refused``); one inside a round is
-        waited for up to ``wait`` seconds (``None`` if still running); an id never seen is
+        waited for up to ``wait`` seconds (``None`` if still running), and is ``unknown`` when
+        the rounds died under it (nothing more will be written for it); an id never seen is
         remembered as refused, so the request, should it still arrive, is never appended.
         """
         now = self._clock.monotonic()
@@ -310,7 +326,14 @@ class AppendCoordinator:
                 self._pending_entries -= len(ticket.entries)
                 self._settle(ticket, Outcome(REFUSED, reason="withdrawn before its round"))
         ticket.done.wait(wait)
-        return ticket.outcome
+        with self._lock:
+            if ticket.outcome is None and self.dead is not None:
+                return Outcome(
+                    UNKNOWN,
+                    (None,) * len(ticket.entries),
+                    reason=f"the coordinator's rounds stopped: {self.dead!r}",
+                )
+            return ticket.outcome
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -324,9 +347,7 @@ class AppendCoordinator:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name="millpond-coordinator", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="millpond-coordinator", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -351,10 +372,17 @@ class AppendCoordinator:
                     return
                 self._append(round_)
         except BaseException as err:
-            # A crash: the requests of the round get no reply (their clients look in the
-            # manifest themselves); every later request is refused.
+            # A crash: the requests of the round get no reply (their clients ask, hear
+            # "unknown", and look in the manifest themselves); what had not started is refused,
+            # and so is every later request. No thread writes for them any more.
             with self._lock:
                 self.dead = err
+                for ticket in self._round:
+                    ticket.done.set()
+                while self._pending:
+                    ticket = self._pending.popleft()
+                    self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
+                self._pending_entries = 0
                 self._lock.notify_all()
             if not isinstance(err, Exception):
                 raise
@@ -371,9 +399,9 @@ class AppendCoordinator:
         with self._lock:
             round_: list[_Ticket] = []
             size = 0
-            while self._pending and (not round_ or size + len(self._pending[0].entries) <= (
-                self._max_round
-            )):
+            while self._pending and (
+                not round_ or size + len(self._pending[0].entries) <= (self._max_round)
+            ):
                 ticket = self._pending.popleft()
                 self._pending_entries -= len(ticket.entries)
                 if ticket.deadline - now < _MIN_BUDGET:
@@ -382,6 +410,7 @@ class AppendCoordinator:
                 ticket.started = True
                 round_.append(ticket)
                 size += len(ticket.entries)
+            self._round = round_
             return round_
 
     def _pace(self) -> None:
@@ -406,12 +435,13 @@ class AppendCoordinator:
         started = self._clock.monotonic()
         outcomes: list[Outcome]
         try:
-            sequences: tuple[int | None, ...] = self._queue.append(entries, deadline=deadline)
+            sequences: tuple[int | None, ...] = self._queue.append(
+                entries, deadline=deadline, present_from=min(t.lower for t in round_)
+            )
             self._measure(started, before)
             next_sequence = self._queue.seen_next_sequence
             outcomes = [
-                Outcome(APPENDED, seqs, next_sequence)
-                for seqs in _slices(sequences, round_)
+                Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(sequences, round_)
             ]
             self.counters.add("entries_appended", len(entries))
         except CommitStateUnknownError as err:
@@ -425,7 +455,9 @@ class AppendCoordinator:
             outcomes = [
                 Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
                 if all(s is not None for s in seqs)
-                else Outcome(UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err))
+                else Outcome(
+                    UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err)
+                )
                 for seqs in _slices(known, round_)
             ]
         except StorageError as err:
@@ -433,10 +465,8 @@ class AppendCoordinator:
             logger.warning("round of %s entries refused: %s", len(entries), err)
             outcomes = [Outcome(REFUSED, reason=str(err)) for _ in round_]
         except MillpondError as err:
-            logger.error("round of %s entries failed: %s", len(entries), err)
-            outcomes = [
-                Outcome(UNKNOWN, (None,) * len(t.entries), reason=str(err)) for t in round_
-            ]
+            logger.exception("round of %s entries failed", len(entries))
+            outcomes = [Outcome(UNKNOWN, (None,) * len(t.entries), reason=str(err)) for t in round_]
         self.counters.add("rounds")
         self._back_to_back += 1
         self._last_round_end = self._clock.monotonic()
@@ -477,13 +507,10 @@ class AppendCoordinator:
             del self._tickets[rid]
 
 
-def _slices(
-    sequences: Sequence[int | None], round_: list[_Ticket]
-) -> list[tuple[int | None, ...]]:
+def _slices(sequences: Sequence[int | None], round_: list[_Ticket]) -> list[tuple[int | None, ...]]:
     out: list[tuple[int | None, ...]] = []
     begin = 0
     for ticket in round_:
         out.append(tuple(sequences[begin : begin + len(ticket.entries)]))
         begin += len(ticket.entries)
     return out
-

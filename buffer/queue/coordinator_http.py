@@ -6,7 +6,9 @@ Requests (HTTP/1.1, keep-alive):
   (:func:`~millpond.queue.coordinator.encode_entries`); headers ``X-Millpond-Queue`` (the
   queue's identity: a coordinator serves one queue and refuses any other),
   ``X-Millpond-Request`` (an id the client makes up; a second request with the same id gets
-  the first one's outcome, never a second append) and ``X-Millpond-Budget`` (seconds). The
+  the first one's outcome, never a second append), ``X-Millpond-Budget`` (seconds) and
+  ``X-Millpond-From`` (the highest ``next_sequence`` the client has seen: should it append the
+  entries itself after giving up on the reply, they land at or after it). The
   reply, once the round is over, is an :class:`~millpond.queue.coordinator.Outcome` as JSON:
   200 for ``appended`` and ``unknown``, 503 for ``refused``; 400 for a request that cannot be
   served (refused too: nothing is written).
@@ -39,6 +41,7 @@ from millpond.queue.coordinator import (
 __all__ = [
     "APPEND_PATH",
     "BUDGET_HEADER",
+    "FROM_HEADER",
     "HEALTH_PATH",
     "OUTCOME_PATH",
     "QUEUE_HEADER",
@@ -54,6 +57,7 @@ HEALTH_PATH = "/v1/health"
 QUEUE_HEADER = "X-Millpond-Queue"
 REQUEST_HEADER = "X-Millpond-Request"
 BUDGET_HEADER = "X-Millpond-Budget"
+FROM_HEADER = "X-Millpond-From"
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
@@ -64,8 +68,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = _IDLE_TIMEOUT
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
-        logger.debug("%s " + format, self.address_string(), *args)
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
 
     def do_GET(self) -> None:
         if self.path != HEALTH_PATH:
@@ -112,8 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
+            lower = int(self.headers.get(FROM_HEADER, "0"))
             entries = decode_entries(body)
-            ticket = coordinator.submit(request_id, entries, budget)
+            ticket = coordinator.submit(request_id, entries, budget, lower)
         except (ValueError, FormatError, InvalidInputError) as err:
             self._reply(400, _refused(str(err)))
             return
@@ -170,7 +175,8 @@ class CoordinatorServer:
     @property
     def url(self) -> str:
         host = self._server.server_address[0]
-        return f"http://{host}:{self.port}"
+        text = host.decode() if isinstance(host, bytes) else str(host)
+        return f"http://{text}:{self.port}"
 
     def start(self) -> CoordinatorServer:
         """Start the rounds and serve requests on a daemon thread; returns ``self``."""
@@ -206,4 +212,3 @@ class CoordinatorServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
