@@ -191,7 +191,8 @@ class _CoordinatorProcess:
     """``millpond coordinator`` as a child process."""
 
     def __init__(self, endpoint: S3Endpoint, url: str) -> None:
-        command = [sys.executable, "-m", "millpond.cli", "coordinator", url, "--port", "0", "--create"]
+        command = [sys.executable, "-m", "millpond.cli", "coordinator", url, "--create"]
+        command += ["--port", "0"]
         for key, value in endpoint.store_options().items():
             command += ["--store-option", f"{key}={value}"]
         env = {**os.environ, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9"}
@@ -288,6 +289,14 @@ def test_sigkill_of_the_coordinator_mid_round_loses_and_doubles_nothing(
     assert sorted(counts) == sorted(wanted)
 
 
+def _next(consumer: Consumer) -> Any:
+    end = time.monotonic() + DEADLINE
+    while (batch := consumer.next_batch()) is None:
+        assert time.monotonic() < end, "timed out waiting for a batch"
+        time.sleep(0.01)
+    return batch
+
+
 def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
     seaweedfs_s3: S3Endpoint, tmp_path: Path
 ) -> None:
@@ -314,10 +323,9 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
         )
         older.initialize()
         for _ in range(6):  # consume and dequeue while the coordinator keeps appending
-            got: list[Any] = []
-            _wait_for(lambda: got.append(older.next_batch()) or got[-1] is not None, "a batch")
-            read.extend(got[-1].entries)
-            older.ack(got[-1].sequence)
+            batch = _next(older)
+            read.extend(batch.entries)
+            older.ack(batch.sequence)
         older.flush()
         newer = Consumer(ConsumerConfig(store=store, manifest_path=MANIFEST, gc_enabled=False))
         newer.initialize(last_acked_sequence=older.acked_sequence)
