@@ -23,6 +23,14 @@ Baseline: the lone producer's ``wait()`` p50 (N = 1, default strategy) in the sa
 run and reported beside it. CPU: the producers' own CPU seconds over the window, as a share
 of the machine (a figure near 1 means the machine, not the store, set the pace).
 
+Coordinator mode (policy ``coordinator``, part of every run): the same N producers append
+through one ``millpond coordinator`` process serving the queue (started with ``--create``,
+stopped with SIGTERM after the run), which appends every waiting producer's batches in one
+compare-and-swap per round; their direct appends (fallback) use the default strategy. Its
+target (issue 11): p99 <= 3x the lone producer's p50 at N = 16, reported as
+``coordinator_p99_over_lone_p50_at_max_n`` and ``coordinator_passed`` (``through_coordinator``
+per row: the share of appends the coordinator made; the rest fell back).
+
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
 ``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``.
 """
@@ -351,6 +359,10 @@ def run(quick: bool) -> dict[str, Any]:
                 and r["p99_over_lone_p50"] <= P99_LIMIT
                 and r["gave_up_warnings"] == 0
             )
+    coordinated = by_policy.get(COORDINATED) or []
+    at_max = max(coordinated, key=lambda r: r["producers"]) if coordinated else None
+    for r in coordinated:
+        r["passed"] = r["p99_over_lone_p50"] <= COORDINATOR_P99_LIMIT and r["gave_up_warnings"] == 0
     judged_policy = "default" if "default" in by_policy else policies[0]
     judged = by_policy[judged_policy]
     ratio = max(
@@ -412,6 +424,14 @@ def run(quick: bool) -> dict[str, Any]:
             "judged_policy": judged_policy,
             "locations_per_s_grow_with_n": grows,
             "gave_up_warnings": sum(r["gave_up_warnings"] for r in judged),
+            "coordinator_p99_over_lone_p50_at_max_n": (
+                at_max["p99_over_lone_p50"] if at_max is not None else None
+            ),
+            "coordinator_passed": (
+                at_max["passed"] and all(r["through_coordinator"] > 0.9 for r in coordinated)
+                if at_max is not None
+                else None
+            ),
             "by_policy": by_policy,
             "period_s": PERIOD,
             "seconds_per_run": seconds,
@@ -424,6 +444,12 @@ def run(quick: bool) -> dict[str, Any]:
             f"N={worst['producers']}: p50 {worst['p50_over_lone_p50']:.1f}x, p99 "
             f"{worst['p99_over_lone_p50']:.1f}x, {worst['gave_up_warnings']} gave-up"
             + (f"; {others}" if others else "")
+            + (
+                f"; coordinator at N={at_max['producers']}: p99 "
+                f"{at_max['p99_over_lone_p50']:.1f}x (target {COORDINATOR_P99_LIMIT:g}x)"
+                if at_max is not None
+                else ""
+            )
         ),
         notes=(
             "ratio = worst over N of max(p50 / (3 x lone p50), p99 / (6 x lone p50)) for the "

@@ -384,9 +384,11 @@ class AppendCoordinator:
                     self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
                 self._pending_entries = 0
                 self._lock.notify_all()
-            if not isinstance(err, Exception):
-                raise
-            logger.exception("coordinator of %s stopped", self.manifest_path)
+            # Not raised again: nothing above this thread could handle it, and the request
+            # threads report the death to every client.
+            logger.error(
+                "coordinator of %s stopped: %r", self.manifest_path, err, exc_info=err
+            )
 
     def _next_round(self) -> list[_Ticket] | None:
         with self._lock:

@@ -197,6 +197,14 @@ class CoordinatorServer:
         logger.info("coordinator of %s serving on %s", self.coordinator.queue, self.url)
         self._server.serve_forever(poll_interval=0.1)
 
+    def close_listener(self) -> None:
+        """Stop accepting connections at once (requests on open connections still get their
+        outcomes); :meth:`close` stops the rounds too."""
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(5.0)
+        self._server.server_close()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop: refuse what has not started, finish the round under way, close the socket."""
         self.coordinator.stop(timeout)

@@ -26,10 +26,13 @@ from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.producer import Producer, ProducerConfig
 from millpond.producer.spark.commit import commit_micro_batch
+from millpond.queue.claim import queue_identity
+from millpond.queue.coordinator import AppendCoordinator
+from millpond.queue.coordinator_http import CoordinatorServer
 from tests.invariants import ConsumerEvent
-from tests.system.sim import Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
+from tests.system.sim import Fault, Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
 
-__all__ = ["ConsumerRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
+__all__ = ["ConsumerRole", "CoordinatorRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
 
 # Short rounds: a role whose store is down gives up a round quickly (in simulated time).
 RETRY = RetryPolicy(max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2)
@@ -59,8 +62,11 @@ class ProducerRole:
         skew_ms: int,
         wal_dir: Path,
         down: Callable[[], bool],
+        coordinator: str | None = None,
     ) -> None:
         self.source = f"{queue.name}p{index}"
+        self.coordinator = coordinator
+        """The ``millpond coordinator`` URL its appends go through, if any."""
         self.queue = queue
         self._recorder = recorder
         self._clock = SkewedClock(clock, skew_ms)
@@ -88,6 +94,7 @@ class ProducerRole:
             flush_size_bytes=1,  # one batch per produce() call: appends of several batches
             upload_concurrency=1,
             retry=RETRY,
+            coordinator=self.coordinator,
             clock=self._clock,
         )
         try:
@@ -156,6 +163,59 @@ class ProducerRole:
         producer, self.producer = self.producer, None
         if producer is not None:
             self._while_the_clock_runs(lambda: producer.close(timeout=5), _FLUSH_ROUNDS)
+
+
+class CoordinatorRole:
+    """``millpond coordinator`` for one queue: a real ``AppendCoordinator`` served over HTTP on
+    loopback, on its own ``RoleStore``. A crash stops its listener and kills its store view
+    (the round under way dies at its next store call); a restart serves on the same port."""
+
+    def __init__(
+        self, queue: QueueSpec, recorder: Recorder, clock: SimClock, down: Callable[[], bool]
+    ) -> None:
+        self.queue = queue
+        self._recorder = recorder
+        self._clock = clock
+        self._down = down
+        self.port = 0
+        self.store: RoleStore | None = None
+        self.server: CoordinatorServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.server is not None and self.store is not None and not self.store.dead
+
+    def start(self) -> None:
+        self.store = RoleStore(self._recorder, "coordinator", self._down)
+        coordinator = AppendCoordinator(
+            self.store,
+            self.queue.manifest_path,
+            data_path_prefix=self.queue.data_path_prefix,
+            queue=queue_identity(self._recorder.url, self.queue.manifest_path),
+            retry=RETRY,
+            clock=self._clock,
+        )
+        self.server = CoordinatorServer(coordinator, port=self.port).start()
+        self.port = self.server.port
+
+    def arm(self, fault: Fault) -> None:
+        if self.store is not None and not self.store.dead:
+            self.store.arm(fault)
+
+    def crash(self) -> None:
+        """The process dies: no more store calls, nothing listens on its port."""
+        server, self.server = self.server, None
+        if self.store is not None:
+            self.store.dead = True
+        if server is not None:
+            server.close_listener()
+            # Lets an idle round thread end (a real crash takes it too). What was waiting for
+            # a round is refused: true, since this store view writes nothing any more.
+            server.coordinator.stop(0)
 
 
 class ConsumerRole:

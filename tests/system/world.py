@@ -36,6 +36,7 @@ from tests.invariants import (
 )
 from tests.system.roles import (
     ConsumerRole,
+    CoordinatorRole,
     GcRole,
     ProducerRole,
     QueueSpec,
@@ -53,8 +54,35 @@ _MAX_SKEW_MS = 20_000
 Event = tuple[Any, ...]
 
 
+def coordinated(seed: int) -> bool:
+    """Whether queue A's producers append through a ``millpond coordinator`` in this schedule
+    (a third of the seeds; the others keep the schedules they always had)."""
+    return seed % 3 == 2
+
+
 def schedule(seed: int, length: int = 28) -> list[Event]:
     """The events of one schedule, chosen by ``seed``."""
+    events = _base_schedule(seed, length)
+    if coordinated(seed):
+        # The coordinator is started first, then crashed, restarted and faulted at points
+        # its own generator picks (the other events stay those of the seed).
+        rng = random.Random(seed ^ 0xC00D)
+        for _ in range(rng.randint(3, 6)):
+            kind = rng.choice(["crash_coordinator", "restart_coordinator", "arm_coordinator"])
+            event: Event = (kind,)
+            if kind == "arm_coordinator":
+                event = (
+                    kind,
+                    rng.choice(["cas", "read", "any"]),
+                    rng.choice(["fail", "land", "hold", "crash", "crash_after"]),
+                    rng.randrange(3),
+                )
+            events.insert(rng.randrange(len(events) + 1), event)
+        events.insert(0, ("start_coordinator",))
+    return events
+
+
+def _base_schedule(seed: int, length: int) -> list[Event]:
     rng = random.Random(seed)
     ops = ["cas", "put", "read", "any"]
     modes = ["fail", "land", "hold", "crash", "crash_after"]
@@ -162,6 +190,14 @@ class World:
             0, self.queue_b, self.recorder, self.clock, 0, directory / "wal-b0", self._outage
         )
         self.stream = StreamRole(self.queue_a, self.recorder, self.clock, self._outage)
+        self.coordinator: CoordinatorRole | None = None
+        if coordinated(seed):
+            self.coordinator = CoordinatorRole(
+                self.queue_a, self.recorder, self.clock, self._outage
+            )
+            self.coordinator.start()
+            for producer in self.producers:
+                producer.coordinator = self.coordinator.url
         for producer in [*self.producers, self.producer_b]:
             producer.start()
         # Queue A's consumer has run before (its table is A's): the misconfigured consumer of
@@ -215,6 +251,9 @@ class World:
         for producer in [*self.producers, self.producer_b]:
             if producer.producer is not None and producer.store is not None and producer.store.dead:
                 producer.crash()
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.server is not None and not coordinator.alive:
+            coordinator.crash()  # died at a store call: its listener goes with it
 
     def _apply(self, event: Event) -> None:
         kind = event[0]
@@ -239,6 +278,19 @@ class World:
                 producer.store.arm(Fault("read", "fail", times=5))  # its own look fails too
             producer.produce(count)
             producer.flush()
+        elif kind == "start_coordinator":
+            pass  # started with the world (the producers need its address)
+        elif kind == "crash_coordinator":
+            if self.coordinator is not None:
+                self.coordinator.crash()
+        elif kind == "restart_coordinator":
+            if self.coordinator is not None and not self.coordinator.alive:
+                self.coordinator.crash()
+                self.coordinator.start()
+        elif kind == "arm_coordinator":
+            _, op, mode, after = event
+            if self.coordinator is not None:
+                self.coordinator.arm(Fault(op, mode, after))
         elif kind == "crash_producer":
             self.producers[event[1]].crash()
         elif kind == "restart_producer":
@@ -337,6 +389,12 @@ class World:
         consumed; the collector runs once everything is old."""
         self.outage_left = 0
         self.recorder.release_held()
+        if self.coordinator is not None:
+            if not self.coordinator.alive:
+                self.coordinator.crash()
+                self.coordinator.start()
+            assert self.coordinator.store is not None
+            self.coordinator.store.disarm()
         for producer in [*self.producers, self.producer_b]:
             if producer.store is not None:
                 producer.store.disarm()
@@ -358,10 +416,15 @@ class World:
         for queue in (self.queue_a, self.queue_b):
             GcRole(queue, self.recorder, self.clock, GRACE, self._outage).run_once()
         self._consume(self.queue_a)  # nothing left, and nothing it needs was collected
+        if self.coordinator is not None:
+            self.coordinator.crash()  # its threads end with the schedule
 
     def check(self) -> None:
         """Assert every invariant; raises ``AssertionError`` naming the first broken one."""
         assert not self.violations, "; ".join(self.violations)
+        assert not self.recorder.doubled, (
+            f"a location twice in one manifest: {self.recorder.doubled}"
+        )
         rows_a = sink_rows(self.sink, self.queue_a.table)
         rows_b = sink_rows(self.sink, self.queue_b.table)
         staged_a = [r for p in self.producers for r in p.staged] + self.stream.records
