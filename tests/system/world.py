@@ -67,15 +67,21 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
         # The coordinator is started first, then crashed, restarted and faulted at points
         # its own generator picks (the other events stay those of the seed).
         rng = random.Random(seed ^ 0xC00D)
-        for _ in range(rng.randint(3, 6)):
-            kind = rng.choice(["crash_coordinator", "restart_coordinator", "arm_coordinator"])
+        for _ in range(rng.randint(4, 8)):
+            kind = rng.choices(
+                ["crash_coordinator", "restart_coordinator", "arm_coordinator"], [1, 2, 4]
+            )[0]
             event: Event = (kind,)
             if kind == "arm_coordinator":
+                # Mostly its compare-and-swap, and mostly a death around it: the cases where a
+                # producer gets no answer and must look in the manifest itself.
                 event = (
                     kind,
-                    rng.choice(["cas", "read", "any"]),
-                    rng.choice(["fail", "land", "hold", "crash", "crash_after"]),
-                    rng.randrange(3),
+                    rng.choices(["cas", "read", "any"], [4, 1, 1])[0],
+                    rng.choices(["fail", "land", "hold", "crash", "crash_after"], [1, 1, 1, 2, 3])[
+                        0
+                    ],
+                    rng.randrange(2),
                 )
             events.insert(rng.randrange(len(events) + 1), event)
         events.insert(0, ("start_coordinator",))
