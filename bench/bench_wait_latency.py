@@ -32,7 +32,8 @@ target (issue 11): p99 <= 3x the lone producer's p50 at N = 16, reported as
 per row: the share of appends the coordinator made; the rest fell back).
 
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
-``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``.
+``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``,
+``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments).
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ def start_coordinator(url: str, options: dict[str, str]) -> Iterator[str]:
     """A ``millpond coordinator`` process for the queue at ``url``; yields its URL."""
     command = [sys.executable, "-m", "millpond.cli", "--log-level", "WARNING", "coordinator"]
     command += [url, "--port", "0", "--create"]
+    command += os.environ.get("MILLPOND_BENCH_COORDINATOR_ARGS", "").split()
     for key, value in options.items():
         command += ["--store-option", f"{key}={value}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

@@ -386,9 +386,7 @@ class AppendCoordinator:
                 self._lock.notify_all()
             # Not raised again: nothing above this thread could handle it, and the request
             # threads report the death to every client.
-            logger.error(
-                "coordinator of %s stopped: %r", self.manifest_path, err, exc_info=err
-            )
+            logger.exception("coordinator of %s stopped", self.manifest_path)
 
     def _next_round(self) -> list[_Ticket] | None:
         with self._lock:

@@ -298,9 +298,14 @@ def _next(consumer: Consumer) -> Any:
 
 
 def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
-    seaweedfs_s3: S3Endpoint, tmp_path: Path
+    slow_endpoint: S3Endpoint, seaweedfs_s3: S3Endpoint, tmp_path: Path
 ) -> None:
-    store = _store(seaweedfs_s3)
+    """At 50 ms a request a coordinator appending back to back on its cached ETag would win
+    every race against a consumer's read-then-write (measured: an epoch bump gave up after 100
+    conflicts without the pauses); it leaves the manifest alone now and then, and the takeover
+    and dequeues get in."""
+    root = unique_root()
+    store = _store(slow_endpoint, root)
     claim_queue(store)
     server = _serve(store)
     producers = [
@@ -317,7 +322,7 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
     for thread in threads:
         thread.start()
     try:
-        _wait_for(lambda: server.coordinator.stats()["rounds"] >= 10, "ten rounds")
+        _wait_for(lambda: server.coordinator.stats()["yields"] >= 1, "back-to-back rounds")
         older = Consumer(
             ConsumerConfig(store=store, manifest_path=MANIFEST, gc_enabled=False, ack_batch_size=2)
         )
@@ -346,11 +351,12 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
         for producer in producers:
             producer.close(timeout=DEADLINE)
         server.close()
-    while (batch := newer.next_batch()) is not None:
-        read.extend(batch.entries)
-        newer.ack(batch.sequence)
     newer.close()
     assert epochs[1] > epochs[0]
     wanted = [record for records in staged for record in records]
-    assert Counter(read) == Counter(wanted)
-    assert server.coordinator.stats()["manifest_writes"] >= 15
+    # What the older consumer dequeued, and what the manifest still holds (read without the
+    # proxy): every staged record once.
+    assert Counter(read + all_entries(_store(seaweedfs_s3, root))) == Counter(wanted)
+    stats = server.coordinator.stats()
+    assert stats["manifest_writes"] >= 15, stats
+    assert stats["yields"] >= 2, stats  # it paused while the consumers bumped and dequeued
