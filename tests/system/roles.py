@@ -403,6 +403,8 @@ class StreamRole:
         self.next_batch_id = 0
         self.pending: int | None = None
         """A batch id whose commit did not return; it is run again before the next."""
+        self.coordinator: str | None = None
+        """The coordinator the driver commits through (``.option("coordinator", ...)``)."""
         self.records: list[bytes] = []
 
     def rows(self, batch_id: int) -> list[bytes]:
@@ -434,6 +436,7 @@ class StreamRole:
                 gc_grace_period=60.0,
                 retry=RETRY,
                 clock=self._clock,
+                coordinator=(self.coordinator,) if self.coordinator else (),
             )
         except (MillpondError, SimulatedCrash):
             return False

@@ -204,6 +204,7 @@ class World:
             self.coordinator.start()
             for producer in self.producers:
                 producer.coordinator = self.coordinator.url
+            self.stream.coordinator = self.coordinator.url
         for producer in [*self.producers, self.producer_b]:
             producer.start()
         # Queue A's consumer has run before (its table is A's): the misconfigured consumer of
