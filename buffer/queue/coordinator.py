@@ -19,6 +19,14 @@ lands only if the manifest has not changed since — before the writer's own loo
 finds it. A request that never got into a round is answered ``refused``: nothing of it was or
 will be written, and the writer appends it directly at once.
 
+Two looks keep a location from being appended twice when the writer's view and the
+coordinator's cross: a round that reads the manifest drops the entries it finds there from the
+request's ``lower`` bound on (its writer stopped waiting and appended them itself —
+``present_from`` of ``QueueProducer.append``), and the coordinator remembers the locations it
+appended in the last ``_REMEMBER`` seconds and answers a request for them with their sequences
+instead of writing them again (a writer that restarted before its old request's round landed;
+rounds on the cached ETag read nothing, so only this memory sees them).
+
 Fencing. Rounds carry the footer's epoch forward unchanged (``append_entries``), like any
 producer. A writer on its cached ETag wins every race against one that must read first, so
 back-to-back rounds would starve the consumer's dequeue and epoch bump (a read, then a write):
@@ -250,6 +258,8 @@ class AppendCoordinator:
         self._back_to_back = 0
         self._last_round_end = float("-inf")
         self._round: list[_Ticket] = []
+        self._recent: dict[str, int] = {}
+        self._recent_at: deque[tuple[float, str]] = deque()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -430,25 +440,33 @@ class AppendCoordinator:
         if not round_:
             return
         entries = [entry for ticket in round_ for entry in ticket.entries]
+        # Entries this coordinator appended itself a moment ago (a producer that restarted
+        # before its old request's round landed sends them again): their sequences, unwritten.
+        # A round on the cached ETag never reads the manifest, so only this memory finds them.
+        known: list[int | None] = [self._recent.get(entry.location) for entry in entries]
+        todo = [i for i, sequence in enumerate(known) if sequence is None]
         deadline = min(ticket.deadline for ticket in round_)
         before = self.counters.snapshot()
         started = self._clock.monotonic()
         outcomes: list[Outcome]
         try:
-            sequences: tuple[int | None, ...] = self._queue.append(
-                entries, deadline=deadline, present_from=min(t.lower for t in round_)
-            )
-            self._measure(started, before)
+            if todo:
+                sequences: tuple[int | None, ...] = self._queue.append(
+                    [entries[i] for i in todo],
+                    deadline=deadline,
+                    present_from=min(t.lower for t in round_),
+                )
+                self._measure(started, before)
+                self._remember([entries[i] for i in todo], sequences)
+                _merge(known, todo, sequences)
             next_sequence = self._queue.seen_next_sequence
-            outcomes = [
-                Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(sequences, round_)
-            ]
-            self.counters.add("entries_appended", len(entries))
+            outcomes = [Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(known, round_)]
+            self.counters.add("entries_appended", len(todo))
         except CommitStateUnknownError as err:
-            known = err.sequences or (None,) * len(entries)
+            _merge(known, todo, err.sequences or (None,) * len(todo))
             logger.warning(
                 "round of %s entries from %s requests may or may not have landed: %s",
-                len(entries),
+                len(todo),
                 len(round_),
                 err,
             )
@@ -461,12 +479,18 @@ class AppendCoordinator:
                 for seqs in _slices(known, round_)
             ]
         except StorageError as err:
-            # No write of the round can have landed: the clients append directly.
-            logger.warning("round of %s entries refused: %s", len(entries), err)
-            outcomes = [Outcome(REFUSED, reason=str(err)) for _ in round_]
+            # No write of the round can have landed: the clients append directly (what is
+            # known to be in already is said, and the rest is looked for first).
+            logger.warning("round of %s entries refused: %s", len(todo), err)
+            outcomes = [
+                Outcome(UNKNOWN, seqs, reason=str(err))
+                if any(s is not None for s in seqs)
+                else Outcome(REFUSED, reason=str(err))
+                for seqs in _slices(known, round_)
+            ]
         except MillpondError as err:
-            logger.exception("round of %s entries failed", len(entries))
-            outcomes = [Outcome(UNKNOWN, (None,) * len(t.entries), reason=str(err)) for t in round_]
+            logger.exception("round of %s entries failed", len(todo))
+            outcomes = [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
         self.counters.add("rounds")
         self._back_to_back += 1
         self._last_round_end = self._clock.monotonic()
@@ -483,6 +507,19 @@ class AppendCoordinator:
             sample = self._clock.monotonic() - started
             if sample > 0:
                 self.slot += _SLOT_SMOOTHING * (sample - self.slot)
+
+    def _remember(self, entries: Sequence[PendingEntry], sequences: Sequence[int | None]) -> None:
+        """Keep the locations just appended for ``_REMEMBER`` seconds (round thread only)."""
+        now = self._clock.monotonic()
+        for entry, sequence in zip(entries, sequences, strict=True):
+            if sequence is not None:
+                self._recent[entry.location] = sequence
+                self._recent_at.append((now, entry.location))
+        while self._recent_at and (
+            now - self._recent_at[0][0] > _REMEMBER or len(self._recent_at) > self._max_pending
+        ):
+            _, location = self._recent_at.popleft()
+            self._recent.pop(location, None)
 
     def _settle(self, ticket: _Ticket, outcome: Outcome) -> None:
         """Record the outcome (holding the lock)."""
@@ -505,6 +542,11 @@ class AppendCoordinator:
         ]
         for rid in stale:
             del self._tickets[rid]
+
+
+def _merge(known: list[int | None], todo: list[int], sequences: Sequence[int | None]) -> None:
+    for index, sequence in zip(todo, sequences, strict=True):
+        known[index] = sequence
 
 
 def _slices(sequences: Sequence[int | None], round_: list[_Ticket]) -> list[tuple[int | None, ...]]:

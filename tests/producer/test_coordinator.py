@@ -187,6 +187,34 @@ def test_a_late_request_is_not_appended_again_after_its_producer_appended_it(
     assert _locations(queue_store) == [e.location for e in entries]
 
 
+def test_a_producer_restarted_before_its_old_round_landed_is_not_appended_twice(
+    queue_store: ObjectStore,
+) -> None:
+    """A producer dies with a request in a round, restarts, finds the manifest without it (the
+    round had not landed yet) and sends the same locations again: the coordinator, whose next
+    round writes on its cached ETag without reading, answers with the sequences it gave them."""
+    from millpond.formats.manifest import Metadata, PendingEntry
+
+    entries = [
+        PendingEntry(f"{PREFIX}/01J0000000000000000000001{i}.batch", (Metadata(0, 0, b""),))
+        for i in range(3)
+    ]
+    coordinator = AppendCoordinator(queue_store, MANIFEST, data_path_prefix=PREFIX)
+    coordinator.start()
+    try:
+        first = coordinator.submit("before-the-crash", entries[:2])
+        assert first.done.wait(DEADLINE)
+        again = coordinator.submit("after-the-restart", entries)  # and one batch more
+        assert again.done.wait(DEADLINE)
+    finally:
+        coordinator.stop(DEADLINE)
+    assert first.outcome is not None
+    assert again.outcome is not None
+    assert again.outcome.status == "appended", again.outcome
+    assert again.outcome.sequences[:2] == first.outcome.sequences, again.outcome
+    assert _locations(queue_store) == [e.location for e in entries]
+
+
 class _CoordinatorProcess:
     """``millpond coordinator`` as a child process."""
 
