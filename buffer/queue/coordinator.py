@@ -39,8 +39,6 @@ clients' entries.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import threading
 from collections import deque
@@ -54,13 +52,21 @@ from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import parse_batch_name
 from millpond.errors import (
     CommitStateUnknownError,
-    FormatError,
     InvalidInputError,
     MillpondError,
     StorageError,
 )
-from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
+from millpond.formats.manifest import PendingEntry
 from millpond.queue.cas import QueueProducer
+from millpond.queue.coordinator_http import (
+    APPENDED,
+    DEFAULT_BUDGET,
+    REFUSED,
+    UNKNOWN,
+    Outcome,
+    decode_entries,
+    encode_entries,
+)
 from millpond.storage.store import ObjectStore
 
 __all__ = [
@@ -76,90 +82,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-APPENDED = "appended"
-"""Every entry is in the queue; ``Outcome.sequences`` says where."""
-UNKNOWN = "unknown"
-"""Some entries may have landed: ``sequences`` holds what is known, ``maybe_landed_from`` where
-the rest may be. No write containing them is sent after the reply."""
-REFUSED = "refused"
-"""Nothing of the request was written, and nothing of it will be."""
-
-DEFAULT_BUDGET = 2.0
-"""Seconds after a request arrives during which the coordinator may send writes containing it."""
 _MIN_BUDGET = 0.05  # a request with less time left is refused rather than tried
 _REMEMBER = 120.0  # seconds an answered request's outcome is kept for an outcome query
 _MAX_ROUND_ENTRIES = 10_000
 _MAX_PENDING_ENTRIES = 200_000
 _SLOT_SMOOTHING = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What became of one request."""
-
-    status: str
-    """:data:`APPENDED`, :data:`UNKNOWN` or :data:`REFUSED`."""
-    sequences: tuple[int | None, ...] = ()
-    """Per entry, its sequence when known to be in the queue."""
-    next_sequence: int | None = None
-    """The manifest's ``next_sequence`` after the round (a lower bound for later appends)."""
-    maybe_landed_from: int | None = None
-    """With :data:`UNKNOWN`: the lowest sequence an attempt could have landed at."""
-    reason: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Outcome:
-        """Parse a reply.
-
-        Raises:
-            FormatError: not an outcome.
-        """
-        try:
-            record = json.loads(data)
-            status = _status(record["status"])
-            sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
-            return cls(
-                status=status,
-                sequences=sequences,
-                next_sequence=_opt_int(record.get("next_sequence")),
-                maybe_landed_from=_opt_int(record.get("maybe_landed_from")),
-                reason=str(record.get("reason", "")),
-            )
-        except (ValueError, KeyError, TypeError) as err:
-            raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
-
-
-def _status(value: Any) -> str:
-    if value not in (APPENDED, UNKNOWN, REFUSED):
-        raise ValueError(f"status {value!r}")
-    return str(value)
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def encode_entries(entries: Sequence[PendingEntry]) -> bytes:
-    """A request body: the entries in the RFC manifest encoding (validated on both ends).
-
-    Raises:
-        InvalidInputError: an entry does not fit the wire format.
-    """
-    data, _ = append_entries(empty_manifest(), entries)
-    return data
-
-
-def decode_entries(data: bytes) -> list[PendingEntry]:
-    """The entries of a request body.
-
-    Raises:
-        FormatError: not a manifest encoding.
-    """
-    manifest = decode_manifest(data, name="coordinator request")
-    return [PendingEntry(e.location, e.metadata) for e in manifest.entries]
 
 
 @dataclass(eq=False)

@@ -3,13 +3,13 @@
 Requests (HTTP/1.1, keep-alive):
 
 * ``POST /v1/append`` — body: the entries in the RFC manifest encoding
-  (:func:`~millpond.queue.coordinator.encode_entries`); headers ``X-Millpond-Queue`` (the
+  (:func:`encode_entries`); headers ``X-Millpond-Queue`` (the
   queue's identity: a coordinator serves one queue and refuses any other),
   ``X-Millpond-Request`` (an id the client makes up; a second request with the same id gets
   the first one's outcome, never a second append), ``X-Millpond-Budget`` (seconds) and
   ``X-Millpond-From`` (the highest ``next_sequence`` the client has seen: should it append the
   entries itself after giving up on the reply, they land at or after it). The
-  reply, once the round is over, is an :class:`~millpond.queue.coordinator.Outcome` as JSON:
+  reply, once the round is over, is an :class:`Outcome` as JSON:
   200 for ``appended`` and ``unknown``, 503 for ``refused``; 400 for a request that cannot be
   served (refused too: nothing is written).
 * ``POST /v1/outcome`` — header ``X-Millpond-Request``: the outcome of a request whose reply
@@ -23,30 +23,37 @@ except outcomes of requests already answered (see :mod:`millpond.queue.coordinat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from millpond.errors import FormatError, InvalidInputError
-from millpond.queue.coordinator import (
-    DEFAULT_BUDGET,
-    REFUSED,
-    AppendCoordinator,
-    Outcome,
-    decode_entries,
-)
+from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
+
+if TYPE_CHECKING:
+    from millpond.queue.coordinator import AppendCoordinator
 
 __all__ = [
+    "APPENDED",
     "APPEND_PATH",
     "BUDGET_HEADER",
+    "DEFAULT_BUDGET",
     "FROM_HEADER",
     "HEALTH_PATH",
     "OUTCOME_PATH",
     "QUEUE_HEADER",
+    "REFUSED",
     "REQUEST_HEADER",
+    "UNKNOWN",
     "CoordinatorServer",
+    "Outcome",
+    "decode_entries",
+    "encode_entries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,87 @@ FROM_HEADER = "X-Millpond-From"
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
+
+
+APPENDED = "appended"
+"""Every entry is in the queue; ``Outcome.sequences`` says where."""
+UNKNOWN = "unknown"
+"""Some entries may have landed: ``sequences`` holds what is known, ``maybe_landed_from`` where
+the rest may be. No write containing them is sent after the reply."""
+REFUSED = "refused"
+"""Nothing of the request was written, and nothing of it will be."""
+
+DEFAULT_BUDGET = 2.0
+"""Seconds after a request arrives during which the coordinator may send writes containing it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one request."""
+
+    status: str
+    """:data:`APPENDED`, :data:`UNKNOWN` or :data:`REFUSED`."""
+    sequences: tuple[int | None, ...] = ()
+    """Per entry, its sequence when known to be in the queue."""
+    next_sequence: int | None = None
+    """The manifest's ``next_sequence`` after the round (a lower bound for later appends)."""
+    maybe_landed_from: int | None = None
+    """With :data:`UNKNOWN`: the lowest sequence an attempt could have landed at."""
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Outcome:
+        """Parse a reply.
+
+        Raises:
+            FormatError: not an outcome.
+        """
+        try:
+            record = json.loads(data)
+            status = _status(record["status"])
+            sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
+            return cls(
+                status=status,
+                sequences=sequences,
+                next_sequence=_opt_int(record.get("next_sequence")),
+                maybe_landed_from=_opt_int(record.get("maybe_landed_from")),
+                reason=str(record.get("reason", "")),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
+
+
+def _status(value: Any) -> str:
+    if value not in (APPENDED, UNKNOWN, REFUSED):
+        raise ValueError(f"status {value!r}")
+    return str(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def encode_entries(entries: Sequence[PendingEntry]) -> bytes:
+    """A request body: the entries in the RFC manifest encoding (validated on both ends).
+
+    Raises:
+        InvalidInputError: an entry does not fit the wire format.
+    """
+    data, _ = append_entries(empty_manifest(), entries)
+    return data
+
+
+def decode_entries(data: bytes) -> list[PendingEntry]:
+    """The entries of a request body.
+
+    Raises:
+        FormatError: not a manifest encoding.
+    """
+    manifest = decode_manifest(data, name="coordinator request")
+    return [PendingEntry(e.location, e.metadata) for e in manifest.entries]
 
 
 class _Handler(BaseHTTPRequestHandler):
