@@ -336,9 +336,14 @@ class AppendCoordinator:
         with self._lock:
             round_: list[_Ticket] = []
             size = 0
+            locations: set[str] = set()
             while self._pending and (
                 not round_ or size + len(self._pending[0].entries) <= (self._max_round)
             ):
+                if any(e.location in locations for e in self._pending[0].entries):
+                    # The same batch twice (a producer that restarted): the later request waits
+                    # for the next round, which finds it appended (one append cannot hold both).
+                    break
                 ticket = self._pending.popleft()
                 self._pending_entries -= len(ticket.entries)
                 if ticket.deadline - now < _MIN_BUDGET:
@@ -347,6 +352,7 @@ class AppendCoordinator:
                 ticket.started = True
                 round_.append(ticket)
                 size += len(ticket.entries)
+                locations.update(e.location for e in ticket.entries)
             self._round = round_
             return round_
 

@@ -215,6 +215,31 @@ def test_a_producer_restarted_before_its_old_round_landed_is_not_appended_twice(
     assert _locations(queue_store) == [e.location for e in entries]
 
 
+def test_two_waiting_requests_for_one_batch_take_two_rounds_and_append_it_once(
+    queue_store: ObjectStore,
+) -> None:
+    """Both requests wait before any round (the restarted producer's came in before the old
+    one's round began): they never share a round, whose one append could not hold both."""
+    from millpond.formats.manifest import Metadata, PendingEntry
+
+    entry = PendingEntry(f"{PREFIX}/01J00000000000000000000020.batch", (Metadata(0, 0, b""),))
+    other = PendingEntry(f"{PREFIX}/01J00000000000000000000021.batch", (Metadata(0, 0, b""),))
+    coordinator = AppendCoordinator(queue_store, MANIFEST, data_path_prefix=PREFIX)
+    old = coordinator.submit("old", [entry])
+    new = coordinator.submit("new", [entry, other])
+    coordinator.start()
+    try:
+        assert old.done.wait(DEADLINE)
+        assert new.done.wait(DEADLINE)
+    finally:
+        coordinator.stop(DEADLINE)
+    assert old.outcome is not None
+    assert new.outcome is not None
+    assert (old.outcome.status, new.outcome.status) == ("appended", "appended"), new.outcome
+    assert new.outcome.sequences[0] == old.outcome.sequences[0]
+    assert _locations(queue_store) == [entry.location, other.location]
+
+
 class _CoordinatorProcess:
     """``millpond coordinator`` as a child process."""
 
