@@ -222,8 +222,8 @@ class ConsumerRole:
         self.consumer.initialize(last_acked_sequence=start)
         self.record("initialized")
 
-    def run_service(self) -> None:
-        """``millpond consume --exit-when-idle``: take over and drain."""
+    def run_service(self, on_bad_batch: str = "stop") -> None:
+        """``millpond consume --exit-when-idle [--on-bad-batch ...]``: take over and drain."""
         self._open()
         assert self.consumer is not None
         service = ConsumerService(
@@ -233,6 +233,7 @@ class ConsumerRole:
             poll_max=0.002,
             retry_initial_delay=0.001,
             retry_max_delay=0.005,
+            on_bad_batch=on_bad_batch,
         )
         stop = threading.Event()
         original = self.consumer.initialize
@@ -284,19 +285,29 @@ class _RecordingConsumer(Consumer):
         super().__init__(config)
         self._role = role
 
-    def next_batch(self) -> ConsumedBatch | None:
+    # next_batch() goes through next_batches(), and the service delivers with next_batches()
+    # and acks with ack_through(): each path is noted once.
+    def next_batches(self, limit: int) -> list[ConsumedBatch]:
         try:
-            batch = super().next_batch()
+            batches = super().next_batches(limit)
         except FencedError:
             self._role.fenced = True
             raise
-        if batch is not None:
+        for batch in batches:
             self._role.record("delivered", batch.sequence)
-        return batch
+        return batches
 
     def ack(self, sequence: int) -> None:
         try:
             super().ack(sequence)
+        except FencedError:
+            self._role.fenced = True
+            raise
+        self._role.record("acked", sequence)
+
+    def ack_through(self, sequence: int) -> None:
+        try:
+            super().ack_through(sequence)
         except FencedError:
             self._role.fenced = True
             raise
@@ -391,6 +402,23 @@ def sink_rows(path: Path, table: str) -> list[bytes]:
         except sqlite3.OperationalError:  # no table: nothing was ever written
             return []
     return [bytes(row[0]) for row in rows]
+
+
+def sink_progress(path: Path, progress_table: str, table: str) -> list[int]:
+    """The sequences the sink's progress records for ``table``, in commit order.
+
+    SQLite gives a new row the rowid one past the largest, and the sink never deletes progress
+    rows, so rowid order is commit order.
+    """
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(
+                f'SELECT sequence FROM "{progress_table}" WHERE target_table = ? ORDER BY rowid',
+                (table,),
+            ).fetchall()
+        except sqlite3.OperationalError:  # no table: nothing was ever recorded
+            return []
+    return [int(row[0]) for row in rows]
 
 
 _ = SinkError  # raised through ConsumerRole by a sink of another queue
