@@ -66,5 +66,7 @@ def test_schedules_cover_every_kind_of_fault() -> None:
         "stream_with_fault",
         "delayed_append",
         "misconfigured",
+        "poison",
     }
     assert modes >= {"fail", "land", "hold", "crash", "crash_after"}
+    assert modes >= {"corrupt", "refuse", "operator", "auto"}  # poison, and who sets it aside
