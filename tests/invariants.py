@@ -115,26 +115,34 @@ def assert_order_per_source(
         last[source] = number
 
 
-def assert_recorded_in_queue_order(recorded: Sequence[int], next_sequence: int) -> None:
+def assert_recorded_in_queue_order(recorded: Sequence[Sequence[int]], next_sequence: int) -> None:
     """The sink's progress holds each sequence ``0 .. next_sequence - 1`` once, committed in
-    ascending order.
+    queue order.
 
     Args:
-        recorded: the sequences of the sink's progress rows for one queue, in commit order
-            (a written, skipped or quarantined batch each has one; a replay adds none).
+        recorded: the sequences of the sink's progress rows for one queue, one list per commit
+            (a group written in one transaction), in commit order. A written, skipped or
+            quarantined batch each has one row; a replay adds none.
         next_sequence: the queue's ``next_sequence`` once everything was consumed.
     """
-    for earlier, later in itertools.pairwise(recorded):
-        assert later > earlier, (
-            f"sequence {later} was recorded after sequence {earlier}: the sink must record "
-            "batches in queue order (nothing behind a stopped batch before it is set aside)"
-        )
-    missing = sorted(set(range(next_sequence)) - set(recorded))
+    previous: list[int] = []
+    for commit in recorded:
+        if previous and commit:
+            assert min(commit) > max(previous), (
+                f"sequences {sorted(commit)} were recorded after sequences {sorted(previous)}: "
+                "the sink must record batches in queue order (nothing behind a stopped batch "
+                "before it is set aside)"
+            )
+        previous = list(commit) or previous
+    flat = [sequence for commit in recorded for sequence in commit]
+    doubled = sorted(s for s, n in Counter(flat).items() if n > 1)
+    assert not doubled, f"sequences recorded more than once: {doubled[:5]}"
+    missing = sorted(set(range(next_sequence)) - set(flat))
     assert not missing, (
         f"{len(missing)} sequences of the queue were never recorded in the sink (written, "
         f"skipped or set aside), though the queue moved past them: {missing[:5]}"
     )
-    strangers = sorted(s for s in recorded if not 0 <= s < next_sequence)
+    strangers = sorted(s for s in flat if not 0 <= s < next_sequence)
     assert not strangers, f"the sink recorded sequences the queue never had: {strangers[:5]}"
 
 

@@ -9,6 +9,7 @@ and a restart builds a new one on the same WAL directory or sink.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -174,8 +175,10 @@ class ConsumerRole:
         *,
         table: str | None = None,
         progress_table: str | None = None,
+        read_ahead: int = 1,
     ) -> None:
         self.number = number
+        self._read_ahead = read_ahead
         self.queue = queue
         self.store = RoleStore(recorder, f"consumer-{number}", down)
         self._clock = clock
@@ -198,7 +201,7 @@ class ConsumerRole:
                 manifest_path=self.queue.manifest_path,
                 data_path_prefix=self.queue.data_path_prefix,
                 gc_enabled=False,
-                read_ahead=1,
+                read_ahead=self._read_ahead,
                 ack_batch_size=3,
                 retry=RETRY,
                 clock=self._clock,
@@ -404,21 +407,26 @@ def sink_rows(path: Path, table: str) -> list[bytes]:
     return [bytes(row[0]) for row in rows]
 
 
-def sink_progress(path: Path, progress_table: str, table: str) -> list[int]:
-    """The sequences the sink's progress records for ``table``, in commit order.
+def sink_progress(path: Path, progress_table: str, table: str) -> list[list[int]]:
+    """The sequences the sink's progress records for ``table``, grouped by commit, in commit
+    order.
 
     SQLite gives a new row the rowid one past the largest, and the sink never deletes progress
-    rows, so rowid order is commit order.
+    rows, so rowid order is commit order between transactions; inside one (a group written
+    together) the order is the sink's own. Rows of one transaction share ``committed_at_ms``:
+    consecutive rows with the same value are one group (two transactions in one millisecond
+    merge, which can hide a misordering but never invent one).
     """
     with contextlib.closing(sqlite3.connect(path)) as conn:
         try:
             rows = conn.execute(
-                f'SELECT sequence FROM "{progress_table}" WHERE target_table = ? ORDER BY rowid',
+                f'SELECT sequence, committed_at_ms FROM "{progress_table}" '
+                "WHERE target_table = ? ORDER BY rowid",
                 (table,),
             ).fetchall()
         except sqlite3.OperationalError:  # no table: nothing was ever recorded
             return []
-    return [int(row[0]) for row in rows]
+    return [[int(row[0]) for row in group] for _, group in itertools.groupby(rows, lambda r: r[1])]
 
 
 _ = SinkError  # raised through ConsumerRole by a sink of another queue

@@ -136,6 +136,9 @@ class World:
     def __init__(self, seed: int, directory: Path) -> None:
         rng = random.Random(seed ^ 0x5EED)
         self.seed = seed
+        # Read-ahead 4 (the default) lets the service write several fetched batches in one
+        # transaction, so a refused batch can sit inside a group; 1 keeps the older schedules.
+        self.read_ahead = random.Random(seed ^ 0xA4EAD).choice([1, 4])
         self.directory = directory
         self.clock = SimClock()
         self.queue_a = QueueSpec("a", "ingest/manifest", "ingest")
@@ -215,6 +218,7 @@ class World:
             self._outage,
             table=table,
             progress_table=progress,
+            read_ahead=self.read_ahead,
         )
 
     # -- running --------------------------------------------------------------------------
