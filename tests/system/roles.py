@@ -9,6 +9,7 @@ and a restart builds a new one on the same WAL directory or sink.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -234,8 +235,10 @@ class ConsumerRole:
         *,
         table: str | None = None,
         progress_table: str | None = None,
+        read_ahead: int = 1,
     ) -> None:
         self.number = number
+        self._read_ahead = read_ahead
         self.queue = queue
         self.store = RoleStore(recorder, f"consumer-{number}", down)
         self._clock = clock
@@ -258,7 +261,7 @@ class ConsumerRole:
                 manifest_path=self.queue.manifest_path,
                 data_path_prefix=self.queue.data_path_prefix,
                 gc_enabled=False,
-                read_ahead=1,
+                read_ahead=self._read_ahead,
                 ack_batch_size=3,
                 retry=RETRY,
                 clock=self._clock,
@@ -282,8 +285,8 @@ class ConsumerRole:
         self.consumer.initialize(last_acked_sequence=start)
         self.record("initialized")
 
-    def run_service(self) -> None:
-        """``millpond consume --exit-when-idle``: take over and drain."""
+    def run_service(self, on_bad_batch: str = "stop") -> None:
+        """``millpond consume --exit-when-idle [--on-bad-batch ...]``: take over and drain."""
         self._open()
         assert self.consumer is not None
         service = ConsumerService(
@@ -293,6 +296,7 @@ class ConsumerRole:
             poll_max=0.002,
             retry_initial_delay=0.001,
             retry_max_delay=0.005,
+            on_bad_batch=on_bad_batch,
         )
         stop = threading.Event()
         original = self.consumer.initialize
@@ -344,19 +348,29 @@ class _RecordingConsumer(Consumer):
         super().__init__(config)
         self._role = role
 
-    def next_batch(self) -> ConsumedBatch | None:
+    # next_batch() goes through next_batches(), and the service delivers with next_batches()
+    # and acks with ack_through(): each path is noted once.
+    def next_batches(self, limit: int) -> list[ConsumedBatch]:
         try:
-            batch = super().next_batch()
+            batches = super().next_batches(limit)
         except FencedError:
             self._role.fenced = True
             raise
-        if batch is not None:
+        for batch in batches:
             self._role.record("delivered", batch.sequence)
-        return batch
+        return batches
 
     def ack(self, sequence: int) -> None:
         try:
             super().ack(sequence)
+        except FencedError:
+            self._role.fenced = True
+            raise
+        self._role.record("acked", sequence)
+
+    def ack_through(self, sequence: int) -> None:
+        try:
+            super().ack_through(sequence)
         except FencedError:
             self._role.fenced = True
             raise
@@ -454,6 +468,28 @@ def sink_rows(path: Path, table: str) -> list[bytes]:
         except sqlite3.OperationalError:  # no table: nothing was ever written
             return []
     return [bytes(row[0]) for row in rows]
+
+
+def sink_progress(path: Path, progress_table: str, table: str) -> list[list[int]]:
+    """The sequences the sink's progress records for ``table``, grouped by commit, in commit
+    order.
+
+    SQLite gives a new row the rowid one past the largest, and the sink never deletes progress
+    rows, so rowid order is commit order between transactions; inside one (a group written
+    together) the order is the sink's own. Rows of one transaction share ``committed_at_ms``:
+    consecutive rows with the same value are one group (two transactions in one millisecond
+    merge, which can hide a misordering but never invent one).
+    """
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(
+                f'SELECT sequence, committed_at_ms FROM "{progress_table}" '
+                "WHERE target_table = ? ORDER BY rowid",
+                (table,),
+            ).fetchall()
+        except sqlite3.OperationalError:  # no table: nothing was ever recorded
+            return []
+    return [[int(row[0]) for row in group] for _, group in itertools.groupby(rows, lambda r: r[1])]
 
 
 _ = SinkError  # raised through ConsumerRole by a sink of another queue

@@ -73,5 +73,7 @@ def test_schedules_cover_every_kind_of_fault() -> None:
         "crash_coordinator",
         "restart_coordinator",
         "arm_coordinator",
+        "poison",
     }
     assert modes >= {"fail", "land", "hold", "crash", "crash_after"}
+    assert modes >= {"corrupt", "refuse", "operator", "auto"}  # poison, and who sets it aside
