@@ -24,8 +24,9 @@ sealed by age whenever the uploaders keep up: at 16 MiB the batches come out ful
 they average less than the flush size and the producer writes more objects than the floor
 counts (reported as ``producer_batch_object_ratio``). Then a ``Consumer`` (GC off) reads
 every batch, acks each (dequeuing every 100 acks, the default) and closes (the final
-dequeue); then one ``GarbageCollector.run_once`` pass with a grace period of 0 deletes the
-consumed batch objects. Producer, consumer and GC run
+dequeue); then, once ``GC_GRACE`` seconds have passed since the last round's producer closed, one
+``GarbageCollector.run_once`` pass with that grace period (the queue's claim, written before the
+producer starts, sets it) deletes the consumed batch objects. Producer, consumer and GC run
 one after another, so their counts are separate and the producer sees no CAS conflicts from
 the consumer's dequeues (in steady state a dequeue every 100 batches costs the producer at most
 one extra GET + CAS per 100 batches).
@@ -51,7 +52,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -171,22 +172,37 @@ class CountingStore(ForwardingStore):
             }
 
 
+GC_GRACE = 60.0
+"""Seconds of GC grace period in each round's queue claim. The producer writes a batch again
+after half of it without an append; with ``commit_interval`` its ``flush()`` holds every batch
+until the last upload, so this must exceed twice the longest round's upload time."""
+
 TUNED_INTERVAL = 1.0
 """Seconds of ``commit_interval`` for the extra main-size round."""
 
 
 def _round(
     endpoint: Any, workdir: Path, flush_mib: int, total: int, commit_interval: float = 0.0
-) -> dict[str, Any]:
+) -> Callable[[], dict[str, Any]]:
+    """Produce and consume one round; returns the GC pass that completes its result.
+
+    The GC pass may run only once ``GC_GRACE`` has passed since the round's producer closed.
+    """
     from millpond.consumer import Consumer, ConsumerConfig
-    from millpond.gc import GarbageCollector, GarbageCollectorConfig
     from millpond.producer import Producer, ProducerConfig
+    from millpond.queue.claim import QueueClaim, claim_path
     from millpond.storage.store import open_store
 
     inner = open_store(
         endpoint.url_for(f"requests-{flush_mib}-{uuid.uuid4().hex[:8]}"), endpoint.store_options()
     )
     producer_store = CountingStore(inner)
+    # The queue's claim with a short grace period, so that one GC pass at the end can delete
+    # the consumed objects (a collector may not use a shorter grace period than its queue's).
+    # Written through the producer's counter: the PUT a producer sends to create the claim
+    # (after the GET that finds none, counted when the producer reads this one instead).
+    claim = QueueClaim(manifest_path=MANIFEST, gc_grace_period=GC_GRACE)
+    producer_store.put_if_absent(claim_path("ingest"), claim.encode())
     consumer_store = CountingStore(inner)
     gc_store = CountingStore(inner)
     base = os.urandom(ENTRY_BYTES)
@@ -199,9 +215,11 @@ def _round(
         flush_size_bytes=flush_mib * MiB,
         commit_interval=commit_interval,
     )
+    started = time.perf_counter()
     with stopwatch() as produce_time, Producer(config) as producer:
         for _ in range(calls):
             producer.produce(entries)
+        calls_seconds = time.perf_counter() - started
         producer.flush()
         metrics = producer.metrics()
     shutil.rmtree(workdir / f"wal-{flush_mib}", ignore_errors=True)
@@ -221,10 +239,33 @@ def _round(
             f"consumed {consumed_entries} entries, produced {calls * ENTRIES_PER_CALL}"
         )
 
-    gc = GarbageCollector(GarbageCollectorConfig(store=gc_store, gc_grace_period=0.0))
+    return lambda: _finish(
+        flush_mib, calls, batches, metrics, producer_store, consumer_store, gc_store,
+        {
+            "produce_calls": calls_seconds,
+            "produce": produce_time.seconds,
+            "consume": consume_time.seconds,
+        },
+    )  # fmt: skip
+
+
+def _finish(
+    flush_mib: int,
+    calls: int,
+    batches: int,
+    metrics: dict[str, Any],
+    producer_store: CountingStore,
+    consumer_store: CountingStore,
+    gc_store: CountingStore,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    from millpond.gc import GarbageCollector, GarbageCollectorConfig
+
+    gc = GarbageCollector(GarbageCollectorConfig(store=gc_store, gc_grace_period=GC_GRACE))
     with stopwatch() as gc_time:
         report = gc.run_once()
     gc.close()
+    seconds = {**seconds, "gc": gc_time.seconds}
 
     gib = calls * ENTRIES_PER_CALL * ENTRY_BYTES / GiB
     floor = 1024 / flush_mib
@@ -262,11 +303,7 @@ def _round(
         "batches_per_append": round(
             metrics["batches_committed"] / max(1, metrics["manifest_appends"]), 2
         ),
-        "seconds": {
-            "produce": round(produce_time.seconds, 2),
-            "consume": round(consume_time.seconds, 2),
-            "gc": round(gc_time.seconds, 2),
-        },
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
     }
 
 
@@ -278,17 +315,21 @@ def run(quick: bool) -> dict[str, Any]:
         else [(4, 512 * MiB), (MAIN_FLUSH_MIB, GiB), (64, GiB)]
     )
     workdir = Path(tempfile.mkdtemp(prefix="millpond-bench-requests-"))
-    rounds: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
         with seaweedfs_endpoint() as endpoint:
-            for flush_mib, total in plan:
-                rounds.append(_round(endpoint, workdir, flush_mib, total))
+            pending = [_round(endpoint, workdir, mib, total) for mib, total in plan]
             # The same main round with commit_interval: fewer manifest writes, more latency.
             main_total = next(total for mib, total in plan if mib == MAIN_FLUSH_MIB)
-            tuned = _round(
-                endpoint, workdir, MAIN_FLUSH_MIB, main_total, commit_interval=TUNED_INTERVAL
+            pending.append(
+                _round(
+                    endpoint, workdir, MAIN_FLUSH_MIB, main_total, commit_interval=TUNED_INTERVAL
+                )
             )
+            # Every batch object is past the grace period once it has passed since the last
+            # producer closed: wait it out once, then one GC pass per round deletes them all.
+            time.sleep(GC_GRACE + 1.0)
+            *rounds, tuned = [finish() for finish in pending]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     main = next(r for r in rounds if r["flush_mib"] == MAIN_FLUSH_MIB)
