@@ -229,6 +229,7 @@ class Uploader:
                     if batch.dropped:
                         continue
                     batch.uploaded_at = uploaded_at
+                    batch.ready_at = landed_at
                     if overwrite:
                         # A collector that listed the old copy may still delete this one until
                         # its delete window has passed: appending before then could leave the

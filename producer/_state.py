@@ -161,6 +161,8 @@ class Batch:
     uploaded_at: float | None = None
     """Monotonic seconds; no later than the object's last write landed (its last-modified
     time). ``None`` until this process has written it (or found it written)."""
+    ready_at: float | None = None
+    """Monotonic seconds when its last upload landed: how long it has waited for an append."""
     overwrite: bool = False
     """The next upload writes the object again, unconditionally, to refresh its last-modified
     time (same name, same records)."""

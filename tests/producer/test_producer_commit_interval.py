@@ -1,12 +1,16 @@
-"""``commit_interval``: fewer manifest writes per batch, traded for latency."""
+"""Group commit: batches uploaded close together share one manifest append; ``commit_interval``
+spaces appends further apart, trading latency for fewer manifest writes."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from millpond.producer import Producer
-from tests.producer.producer_support import config, fresh_memory, read_back
+from millpond.storage.store import ForwardingStore, ObjectStore
+from tests.producer.producer_support import MANIFEST, config, fresh_memory, read_back
 
 
 def _publish(tmp_path: Path, commit_interval: float) -> tuple[int, int, list[bytes]]:
@@ -46,3 +50,71 @@ def test_flush_does_not_wait_for_the_commit_interval(tmp_path: Path) -> None:
         assert handle.done()
         assert time.monotonic() - started < 10
     assert [e for p in read_back(store) for e in p.entries] == [b"first", b"second"]
+
+
+class _GatedUploads(ForwardingStore):
+    """Holds every batch PUT until the test releases its path; counts manifest writes."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.cond = threading.Condition()
+        self.waiting: list[str] = []
+        self.released: set[str] = set()
+        self.landed: set[str] = set()
+        self.manifest_written = threading.Event()
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path == MANIFEST:
+            self.manifest_written.set()
+        if not path.endswith(".batch"):
+            return self.inner.put_if_absent(path, data)
+        with self.cond:
+            self.waiting.append(path)
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: path in self.released, timeout=60):
+                raise AssertionError(f"{path} was never released")
+        etag = self.inner.put_if_absent(path, data)
+        with self.cond:
+            self.landed.add(path)
+            self.cond.notify_all()
+        return etag
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        self.manifest_written.set()
+        return self.inner.put_if_match(path, data, etag)
+
+    def release(self, paths: list[str]) -> None:
+        with self.cond:
+            self.released.update(paths)
+            self.cond.notify_all()
+
+    def wait_for(self, what: str, predicate: Callable[[], bool]) -> None:
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout=30), f"timed out waiting for {what}"
+
+
+def test_uploads_in_flight_share_the_head_batchs_append(tmp_path: Path) -> None:
+    """The head batch's upload lands while three more are still uploading: it waits for them
+    (flush_interval is long here) and the four go into the manifest in one CAS, in order."""
+    inner = fresh_memory()
+    store = _GatedUploads(inner)
+    cfg = config(store, tmp_path / "wal", flush_size_bytes=64, flush_interval=30.0)
+    payloads = [f"{i:04d}".encode() * 20 for i in range(4)]  # each over flush_size: a batch
+    with Producer(cfg) as producer:
+        handles = [producer.produce([payload]) for payload in payloads]
+        store.wait_for("four uploads in flight", lambda: len(store.waiting) == 4)
+        head, *rest = sorted(store.waiting)  # ULIDs sort in publish order
+        try:
+            store.release([head])
+            store.wait_for("the head batch's upload", lambda: head in store.landed)
+            # Without group commit the committer appends the head at once, alone.
+            assert not store.manifest_written.wait(0.5), "the head was appended alone"
+        finally:
+            store.release(rest)
+        for handle in handles:
+            handle.wait(timeout=30)
+        appends = producer.counters.get("manifest_appends")
+    published = read_back(inner)
+    assert [p.location for p in published] == [head, *rest]
+    assert [e for p in published for e in p.entries] == payloads
+    assert appends == 1, f"{appends} appends for 4 batches"
