@@ -168,7 +168,18 @@ class Sealer:
         if flushing and not state.unstaged_through(state.flush_target):
             return 0
         age = state.clock.monotonic() - state.pending[0].staged_at
-        return float(self._config.flush_interval - age)
+        if age < self._config.flush_interval:
+            return float(self._config.flush_interval - age)
+        # Sealed by age, but not into a small object under load: the batch keeps filling while
+        # every uploader is busy (it would only queue for one; each wakes the sealer when its
+        # upload lands) and while more produce() calls are on their way into the WAL (they
+        # are staged at disk speed, and the stager wakes the sealer) — unless the WAL writer
+        # waits for space, which only publishing what is pending can release.
+        if unsent >= self._config.upload_concurrency:
+            return None
+        if not state.writer_waiting_for_space and state.unstaged_through(state.next_ordinal - 1):
+            return None
+        return 0
 
 
 class Uploader:

@@ -223,7 +223,12 @@ class WalWriter:
                 if not waited:
                     state.counters.add("backpressure_waits")
                     waited = True
+                    state.writer_waiting_for_space = True
+                    state.sealer_wake.notify()  # nothing more is staged until space is released
                 state.space.wait(_SPACE_POLL)
+        if waited:
+            with state.cond:
+                state.writer_waiting_for_space = False
         return True
 
     def _drop_head(self) -> bool:
