@@ -60,6 +60,7 @@ class _GatedUploads(ForwardingStore):
         self.cond = threading.Condition()
         self.waiting: list[str] = []
         self.released: set[str] = set()
+        self.all_released = False
         self.landed: set[str] = set()
         self.manifest_written = threading.Event()
 
@@ -71,7 +72,9 @@ class _GatedUploads(ForwardingStore):
         with self.cond:
             self.waiting.append(path)
             self.cond.notify_all()
-            if not self.cond.wait_for(lambda: path in self.released, timeout=60):
+            if not self.cond.wait_for(
+                lambda: self.all_released or path in self.released, timeout=60
+            ):
                 raise AssertionError(f"{path} was never released")
         etag = self.inner.put_if_absent(path, data)
         with self.cond:
@@ -86,6 +89,11 @@ class _GatedUploads(ForwardingStore):
     def release(self, paths: list[str]) -> None:
         with self.cond:
             self.released.update(paths)
+            self.cond.notify_all()
+
+    def release_all(self) -> None:
+        with self.cond:
+            self.all_released = True
             self.cond.notify_all()
 
     def wait_for(self, what: str, predicate: Callable[[], bool]) -> None:
@@ -118,3 +126,29 @@ def test_uploads_in_flight_share_the_head_batchs_append(tmp_path: Path) -> None:
     assert [p.location for p in published] == [head, *rest]
     assert [e for p in published for e in p.entries] == payloads
     assert appends == 1, f"{appends} appends for 4 batches"
+
+
+def test_no_batch_is_sealed_by_age_while_every_uploader_is_busy(tmp_path: Path) -> None:
+    """With its only uploader busy, calls past flush_interval keep filling one batch instead
+    of each becoming a small object queued behind the upload."""
+    inner = fresh_memory()
+    store = _GatedUploads(inner)
+    cfg = config(store, tmp_path / "wal", upload_concurrency=1)  # flush_interval 0.02 s
+    with Producer(cfg) as producer:
+        first = producer.produce([b"first"])
+        store.wait_for("the first upload", lambda: len(store.waiting) == 1)
+        try:
+            later = [producer.produce([f"later-{i}".encode()]) for i in range(3)]
+            for handle in later:
+                handle.wait_staged(timeout=30)
+            # Without the rule each call is sealed alone once it is 0.02 s old.
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                assert producer.counters.get("batches_sealed") == 1, "sealed behind a busy upload"
+                time.sleep(0.01)
+        finally:
+            store.release_all()
+        for handle in [first, *later]:
+            handle.wait(timeout=30)
+    published = read_back(inner)
+    assert [p.entries for p in published] == [[b"first"], [b"later-0", b"later-1", b"later-2"]]
