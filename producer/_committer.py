@@ -143,8 +143,8 @@ class Committer:
         * While other batches are being uploaded, the head waits for them, at most
           ``flush_interval`` after its own upload landed. A batch with nothing in flight
           behind it (a trickle of small ``produce()`` calls) is appended at once.
-        * ``flush()`` cannot finish before its last upload anyway: its batches wait for the
-          uploads it is still waiting on, so it costs as few appends as the uploads allow —
+        * ``flush()`` cannot finish before its last upload anyway: its batches wait until
+          all it flushes is uploaded, so it costs as few appends as the uploads allow —
           at most a quarter of ``reupload_after`` (the head is never written again for it)
           and ``_MAX_GROUP`` batches at a time.
         * ``commit_interval`` spaces this producer's appends at least that far apart.
@@ -174,10 +174,17 @@ class Committer:
         return any(batch.state in _IN_FLIGHT for batch in self._state.batches)
 
     def _flush_uploads_pending(self) -> bool:
-        target = self._state.flush_target
+        """Whether some of what ``flush()`` waits for is not uploaded yet (staged, pending,
+        sealed or uploading)."""
+        state = self._state
+        if state.writer_waiting_for_space:
+            return False  # only an append releases the WAL space the rest needs to be staged
+        target = state.flush_target
+        if state.unstaged_through(target) or (state.pending and state.pending[0].ordinal <= target):
+            return True
         return any(
             batch.state in _IN_FLIGHT and batch.records[0].ordinal <= target
-            for batch in self._state.batches
+            for batch in state.batches
         )
 
     def _append_group(self) -> list[Batch]:

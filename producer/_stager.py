@@ -224,7 +224,10 @@ class WalWriter:
                     state.counters.add("backpressure_waits")
                     waited = True
                     state.writer_waiting_for_space = True
-                    state.sealer_wake.notify()  # nothing more is staged until space is released
+                    # Nothing more is staged until an append releases space: the sealer and the
+                    # committer stop waiting for more of it.
+                    state.sealer_wake.notify()
+                    state.committer_wake.notify()
                 state.space.wait(_SPACE_POLL)
         if waited:
             with state.cond:

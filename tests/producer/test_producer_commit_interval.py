@@ -152,3 +152,18 @@ def test_no_batch_is_sealed_by_age_while_every_uploader_is_busy(tmp_path: Path) 
             handle.wait(timeout=30)
     published = read_back(inner)
     assert [p.entries for p in published] == [[b"first"], [b"later-0", b"later-1", b"later-2"]]
+
+
+def test_flush_of_more_than_the_wal_holds_appends_as_it_goes(tmp_path: Path) -> None:
+    """flush() groups its batches into few appends, but not by waiting for calls that only an
+    append can make room for in a full WAL (that would hold them a quarter of
+    reupload_after)."""
+    store = fresh_memory()
+    cfg = config(store, tmp_path / "wal", wal_max_bytes=64 << 10, flush_size_bytes=4096)
+    payloads = [b"%06d" % i + b"." * 1018 for i in range(400)]  # 400 KiB through a 64 KiB WAL
+    with Producer(cfg) as producer:
+        handles = [producer.produce([payload]) for payload in payloads]
+        producer.flush(timeout=20)
+        assert all(handle.done() for handle in handles)
+        assert producer.metrics()["backpressure_waits"] > 0  # the WAL did fill up
+    assert [e for p in read_back(store) for e in p.entries] == payloads
