@@ -145,7 +145,7 @@ class Committer:
           behind it (a trickle of small ``produce()`` calls) is appended at once.
         * ``flush()`` cannot finish before its last upload anyway: its batches wait until
           all it flushes is uploaded, so it costs as few appends as the uploads allow —
-          at most a quarter of ``reupload_after`` (the head is never written again for it)
+          at most half of ``reupload_after`` (the head is never written again for it)
           and ``_MAX_GROUP`` batches at a time.
         * ``commit_interval`` spaces this producer's appends at least that far apart.
         """
@@ -157,7 +157,7 @@ class Committer:
         if head.records[0].ordinal <= state.flush_target:
             if self._ready_count() >= _MAX_GROUP or not self._flush_uploads_pending():
                 return 0.0
-            return ready_at + self._session.reupload_after / 4 - now
+            return ready_at + self._session.reupload_after / 2 - now
         linger = 0.0
         if self._config.commit_interval > 0:
             linger = self._last_append + self._config.commit_interval - now

@@ -156,7 +156,7 @@ def test_no_batch_is_sealed_by_age_while_every_uploader_is_busy(tmp_path: Path) 
 
 def test_flush_of_more_than_the_wal_holds_appends_as_it_goes(tmp_path: Path) -> None:
     """flush() groups its batches into few appends, but not by waiting for calls that only an
-    append can make room for in a full WAL (that would hold them a quarter of
+    append can make room for in a full WAL (that would hold them half of
     reupload_after)."""
     store = fresh_memory()
     cfg = config(store, tmp_path / "wal", wal_max_bytes=64 << 10, flush_size_bytes=4096)
