@@ -153,7 +153,7 @@ class Committer:
         if state.closing:
             return 0.0
         now = self._clock.monotonic()
-        ready_at = head.ready_at if head.ready_at is not None else now
+        ready_at = next((t for t in (head.ready_at, head.uploaded_at) if t is not None), now)
         if head.records[0].ordinal <= state.flush_target:
             if self._ready_count() >= _MAX_GROUP or not self._flush_uploads_pending():
                 return 0.0

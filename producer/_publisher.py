@@ -21,6 +21,7 @@ ambiguous append and a long wait are recovered without ever changing it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from millpond.common.clock import Clock
@@ -172,14 +173,25 @@ class Sealer:
             return float(self._config.flush_interval - age)
         # Sealed by age, but not into a small object under load: the batch keeps filling while
         # every uploader is busy (it would only queue for one; each wakes the sealer when its
-        # upload lands) and while more produce() calls are on their way into the WAL (they
-        # are staged at disk speed, and the stager wakes the sealer) — unless the WAL writer
-        # waits for space, which only publishing what is pending can release.
+        # upload lands) and while calls already accepted but still on their way into the WAL
+        # would fill it (they are staged at disk speed, and the stager wakes the sealer) —
+        # unless the WAL writer waits for space, which only publishing what is pending frees.
         if unsent >= self._config.upload_concurrency:
             return None
-        if not state.writer_waiting_for_space and state.unstaged_through(state.next_ordinal - 1):
+        if not state.writer_waiting_for_space and self._unstaged_fill_it():
             return None
         return 0
+
+    def _unstaged_fill_it(self) -> bool:
+        """Whether calls accepted but not yet staged would fill the pending batch."""
+        state = self._state
+        missing = self._config.flush_size_bytes - state.pending_bytes
+        written = (item for group, _, _ in state.written for item in group)
+        for item in itertools.chain(written, state.inbox):
+            missing -= item.nbytes
+            if missing <= 0:
+                return True
+        return False
 
 
 class Uploader:
