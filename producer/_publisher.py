@@ -21,7 +21,6 @@ ambiguous append and a long wait are recovered without ever changing it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 from millpond.common.clock import Clock
@@ -185,9 +184,10 @@ class Sealer:
     def _unstaged_fill_it(self) -> bool:
         """Whether calls accepted but not yet staged would fill the pending batch."""
         state = self._state
-        missing = self._config.flush_size_bytes - state.pending_bytes
-        written = (item for group, _, _ in state.written for item in group)
-        for item in itertools.chain(written, state.inbox):
+        missing = self._config.flush_size_bytes - state.pending_bytes - state.staging_bytes
+        if missing <= 0:
+            return True
+        for item in state.inbox:
             missing -= item.nbytes
             if missing <= 0:
                 return True

@@ -133,6 +133,7 @@ class WalWriter:
             # keeps a concurrent release from passing them.
             self._floor = self._wal.next_seq
             state.unstaged_floors.append(self._floor)
+            state.staging_bytes += sum(item.nbytes for item in group)
             state.room.notify(len(group))  # produce() calls waiting for inbox room
             return group
 
@@ -182,6 +183,7 @@ class WalWriter:
                     state.pending_bytes += item.nbytes
                     item.handle._set_staged()
                 state.unstaged_floors.remove(floor)
+                state.staging_bytes -= sum(item.nbytes for item in group)
                 state.counters.add("records_staged", len(group))
                 state.counters.add("bytes_staged", sum(ref.size for _, ref in placed))
             state.sealer_wake.notify()
@@ -204,6 +206,7 @@ class WalWriter:
         )
         with state.cond:
             state.unstaged_floors.remove(self._floor)
+            state.staging_bytes -= sum(item.nbytes for item in group)
             for item in group:
                 item.handle._set_failed(error)
                 state.resolve(item.ordinal)

@@ -270,6 +270,8 @@ class State:
         """Groups in the WAL but not yet synced and staged (the syncer takes them)."""
         self.writer_done = False
         self.writer_waiting_for_space = False
+        self.staging_bytes = 0
+        """Bytes of the calls the WAL writer took from the inbox and has not staged yet."""
         """The WAL writer waits for a release (``wal_max_bytes``): the sealer must not wait for
         more staged data to fill a batch."""
         self.unstaged_floors: list[int] = []

@@ -8,6 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+import millpond.wal
 from millpond.producer import Producer
 from millpond.storage.store import ForwardingStore, ObjectStore
 from tests.producer.producer_support import MANIFEST, config, fresh_memory, read_back
@@ -167,3 +170,45 @@ def test_flush_of_more_than_the_wal_holds_appends_as_it_goes(tmp_path: Path) -> 
         assert all(handle.done() for handle in handles)
         assert producer.metrics()["backpressure_waits"] > 0  # the WAL did fill up
     assert [e for p in read_back(store) for e in p.entries] == payloads
+
+
+def test_an_age_seal_waits_for_accepted_calls_that_fill_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch due by age keeps filling while calls already accepted, held up on their way into
+    the WAL (a slow fdatasync here), would fill it: one full batch, not a small one first."""
+    armed, entered, gate = threading.Event(), threading.Event(), threading.Event()
+    real = millpond.wal._fdatasync
+
+    def stalled(fd: int) -> None:
+        if armed.is_set():
+            entered.set()
+            gate.wait()
+        real(fd)
+
+    monkeypatch.setattr(millpond.wal, "_fdatasync", stalled)
+    store = fresh_memory()
+    cfg = config(store, tmp_path / "wal", flush_size_bytes=4096, flush_interval=0.3)
+    with Producer(cfg) as producer:
+        first = producer.produce([b"first"])
+        first.wait_staged(timeout=30)
+        armed.set()
+        try:
+            rest = [producer.produce([b"%04d" % i + b"." * 1020]) for i in range(8)]
+            assert entered.wait(10)
+            # Without the rule "first" is sealed alone once it is 0.3 s old.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                assert producer.counters.get("batches_sealed") == 0, "sealed a small batch"
+                time.sleep(0.01)
+        finally:
+            armed.clear()
+            gate.set()
+        for handle in [first, *rest]:
+            handle.wait(timeout=30)
+    published = read_back(store)
+    assert published[0].entries[0] == b"first"
+    assert len(published[0].entries) > 1  # "first" went out with the calls behind it
+    assert [e for p in published for e in p.entries] == [b"first"] + [
+        b"%04d" % i + b"." * 1020 for i in range(8)
+    ]
