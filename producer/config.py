@@ -64,7 +64,10 @@ class ProducerConfig:
     manifest_path: str = "ingest/manifest"
     """Path of the queue manifest. Default ``"ingest/manifest"``."""
     flush_interval: float = 0.1
-    """Seconds; a batch is flushed once its oldest entry waited this long. Default 0.1."""
+    """Seconds; a batch is flushed once its oldest entry waited this long (while an uploader
+    is free: with every uploader busy it keeps filling). An uploaded batch also waits up to
+    this long for uploads still in flight behind it, to share their manifest append.
+    Default 0.1."""
     flush_size_bytes: int = 64 * MiB
     """Bytes; a batch is flushed once its entries exceed this (a loose limit). Default 64 MiB."""
     max_buffered_inputs: int = 1000
@@ -100,7 +103,7 @@ class ProducerConfig:
     """Seconds; at least this long between the start of two manifest appends of this producer,
     so that more uploaded batches share one compare-and-swap: fewer object-store requests per
     GiB, more latency. ``flush()`` and ``close()`` do not wait for it. Default 0 (append as soon
-    as a batch is uploaded)."""
+    as a batch is uploaded and no other upload is in flight, see ``flush_interval``)."""
     reupload_after: float | None = None
     """Seconds; a batch still not in the manifest this long after its object was last written
     is written again under the same name (so its last-modified time is fresh) and appended
