@@ -23,21 +23,37 @@ Baseline: the lone producer's ``wait()`` p50 (N = 1, default strategy) in the sa
 run and reported beside it. CPU: the producers' own CPU seconds over the window, as a share
 of the machine (a figure near 1 means the machine, not the store, set the pace).
 
+Coordinator mode (policy ``coordinator``, part of every run): the same N producers append
+through one ``millpond coordinator`` process serving the queue (started with ``--create``,
+stopped with SIGTERM after the run), which appends every waiting producer's batches in one
+compare-and-swap per round; their direct appends (fallback) use the default strategy. Its
+target (issue 11): p99 <= 3x the lone producer's p50 at N = 16, reported as
+``coordinator_p99_over_lone_p50_at_max_n`` and ``coordinator_passed`` (``through_coordinator``
+per row: the share of appends the coordinator made; the rest fell back).
+
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
-``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``.
+``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``,
+``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +76,11 @@ QUICK_SECONDS = 6.0
 WARMUP = 3.0
 START_TIMEOUT = 300.0
 PERCENTILES = (50, 90, 99, 100)
+COORDINATED = "coordinator"
+"""The policy name of runs whose producers append through a ``millpond coordinator``."""
+COORDINATED_RETRY = "default"
+"""The retry policy those producers use for their direct appends (fallback)."""
+COORDINATOR_P99_LIMIT = 3.0
 
 
 class _Warnings(logging.Handler):
@@ -88,16 +109,23 @@ def _worker(
     policy_name: str,
     barrier: Any,
     out: Any,
+    coordinator: str | None = None,
 ) -> None:
     try:
-        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier))
+        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier, coordinator))
     except BaseException as err:
         out.put({"error": f"{type(err).__name__}: {err}"})
         raise
 
 
 def _produce(
-    url: str, options: dict[str, str], wal_dir: str, seconds: float, policy_name: str, barrier: Any
+    url: str,
+    options: dict[str, str],
+    wal_dir: str,
+    seconds: float,
+    policy_name: str,
+    barrier: Any,
+    coordinator: str | None,
 ) -> dict[str, Any]:
     import resource
 
@@ -106,7 +134,11 @@ def _produce(
     warnings = _Warnings()
     logging.getLogger("millpond").addHandler(warnings)
     config = ProducerConfig(
-        store=url, store_options=options, wal_dir=wal_dir, retry=policy(policy_name)
+        store=url,
+        store_options=options,
+        wal_dir=wal_dir,
+        retry=policy(COORDINATED_RETRY if policy_name == COORDINATED else policy_name),
+        coordinator=coordinator,
     )
     calls = int((WARMUP + seconds) / PERIOD)
     produced = [0.0] * calls
@@ -153,7 +185,14 @@ def _produce(
         if waiter.is_alive():
             raise RuntimeError("handles still not durable 600 s after the last produce()")
     window = window_end - produced[measured_from]
-    keys = ("batches_committed", "manifest_appends", "manifest_reads", "manifest_writes")
+    keys = (
+        "batches_committed",
+        "manifest_appends",
+        "manifest_reads",
+        "manifest_writes",
+        "coordinator_appends",
+        "direct_appends",
+    )
     return {
         "latencies": [durable[i] - produced[i] for i in range(measured_from, calls)],
         "window": window,
@@ -163,6 +202,41 @@ def _produce(
         "gave_up": warnings.gave_up,
         "warning_samples": warnings.samples,
     }
+
+
+@contextlib.contextmanager
+def start_coordinator(url: str, options: dict[str, str]) -> Iterator[str]:
+    """A ``millpond coordinator`` process for the queue at ``url``; yields its URL."""
+    command = [sys.executable, "-m", "millpond.cli", "--log-level", "WARNING", "coordinator"]
+    command += [url, "--port", "0", "--create"]
+    command += os.environ.get("MILLPOND_BENCH_COORDINATOR_ARGS", "").split()
+    for key, value in options.items():
+        command += ["--store-option", f"{key}={value}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if " on http://" not in line:
+            raise RuntimeError(f"coordinator did not start: {line!r}")
+        yield line.rsplit(" on ", 1)[1].strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _coordinator_stats(coordinator: str | None) -> dict[str, Any] | None:
+    if coordinator is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"{coordinator}/v1/health", timeout=5) as response:
+            stats: dict[str, Any] = json.loads(response.read())
+            return stats
+    except OSError:
+        return None
 
 
 def _percentile(values: list[float], pct: float) -> float:
@@ -176,6 +250,26 @@ def _run(
 ) -> dict[str, Any]:
     root = f"bench-wait-{policy_name}-{n}-{uuid.uuid4().hex[:8]}"
     url = endpoint.url_for(root)
+    with contextlib.ExitStack() as stack:
+        coordinator = None
+        if policy_name == COORDINATED:
+            coordinator = stack.enter_context(start_coordinator(url, endpoint.store_options()))
+        row = _measure(ctx, endpoint, workdir, n, seconds, policy_name, url, root, coordinator)
+        row["coordinator_stats"] = _coordinator_stats(coordinator)
+        return row
+
+
+def _measure(
+    ctx: Any,
+    endpoint: Any,
+    workdir: Path,
+    n: int,
+    seconds: float,
+    policy_name: str,
+    url: str,
+    root: str,
+    coordinator: str | None,
+) -> dict[str, Any]:
     barrier = ctx.Barrier(n)
     out = ctx.Queue()
     procs = [
@@ -189,6 +283,7 @@ def _run(
                 policy_name,
                 barrier,
                 out,
+                coordinator,
             ),
             name=f"bench-producer-{i}",
         )
@@ -213,6 +308,7 @@ def _run(
             (delta["manifest_reads"] + delta["manifest_writes"]) / appends, 2
         ),
         "conflicts_per_append": round(delta["cas_conflicts"] / appends, 2),
+        "through_coordinator": round(delta["coordinator_appends"] / appends, 3),
         "gave_up_warnings": sum(o["gave_up"] for o in outs),
         "warnings": sum(o["warnings"] for o in outs),
         "warning_samples": [s for o in outs for s in o["warning_samples"]][:3],
@@ -231,9 +327,9 @@ def run(quick: bool) -> dict[str, Any]:
         counts = tuple(int(v) for v in os.environ["MILLPOND_BENCH_COUNTS"].split(","))
     if os.environ.get("MILLPOND_BENCH_SECONDS"):
         seconds = float(os.environ["MILLPOND_BENCH_SECONDS"])
-    policies = (
-        tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p)
-        or available_policies()
+    policies = tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p) or (
+        *available_policies(),
+        COORDINATED,
     )
     delay = latency_ms(DEFAULT_LATENCY_MS)
     ctx = mp.get_context("spawn")
@@ -265,6 +361,10 @@ def run(quick: bool) -> dict[str, Any]:
                 and r["p99_over_lone_p50"] <= P99_LIMIT
                 and r["gave_up_warnings"] == 0
             )
+    coordinated = by_policy.get(COORDINATED) or []
+    at_max = max(coordinated, key=lambda r: r["producers"]) if coordinated else None
+    for r in coordinated:
+        r["passed"] = r["p99_over_lone_p50"] <= COORDINATOR_P99_LIMIT and r["gave_up_warnings"] == 0
     judged_policy = "default" if "default" in by_policy else policies[0]
     judged = by_policy[judged_policy]
     ratio = max(
@@ -326,6 +426,14 @@ def run(quick: bool) -> dict[str, Any]:
             "judged_policy": judged_policy,
             "locations_per_s_grow_with_n": grows,
             "gave_up_warnings": sum(r["gave_up_warnings"] for r in judged),
+            "coordinator_p99_over_lone_p50_at_max_n": (
+                at_max["p99_over_lone_p50"] if at_max is not None else None
+            ),
+            "coordinator_passed": (
+                at_max["passed"] and all(r["through_coordinator"] > 0.9 for r in coordinated)
+                if at_max is not None
+                else None
+            ),
             "by_policy": by_policy,
             "period_s": PERIOD,
             "seconds_per_run": seconds,
@@ -338,6 +446,12 @@ def run(quick: bool) -> dict[str, Any]:
             f"N={worst['producers']}: p50 {worst['p50_over_lone_p50']:.1f}x, p99 "
             f"{worst['p99_over_lone_p50']:.1f}x, {worst['gave_up_warnings']} gave-up"
             + (f"; {others}" if others else "")
+            + (
+                f"; coordinator at N={at_max['producers']}: p99 "
+                f"{at_max['p99_over_lone_p50']:.1f}x (target {COORDINATOR_P99_LIMIT:g}x)"
+                if at_max is not None
+                else ""
+            )
         ),
         notes=(
             "ratio = worst over N of max(p50 / (3 x lone p50), p99 / (6 x lone p50)) for the "

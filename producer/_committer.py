@@ -44,7 +44,7 @@ from millpond.producer._publisher import fail_fatal, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
-from millpond.queue import QueueProducer
+from millpond.queue.cas import Appender
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
@@ -54,6 +54,7 @@ __all__ = ["Committer"]
 logger = logging.getLogger(__name__)
 
 _MAX_GROUP = 256  # batches per manifest append
+_IN_FLIGHT = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
 
 
 class Committer:
@@ -65,7 +66,7 @@ class Committer:
         wal: Wal,
         config: ProducerConfig,
         store: ObjectStore,
-        queue: QueueProducer,
+        queue: Appender,
         session: QueueSession,
         clock: Clock,
     ) -> None:
@@ -134,23 +135,56 @@ class Committer:
                 state.committer_wake.wait()
 
     def _linger(self, head: Batch) -> float:
-        """Seconds to hold an uploaded batch back for ``commit_interval`` (0: append now)."""
-        interval = self._config.commit_interval
+        """Seconds to hold the uploaded head back so more batches share its CAS (0: now).
+
+        Every manifest append is one object-store request on top of each batch's PUT, so
+        batches whose uploads land close together go in one append (group commit):
+
+        * While other batches are being uploaded, the head waits for them, at most
+          ``flush_interval`` after its own upload landed. A batch with nothing in flight
+          behind it (a trickle of small ``produce()`` calls) is appended at once.
+        * ``flush()`` cannot finish before its last upload anyway: its batches wait until
+          all it flushes is uploaded, so it costs as few appends as the uploads allow —
+          at most half of ``reupload_after`` (the head is never written again for it)
+          and ``_MAX_GROUP`` batches at a time.
+        * ``commit_interval`` spaces this producer's appends at least that far apart.
+        """
         state = self._state
-        if interval <= 0 or state.closing:
+        if state.closing:
             return 0.0
+        now = self._clock.monotonic()
+        ready_at = next((t for t in (head.ready_at, head.uploaded_at) if t is not None), now)
         if head.records[0].ordinal <= state.flush_target:
-            # flush() does not wait out the interval, but appends what it flushes in as few
-            # CAS as the uploads allow: it cannot finish before its last upload anyway.
-            return interval if self._flush_uploads_pending() else 0.0
-        return self._last_append + interval - self._clock.monotonic()
+            if self._ready_count() >= _MAX_GROUP or not self._flush_uploads_pending():
+                return 0.0
+            return ready_at + self._session.reupload_after / 2 - now
+        linger = 0.0
+        if self._config.commit_interval > 0:
+            linger = self._last_append + self._config.commit_interval - now
+        if self._uploads_in_flight():
+            linger = max(linger, ready_at + self._config.flush_interval - now)
+        return linger
+
+    def _ready_count(self) -> int:
+        """Uploaded batches at the head of the line (what one append would take)."""
+        ready = takewhile(lambda b: b.state is BatchState.UPLOADED, self._state.batches)
+        return sum(1 for _ in ready)
+
+    def _uploads_in_flight(self) -> bool:
+        return any(batch.state in _IN_FLIGHT for batch in self._state.batches)
 
     def _flush_uploads_pending(self) -> bool:
-        in_flight = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
-        target = self._state.flush_target
+        """Whether some of what ``flush()`` waits for is not uploaded yet (staged, pending,
+        sealed or uploading)."""
+        state = self._state
+        if state.writer_waiting_for_space:
+            return False  # only an append releases the WAL space the rest needs to be staged
+        target = state.flush_target
+        if state.unstaged_through(target) or (state.pending and state.pending[0].ordinal <= target):
+            return True
         return any(
-            batch.state in in_flight and batch.records[0].ordinal <= target
-            for batch in self._state.batches
+            batch.state in _IN_FLIGHT and batch.records[0].ordinal <= target
+            for batch in state.batches
         )
 
     def _append_group(self) -> list[Batch]:

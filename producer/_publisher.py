@@ -168,7 +168,30 @@ class Sealer:
         if flushing and not state.unstaged_through(state.flush_target):
             return 0
         age = state.clock.monotonic() - state.pending[0].staged_at
-        return float(self._config.flush_interval - age)
+        if age < self._config.flush_interval:
+            return float(self._config.flush_interval - age)
+        # Sealed by age, but not into a small object under load: the batch keeps filling while
+        # every uploader is busy (it would only queue for one; each wakes the sealer when its
+        # upload lands) and while calls already accepted but still on their way into the WAL
+        # would fill it (they are staged at disk speed, and the stager wakes the sealer) —
+        # unless the WAL writer waits for space, which only publishing what is pending frees.
+        if unsent >= self._config.upload_concurrency:
+            return None
+        if not state.writer_waiting_for_space and self._unstaged_fill_it():
+            return None
+        return 0
+
+    def _unstaged_fill_it(self) -> bool:
+        """Whether calls accepted but not yet staged would fill the pending batch."""
+        state = self._state
+        missing = self._config.flush_size_bytes - state.pending_bytes - state.staging_bytes
+        if missing <= 0:
+            return True
+        for item in state.inbox:
+            missing -= item.nbytes
+            if missing <= 0:
+                return True
+        return False
 
 
 class Uploader:
@@ -229,6 +252,7 @@ class Uploader:
                     if batch.dropped:
                         continue
                     batch.uploaded_at = uploaded_at
+                    batch.ready_at = landed_at
                     if overwrite:
                         # A collector that listed the old copy may still delete this one until
                         # its delete window has passed: appending before then could leave the

@@ -133,6 +133,7 @@ class WalWriter:
             # keeps a concurrent release from passing them.
             self._floor = self._wal.next_seq
             state.unstaged_floors.append(self._floor)
+            state.staging_bytes += sum(item.nbytes for item in group)
             state.room.notify(len(group))  # produce() calls waiting for inbox room
             return group
 
@@ -182,6 +183,7 @@ class WalWriter:
                     state.pending_bytes += item.nbytes
                     item.handle._set_staged()
                 state.unstaged_floors.remove(floor)
+                state.staging_bytes -= sum(item.nbytes for item in group)
                 state.counters.add("records_staged", len(group))
                 state.counters.add("bytes_staged", sum(ref.size for _, ref in placed))
             state.sealer_wake.notify()
@@ -204,6 +206,7 @@ class WalWriter:
         )
         with state.cond:
             state.unstaged_floors.remove(self._floor)
+            state.staging_bytes -= sum(item.nbytes for item in group)
             for item in group:
                 item.handle._set_failed(error)
                 state.resolve(item.ordinal)
@@ -223,7 +226,15 @@ class WalWriter:
                 if not waited:
                     state.counters.add("backpressure_waits")
                     waited = True
+                    state.writer_waiting_for_space = True
+                    # Nothing more is staged until an append releases space: the sealer and the
+                    # committer stop waiting for more of it.
+                    state.sealer_wake.notify()
+                    state.committer_wake.notify()
                 state.space.wait(_SPACE_POLL)
+        if waited:
+            with state.cond:
+                state.writer_waiting_for_space = False
         return True
 
     def _drop_head(self) -> bool:

@@ -59,6 +59,11 @@ COUNTER_NAMES = (
     "records_recovered",
     "entries_recovered",
     "backpressure_waits",
+    "coordinator_appends",
+    "coordinator_refused",
+    "coordinator_unknown",
+    "coordinator_lost",
+    "direct_appends",
 )
 
 
@@ -161,6 +166,8 @@ class Batch:
     uploaded_at: float | None = None
     """Monotonic seconds; no later than the object's last write landed (its last-modified
     time). ``None`` until this process has written it (or found it written)."""
+    ready_at: float | None = None
+    """Monotonic seconds when its last upload landed: how long it has waited for an append."""
     overwrite: bool = False
     """The next upload writes the object again, unconditionally, to refresh its last-modified
     time (same name, same records)."""
@@ -267,6 +274,11 @@ class State:
         self.written: deque[Written] = deque()
         """Groups in the WAL but not yet synced and staged (the syncer takes them)."""
         self.writer_done = False
+        self.writer_waiting_for_space = False
+        self.staging_bytes = 0
+        """Bytes of the calls the WAL writer took from the inbox and has not staged yet."""
+        """The WAL writer waits for a release (``wal_max_bytes``): the sealer must not wait for
+        more staged data to fill a batch."""
         self.unstaged_floors: list[int] = []
         """For each group taken from the inbox and not yet staged, the lowest sequence its
         records can have: a release must not pass them before they are in ``pending``."""

@@ -20,6 +20,7 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, InvalidInputError
 from millpond.formats.batch import CompressionType
+from millpond.producer.coordinator import parse_coordinator_urls
 from millpond.storage.store import STORE_URL_FORMS, STORE_URL_SCHEMES, ObjectStore
 
 __all__ = ["ProducerConfig", "parse_duration", "parse_size"]
@@ -63,7 +64,10 @@ class ProducerConfig:
     manifest_path: str = "ingest/manifest"
     """Path of the queue manifest. Default ``"ingest/manifest"``."""
     flush_interval: float = 0.1
-    """Seconds; a batch is flushed once its oldest entry waited this long. Default 0.1."""
+    """Seconds; a batch is flushed once its oldest entry waited this long (while an uploader
+    is free: with every uploader busy it keeps filling). An uploaded batch also waits up to
+    this long for uploads still in flight behind it, to share their manifest append.
+    Default 0.1."""
     flush_size_bytes: int = 64 * MiB
     """Bytes; a batch is flushed once its entries exceed this (a loose limit). Default 64 MiB."""
     max_buffered_inputs: int = 1000
@@ -99,7 +103,7 @@ class ProducerConfig:
     """Seconds; at least this long between the start of two manifest appends of this producer,
     so that more uploaded batches share one compare-and-swap: fewer object-store requests per
     GiB, more latency. ``flush()`` and ``close()`` do not wait for it. Default 0 (append as soon
-    as a batch is uploaded)."""
+    as a batch is uploaded and no other upload is in flight, see ``flush_interval``)."""
     reupload_after: float | None = None
     """Seconds; a batch still not in the manifest this long after its object was last written
     is written again under the same name (so its last-modified time is fresh) and appended
@@ -107,6 +111,13 @@ class ProducerConfig:
     batch about to be appended, and the batch keeps the location the sink may already have
     recorded. At most half the queue's GC grace period (checked at start against the queue's
     claim). Default: half the queue's grace period (300 s for the RFC's 10 minutes)."""
+    coordinator: str | tuple[str, ...] | None = None
+    """``millpond coordinator`` services to append through (``http://host:port``; several as
+    a tuple or comma-separated, tried in order). A coordinator appends many producers' batches
+    in one compare-and-swap per round, so latency stays flat as producers are added; when none
+    answers, or one refuses, the producer appends directly, and a reply that never came is
+    resolved by the same landed-check as its own ambiguous appends. Default none: append
+    directly."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
@@ -157,6 +168,7 @@ class ProducerConfig:
                 "commit_interval",
                 f"expected 0 <= seconds < 3600, found {self.commit_interval!r}",
             )
+        object.__setattr__(self, "coordinator", parse_coordinator_urls(self.coordinator) or None)
         for method in ("now_ms", "monotonic", "sleep"):
             if not callable(getattr(self.clock, method, None)):
                 raise ConfigError(
@@ -305,6 +317,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upload_concurrency": _parse_int,
     "reupload_after": parse_duration,
     "commit_interval": parse_duration,
+    "coordinator": _parse_str,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": _parse_int,

@@ -44,8 +44,11 @@ from millpond.producer._state import (
     StopAwareClock,
 )
 from millpond.producer.config import ProducerConfig
+from millpond.producer.coordinator import CoordinatedAppender
 from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
+from millpond.queue.cas import Appender
+from millpond.queue.claim import queue_identity
 from millpond.storage.checks import preflight
 from millpond.storage.store import open_store
 from millpond.wal import RecoveryReport, Wal, WalRecord
@@ -105,19 +108,29 @@ class Producer:
         self._close_lock = threading.Lock()
         self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
         self._session = QueueSession(self._store, config, self._clock)
+        self._coordinated: CoordinatedAppender | None = None
         try:
             self._session.try_open()
             self._replay()
         except BaseException:
             self._wal.close()
             raise
-        queue = QueueProducer(
+        direct = QueueProducer(
             self._store,
             config.manifest_path,
             retry=config.retry,
             clock=self._clock,
             counters=state.counters,
         )
+        queue: Appender = direct
+        if config.coordinator:
+            self._coordinated = CoordinatedAppender(
+                direct,
+                config.coordinator,
+                queue=queue_identity(self._store.url, config.manifest_path),
+                clock=self._clock,
+            )
+            queue = self._coordinated
         binder = _Binder(self._wal, config, UlidMinter(config.clock))
         writer = WalWriter(state, self._wal, config)
         committer = Committer(
@@ -353,6 +366,8 @@ class Producer:
                     break
                 state.cond.wait(remaining)
         self._stop_threads()
+        if self._coordinated is not None:
+            self._coordinated.close()
         report = self._settle_leftovers()
         self._wal.close()
         self._closed = True

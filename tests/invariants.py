@@ -6,7 +6,12 @@ cases). Each takes plain data a test collected and raises ``AssertionError`` wit
 
 * :func:`assert_exactly_once` — every record that was staged (``wait_staged()`` returned) is in
   the sink once; no record is in it twice.
+* :func:`assert_in_sink_or_set_aside` — with poison batches set aside: every staged record is
+  in the sink once or in exactly one quarantined batch, never both.
 * :func:`assert_order_per_source` — each producer's records appear in the order it produced them.
+* :func:`assert_recorded_in_queue_order` — the sink recorded every sequence of the queue once
+  (written, skipped or set aside), in queue order: nothing behind a batch the consumer stopped
+  on was written before that batch was set aside, and nothing was passed over unrecorded.
 * :func:`assert_never_back` — ``next_sequence`` (and the epoch) never went back, in the order the
   store applied the manifest writes.
 * :func:`assert_no_live_batch_deleted` — no object was deleted while the manifest referenced it,
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -27,9 +32,11 @@ __all__ = [
     "ObjectEvent",
     "assert_exactly_once",
     "assert_fenced_delivered_nothing",
+    "assert_in_sink_or_set_aside",
     "assert_never_back",
     "assert_no_live_batch_deleted",
     "assert_order_per_source",
+    "assert_recorded_in_queue_order",
 ]
 
 
@@ -54,6 +61,37 @@ def assert_exactly_once(
         assert not strangers, f"the sink holds records nobody produced: {strangers[:5]}"
 
 
+def assert_in_sink_or_set_aside(
+    in_sink: Iterable[bytes],
+    staged: Iterable[bytes],
+    set_aside: Mapping[str, Sequence[bytes]],
+    *,
+    produced: Iterable[bytes] | None = None,
+) -> None:
+    """Every staged record is in the sink once or in one batch set aside; never both.
+
+    Args:
+        in_sink: the records the sink holds (one item per row).
+        staged: records whose ``wait_staged()`` returned.
+        set_aside: per quarantined batch (recorded in the sink, its dead-letter copy kept),
+            the records it holds.
+        produced: every record ever handed to a producer, when known.
+    """
+    counts = Counter(in_sink)
+    aside = Counter(record for records in set_aside.values() for record in records)
+    doubled = sorted(r for r, n in (counts + aside).items() if n > 1)
+    assert not doubled, (
+        f"{len(doubled)} records are in the sink or set aside more than once: {doubled[:5]}"
+    )
+    missing = sorted(set(staged) - set(counts) - set(aside))
+    assert not missing, (
+        f"{len(missing)} staged records are neither in the sink nor set aside: {missing[:5]}"
+    )
+    if produced is not None:
+        strangers = sorted((set(counts) | set(aside)) - set(produced))
+        assert not strangers, f"records nobody produced: {strangers[:5]}"
+
+
 def assert_order_per_source(
     rows: Sequence[bytes], source_and_number: Callable[[bytes], tuple[str, int] | None]
 ) -> None:
@@ -75,6 +113,37 @@ def assert_order_per_source(
             "producer must keep their order)"
         )
         last[source] = number
+
+
+def assert_recorded_in_queue_order(recorded: Sequence[Sequence[int]], next_sequence: int) -> None:
+    """The sink's progress holds each sequence ``0 .. next_sequence - 1`` once, committed in
+    queue order.
+
+    Args:
+        recorded: the sequences of the sink's progress rows for one queue, one list per commit
+            (a group written in one transaction), in commit order. A written, skipped or
+            quarantined batch each has one row; a replay adds none.
+        next_sequence: the queue's ``next_sequence`` once everything was consumed.
+    """
+    previous: list[int] = []
+    for commit in recorded:
+        if previous and commit:
+            assert min(commit) > max(previous), (
+                f"sequences {sorted(commit)} were recorded after sequences {sorted(previous)}: "
+                "the sink must record batches in queue order (nothing behind a stopped batch "
+                "before it is set aside)"
+            )
+        previous = list(commit) or previous
+    flat = [sequence for commit in recorded for sequence in commit]
+    doubled = sorted(s for s, n in Counter(flat).items() if n > 1)
+    assert not doubled, f"sequences recorded more than once: {doubled[:5]}"
+    missing = sorted(set(range(next_sequence)) - set(flat))
+    assert not missing, (
+        f"{len(missing)} sequences of the queue were never recorded in the sink (written, "
+        f"skipped or set aside), though the queue moved past them: {missing[:5]}"
+    )
+    strangers = sorted(s for s in flat if not 0 <= s < next_sequence)
+    assert not strangers, f"the sink recorded sequences the queue never had: {strangers[:5]}"
 
 
 def assert_never_back(footers: Sequence[tuple[int, int]]) -> None:

@@ -42,6 +42,10 @@ _COMMANDS = {
         "set aside the batch the consumer is stopped on (copied to a dead-letter prefix)",
     ),
     "replay": ("millpond.consumer.replay", "write a quarantined batch again, exactly once"),
+    "coordinator": (
+        "millpond.cli.coordinator",
+        "append many producers' batches in one compare-and-swap per round (optional service)",
+    ),
 }
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -64,6 +68,7 @@ examples:
   millpond consume s3://my-bucket/queue --sink postgresql://app@db/warehouse --metrics-port 9464
   millpond gc gs://my-bucket/queue --interval 300 --metrics-port 9465
   millpond quarantine s3://my-bucket/queue --sequence 42 --reason 'bad dates' --sink ...
+  millpond coordinator s3://my-bucket/queue --port 7411
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer
 consumer. `millpond COMMAND --help` describes each command."""

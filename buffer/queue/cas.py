@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
@@ -42,15 +43,29 @@ from millpond.formats.manifest import (
     decode_manifest,
     decode_tail,
     empty_manifest,
+    find_locations,
     remove_through,
     with_epoch,
 )
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 
-__all__ = ["ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
+__all__ = ["Appender", "ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
 
 logger = logging.getLogger(__name__)
+
+
+class Appender(Protocol):
+    """What appends to a queue: :class:`QueueProducer`, or a producer's coordinated appender
+    (``millpond.producer.coordinator``), which keeps the same contract."""
+
+    @property
+    def counters(self) -> Counters: ...
+
+    @property
+    def seen_next_sequence(self) -> int: ...
+
+    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +161,34 @@ class QueueProducer:
         self._cached: _Raw | None = None
         # Decides whether an append waits its turn first and how a lost race waits.
         self._pacer = self._cas.retry.pacer(self._cas.clock)
+        self._seen_next = 0
 
     @property
     def counters(self) -> Counters:
         return self._cas.counters
 
-    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]:
+    @property
+    def path(self) -> str:
+        """The manifest's path."""
+        return self._cas.path
+
+    @property
+    def seen_next_sequence(self) -> int:
+        """The highest ``next_sequence`` this writer has read or written (0 before any).
+
+        ``next_sequence`` never goes back, so whatever this writer appends from now on lands
+        at or after it: a lower bound a caller can hand to the landed-check later.
+        """
+        return self._seen_next
+
+    def append(
+        self,
+        entries: Sequence[PendingEntry],
+        *,
+        maybe_landed_from: int | None = None,
+        deadline: float | None = None,
+        present_from: int | None = None,
+    ) -> tuple[int, ...]:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
         Returns only when every entry is provably in the queue (in the manifest, or already
@@ -161,6 +198,22 @@ class QueueProducer:
         request of ours) only the rest is appended — so the sequences are contiguous except in
         that case. A group that may have landed and been dequeued whole is appended again under
         the same locations, which the sink recognises.
+
+        Args:
+            entries: the group, in order.
+            maybe_landed_from: an earlier attempt to append this very group (by this writer, or
+                a coordinator acting for it) may have landed at or after this sequence and can
+                no longer land later: look for it first, and append only what is missing.
+            deadline: a time on the queue's clock after which no write is sent (what is known
+                is then raised, as when the retry budget runs out). A coordinator promises its
+                clients this way that it never writes their entries after they stopped waiting.
+            present_from: entries may already be in the queue at or after this sequence,
+                appended by another writer for the same producer (a coordinator's client that
+                stopped waiting appends its own entries directly). Whenever the manifest is read
+                from the store, an entry found there from this sequence on is taken as in the
+                queue (its sequence is returned) and is not written again. Entries are only
+                ever written on a manifest state this writer read or wrote itself, so no
+                location found in that state is appended twice.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -186,8 +239,8 @@ class QueueProducer:
         backoff = self._pacer.start(cached=current is not None)
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
-        # Lowest sequence an attempt of ours could have landed at; set once a write may have.
-        maybe_landed_from: int | None = None
+        # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
+        # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
             try:
                 if current is None or maybe_landed_from is not None:
@@ -196,6 +249,17 @@ class QueueProducer:
                     except StorageError as err:
                         cas.backoff(backoff, "manifest read", err)
                         continue
+                    if current is not None:
+                        footer = decode_footer(current.data, name=cas.path)
+                        self._seen_next = max(self._seen_next, footer.next_sequence)
+                        if present_from is not None:
+                            low = present_from
+                            if maybe_landed_from is not None:
+                                low = min(low, maybe_landed_from)
+                            todo = self._drop_present(current, entries, todo, result, low)
+                            if not todo:
+                                self._cached = current
+                                return tuple(_filled(result))
                     if maybe_landed_from is not None and current is not None:
                         todo = self._settle_landed(
                             current, entries, todo, result, maybe_landed_from
@@ -206,6 +270,7 @@ class QueueProducer:
                             return tuple(_filled(result))
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
+                _check_deadline(cas, deadline)
                 try:
                     etag = cas.write(current, data)
                 except (ConflictError, CommitStateUnknownError) as err:
@@ -231,8 +296,36 @@ class QueueProducer:
             for index, sequence in zip(todo, sequences, strict=True):
                 result[index] = sequence
             self._cached = _Raw(data, etag) if etag is not None else None
+            self._seen_next = max(self._seen_next, sequences.stop)
             self._pacer.won(backoff)
             return tuple(_filled(result))
+
+    def _drop_present(
+        self,
+        current: _Raw,
+        entries: Sequence[PendingEntry],
+        todo: list[int],
+        result: list[int | None],
+        from_sequence: int,
+    ) -> list[int]:
+        """Record which of ``todo`` are in ``current`` already; return the others."""
+        found = find_locations(
+            current.data, {entries[i].location for i in todo}, from_sequence=from_sequence
+        )
+        if not found:
+            return todo
+        logger.info(
+            "append to %s: %s of %s entries are in the manifest already (appended by their "
+            "producer); not writing them again",
+            self._cas.path,
+            len(found),
+            len(todo),
+        )
+        for index in todo:
+            sequence = found.get(entries[index].location)
+            if sequence is not None:
+                result[index] = sequence
+        return [index for index in todo if entries[index].location not in found]
 
     def _settle_landed(
         self,
@@ -270,6 +363,12 @@ class QueueProducer:
             if sequence is not None:
                 result[todo[position]] = sequence
         return [todo[position] for position in landing.missing]
+
+
+def _check_deadline(cas: _CasLoop, deadline: float | None) -> None:
+    """Raise ``StorageError`` once ``deadline`` (on the queue's clock) has passed."""
+    if deadline is not None and cas.clock.monotonic() >= deadline:
+        raise StorageError(f"{cas.path}: append deadline passed before the write")
 
 
 def _filled(result: list[int | None]) -> list[int]:

@@ -24,9 +24,10 @@ and the append, a fresh copy cannot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +44,13 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import PendingEntry
+from millpond.producer.coordinator import CoordinatedAppender
 from millpond.producer.spark.commit_state import CommitOutcome, commit_with_state, state_path
 from millpond.producer.spark.summary import log_summary
 from millpond.producer.spark.upload import TaskCommitMessage, UploadStats
 from millpond.queue import QueueProducer
+from millpond.queue.cas import Appender
+from millpond.queue.claim import queue_identity
 from millpond.storage.store import ObjectStore
 
 __all__ = [
@@ -127,6 +131,7 @@ def commit_job(
     extra_payload: Mapping[str, object] | None = None,
     retry: RetryPolicy | None = None,
     clock: Clock | None = None,
+    coordinator: Sequence[str] = (),
 ) -> JobReceipt:
     """Append every batch of the job's successful task attempts in one CAS.
 
@@ -161,52 +166,54 @@ def commit_job(
     fresh = fresh_copies(
         store, entries, data_path_prefix=data_path_prefix, limit=gc_grace_period / 2, clock=clock
     )
-    queue = QueueProducer(store, manifest_path, retry=retry, clock=clock)
-    if write_id is not None:
-        outcome = _commit_keyed(
-            store,
-            queue,
-            path=write_state_path(data_path_prefix, write_id),
-            key=f"write:{write_id}",
-            batch_id=0,
-            fresh=fresh,
-            manifest_path=manifest_path,
-            retry=retry,
-            clock=clock,
+    with _appender(
+        store, manifest_path, retry=retry, clock=clock, coordinator=coordinator
+    ) as queue:
+        if write_id is not None:
+            outcome = _commit_keyed(
+                store,
+                queue,
+                path=write_state_path(data_path_prefix, write_id),
+                key=f"write:{write_id}",
+                batch_id=0,
+                fresh=fresh,
+                manifest_path=manifest_path,
+                retry=retry,
+                clock=clock,
+            )
+            sequences = outcome.sequences or ()
+            status = outcome.status
+        elif not entries:
+            sequences, status = (), "empty"
+        else:
+            try:
+                sequences = queue.append(fresh)
+            except CommitStateUnknownError as err:
+                raise CommitStateUnknownError(
+                    f"job {job_id}: the append of {len(fresh)} batches may or may not have landed "
+                    f"({err}); rerunning the job may enqueue its rows twice. Give the job a "
+                    ".option('write_id', ...) to make reruns safe",
+                    sequences=err.sequences,
+                    maybe_landed_from=err.maybe_landed_from,
+                ) from err
+            status = "appended"
+        log_summary(
+            f"job {job_id}",
+            stats=stats,
+            status=status,
+            sequences=sequences,
+            manifest=queue.counters.snapshot(),
         )
-        sequences = outcome.sequences or ()
-        status = outcome.status
-    elif not entries:
-        sequences, status = (), "empty"
-    else:
-        try:
-            sequences = queue.append(fresh)
-        except CommitStateUnknownError as err:
-            raise CommitStateUnknownError(
-                f"job {job_id}: the append of {len(fresh)} batches may or may not have landed "
-                f"({err}); rerunning the job may enqueue its rows twice. Give the job a "
-                ".option('write_id', ...) to make reruns safe",
-                sequences=err.sequences,
-                maybe_landed_from=err.maybe_landed_from,
-            ) from err
-        status = "appended"
-    log_summary(
-        f"job {job_id}",
-        stats=stats,
-        status=status,
-        sequences=sequences,
-        manifest=queue.counters.snapshot(),
-    )
-    return JobReceipt(
-        job_id,
-        sequences[0] if sequences else None,
-        sequences[-1] if sequences else None,
-        len(ordered),
-        stats,
-        queue.counters.snapshot(),
-        status=status,
-        write_id=write_id,
-    )
+        return JobReceipt(
+            job_id,
+            sequences[0] if sequences else None,
+            sequences[-1] if sequences else None,
+            len(ordered),
+            stats,
+            queue.counters.snapshot(),
+            status=status,
+            write_id=write_id,
+        )
 
 
 def fresh_copies(
@@ -291,6 +298,7 @@ def commit_micro_batch(
     retry: RetryPolicy | None = None,
     clock: Clock | None = None,
     counters: Counters | None = None,
+    coordinator: Sequence[str] = (),
 ) -> CommitOutcome:
     """Enqueue one micro-batch at most once per (stream, batch id); see the module docstring.
 
@@ -305,23 +313,50 @@ def commit_micro_batch(
     fresh = fresh_copies(
         store, entries, data_path_prefix=data_path_prefix, limit=gc_grace_period / 2, clock=clock
     )
-    queue = QueueProducer(store, manifest_path, retry=retry, clock=clock, counters=counters)
-    return _commit_keyed(
-        store,
-        queue,
-        path=stream_state_path(data_path_prefix, stream_id),
-        key=f"stream:{stream_id}",
-        batch_id=batch_id,
-        fresh=fresh,
-        manifest_path=manifest_path,
-        retry=retry,
-        clock=clock,
+    with _appender(
+        store, manifest_path, retry=retry, clock=clock, counters=counters, coordinator=coordinator
+    ) as queue:
+        return _commit_keyed(
+            store,
+            queue,
+            path=stream_state_path(data_path_prefix, stream_id),
+            key=f"stream:{stream_id}",
+            batch_id=batch_id,
+            fresh=fresh,
+            manifest_path=manifest_path,
+            retry=retry,
+            clock=clock,
+        )
+
+
+@contextlib.contextmanager
+def _appender(
+    store: ObjectStore,
+    manifest_path: str,
+    *,
+    retry: RetryPolicy | None,
+    clock: Clock,
+    counters: Counters | None = None,
+    coordinator: Sequence[str] = (),
+) -> Iterator[Appender]:
+    """The driver's appender: through ``coordinator`` when given (appending directly whenever
+    none answers, with the same contract), else straight to the manifest."""
+    direct = QueueProducer(store, manifest_path, retry=retry, clock=clock, counters=counters)
+    if not coordinator:
+        yield direct
+        return
+    appender = CoordinatedAppender(
+        direct, coordinator, queue=queue_identity(store.url, manifest_path), clock=clock
     )
+    try:
+        yield appender
+    finally:
+        appender.close()
 
 
 def _commit_keyed(
     store: ObjectStore,
-    queue: QueueProducer,
+    queue: Appender,
     *,
     path: str,
     key: str,

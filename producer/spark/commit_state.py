@@ -38,7 +38,7 @@ from typing import Any
 
 from millpond.errors import FormatError, MillpondError, NotFoundError
 from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
-from millpond.queue import QueueProducer
+from millpond.queue.cas import Appender
 from millpond.queue.holds import encode_hold, hold_path, locations_of
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
@@ -146,7 +146,7 @@ def state_path(data_path_prefix: str, kind: str, ident: str) -> str:
 
 def commit_with_state(
     store: ObjectStore,
-    queue: QueueProducer,
+    queue: Appender,
     *,
     path: str,
     key: str,
@@ -172,7 +172,7 @@ class _Attempt:
     """One decision about one key, from the state and the manifest as they are now."""
 
     store: ObjectStore
-    queue: QueueProducer
+    queue: Appender
     path: str
     manifest_path: str
     key: str

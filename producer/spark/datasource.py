@@ -137,6 +137,7 @@ class MillpondBatchWriter(DataSourceArrowWriter):
                     write_id=settings.write_id,
                     extra_payload=settings.payload_fields(),
                     retry=settings.retry,
+                    coordinator=settings.coordinator,
                 )
             except CommitStateUnknownError:
                 self.outcome = "unknown"
@@ -244,6 +245,7 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             gc_grace_period=settings.gc_grace_period,
             retry=settings.retry,
             counters=counters,
+            coordinator=settings.coordinator,
         )
         log_summary(
             f"stream {stream_id} batch {batchId}",

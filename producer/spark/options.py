@@ -20,6 +20,9 @@ what is not given), or one of the few keys only the Spark integration has:
 ``metadata``        a string added to every entry's metadata payload (as ``"tag"``)
 ``write_id``        batch jobs: a name for this write. A second job with the same write id
                     enqueues nothing if the first one's append landed (reruns are safe)
+``coordinator``     (a ``ProducerConfig`` key) ``http://host:port`` of ``millpond
+                    coordinator`` services: the driver's commit appends through them, and
+                    appends directly when none answers
 =================== ======================================================================
 
 Spark adds ``checkpointLocation`` and ``queryName`` to streaming writes; they are read, not
@@ -120,6 +123,8 @@ class SparkWriteSettings:
     """The ``metadata`` option: added to every entry's metadata payload."""
     write_id: str | None = None
     """The ``write_id`` option: reruns of the same write enqueue nothing twice."""
+    coordinator: tuple[str, ...] = ()
+    """The ``coordinator`` option: coordinators the driver's commit appends through."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:
@@ -185,6 +190,7 @@ class SparkWriteSettings:
             receipt_path=receipt_path.strip("/") if receipt_path else None,
             tag=spark.get("metadata"),
             write_id=write_id,
+            coordinator=tuple(config.coordinator or ()),
         )
 
     def open_store(self) -> ObjectStore:

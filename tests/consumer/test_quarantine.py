@@ -25,6 +25,7 @@ from millpond.errors import (
     MillpondError,
     NotFoundError,
 )
+from millpond.formats.batch import decode_batch
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.storage.store import ObjectStore, open_store
@@ -127,6 +128,39 @@ def test_quarantine_moves_the_consumer_past_and_replay_writes_it_once(
     assert database.query(f'SELECT row_count FROM "{database.progress}" WHERE sequence = 2') == [
         (10,)
     ]
+
+
+def test_two_replays_at_once_write_once(store: ObjectStore, database: Database) -> None:
+    """The sink's mark decides, not the caller's look beforehand: two replays that both saw
+    the batch still set aside race on the mark, and one of them writes."""
+    original = _queue_with_poison(store, poison_at=0, batches=1)
+    _stopped_on(store, database)
+    with database.sink() as sink:
+        quarantine(_config(store), sink, sequence=0, reason="garbage")
+    batch = ConsumedBatch(
+        entries=tuple(decode_batch(original, name="original")),
+        sequence=0,
+        location=read_manifest(store, MANIFEST).manifest.entries[0].location,
+        queue=queue_identity(store.url, MANIFEST),
+    )
+    barrier = threading.Barrier(2)
+    results: list[int | None] = []
+
+    def replay_once() -> None:
+        with database.sink() as sink:
+            sink.last_sequence(batch.queue)  # connected before the race starts
+            barrier.wait()
+            results.append(sink.replay(batch))
+
+    threads = [threading.Thread(target=replay_once) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(results, key=str) == [10, None]
+    assert _numbers(database) == list(range(10))
+    with database.sink() as sink:
+        assert sink.replay(batch) is None  # and a third, later, writes nothing either
 
 
 def test_quarantine_refuses_what_the_consumer_is_not_stopped_on(

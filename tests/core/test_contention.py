@@ -122,7 +122,7 @@ def test_sixteen_processes_append_fifty_each(
     (tmp_path / "contention.json").write_text(json.dumps(figures, indent=2))
     for key, value in figures.items():
         record_property(key, value)
-    record_figure(f"contention {shared_store_target.kind}", figures)
+    record_figure(record_property, f"contention {shared_store_target.kind}", figures)
 
 
 @pytest.mark.slow

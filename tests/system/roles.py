@@ -9,6 +9,7 @@ and a restart builds a new one on the same WAL directory or sink.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -26,10 +27,13 @@ from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.producer import Producer, ProducerConfig
 from millpond.producer.spark.commit import commit_micro_batch
+from millpond.queue.claim import queue_identity
+from millpond.queue.coordinator import AppendCoordinator
+from millpond.queue.coordinator_http import CoordinatorServer
 from tests.invariants import ConsumerEvent
-from tests.system.sim import Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
+from tests.system.sim import Fault, Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
 
-__all__ = ["ConsumerRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
+__all__ = ["ConsumerRole", "CoordinatorRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
 
 # Short rounds: a role whose store is down gives up a round quickly (in simulated time).
 RETRY = RetryPolicy(max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2)
@@ -59,8 +63,11 @@ class ProducerRole:
         skew_ms: int,
         wal_dir: Path,
         down: Callable[[], bool],
+        coordinator: str | None = None,
     ) -> None:
         self.source = f"{queue.name}p{index}"
+        self.coordinator = coordinator
+        """The ``millpond coordinator`` URL its appends go through, if any."""
         self.queue = queue
         self._recorder = recorder
         self._clock = SkewedClock(clock, skew_ms)
@@ -88,6 +95,7 @@ class ProducerRole:
             flush_size_bytes=1,  # one batch per produce() call: appends of several batches
             upload_concurrency=1,
             retry=RETRY,
+            coordinator=self.coordinator,
             clock=self._clock,
         )
         try:
@@ -158,6 +166,59 @@ class ProducerRole:
             self._while_the_clock_runs(lambda: producer.close(timeout=5), _FLUSH_ROUNDS)
 
 
+class CoordinatorRole:
+    """``millpond coordinator`` for one queue: a real ``AppendCoordinator`` served over HTTP on
+    loopback, on its own ``RoleStore``. A crash stops its listener and kills its store view
+    (the round under way dies at its next store call); a restart serves on the same port."""
+
+    def __init__(
+        self, queue: QueueSpec, recorder: Recorder, clock: SimClock, down: Callable[[], bool]
+    ) -> None:
+        self.queue = queue
+        self._recorder = recorder
+        self._clock = clock
+        self._down = down
+        self.port = 0
+        self.store: RoleStore | None = None
+        self.server: CoordinatorServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.server is not None and self.store is not None and not self.store.dead
+
+    def start(self) -> None:
+        self.store = RoleStore(self._recorder, "coordinator", self._down)
+        coordinator = AppendCoordinator(
+            self.store,
+            self.queue.manifest_path,
+            data_path_prefix=self.queue.data_path_prefix,
+            queue=queue_identity(self._recorder.url, self.queue.manifest_path),
+            retry=RETRY,
+            clock=self._clock,
+        )
+        self.server = CoordinatorServer(coordinator, port=self.port).start()
+        self.port = self.server.port
+
+    def arm(self, fault: Fault) -> None:
+        if self.store is not None and not self.store.dead:
+            self.store.arm(fault)
+
+    def crash(self) -> None:
+        """The process dies: no more store calls, nothing listens on its port."""
+        server, self.server = self.server, None
+        if self.store is not None:
+            self.store.dead = True
+        if server is not None:
+            server.close_listener()
+            # Lets an idle round thread end (a real crash takes it too). What was waiting for
+            # a round is refused: true, since this store view writes nothing any more.
+            server.coordinator.stop(0)
+
+
 class ConsumerRole:
     """One consumer process with its sink: takes over with ``initialize()``, consumes, dies."""
 
@@ -174,9 +235,11 @@ class ConsumerRole:
         *,
         table: str | None = None,
         progress_table: str | None = None,
+        read_ahead: int = 1,
         backlog_index: bool = False,
     ) -> None:
         self.number = number
+        self._read_ahead = read_ahead
         self.queue = queue
         self.backlog_index = backlog_index
         self.store = RoleStore(recorder, f"consumer-{number}", down)
@@ -200,7 +263,7 @@ class ConsumerRole:
                 manifest_path=self.queue.manifest_path,
                 data_path_prefix=self.queue.data_path_prefix,
                 gc_enabled=False,
-                read_ahead=1,
+                read_ahead=self._read_ahead,
                 ack_batch_size=3,
                 # Half of what is queued behind: proportional steps even on short queues.
                 dequeue_fraction=0.5,
@@ -228,8 +291,8 @@ class ConsumerRole:
         self.consumer.initialize(last_acked_sequence=start)
         self.record("initialized")
 
-    def run_service(self) -> None:
-        """``millpond consume --exit-when-idle``: take over and drain."""
+    def run_service(self, on_bad_batch: str = "stop") -> None:
+        """``millpond consume --exit-when-idle [--on-bad-batch ...]``: take over and drain."""
         self._open()
         assert self.consumer is not None
         service = ConsumerService(
@@ -239,6 +302,7 @@ class ConsumerRole:
             poll_max=0.002,
             retry_initial_delay=0.001,
             retry_max_delay=0.005,
+            on_bad_batch=on_bad_batch,
         )
         stop = threading.Event()
         original = self.consumer.initialize
@@ -290,19 +354,29 @@ class _RecordingConsumer(Consumer):
         super().__init__(config)
         self._role = role
 
-    def next_batch(self) -> ConsumedBatch | None:
+    # next_batch() goes through next_batches(), and the service delivers with next_batches()
+    # and acks with ack_through(): each path is noted once.
+    def next_batches(self, limit: int) -> list[ConsumedBatch]:
         try:
-            batch = super().next_batch()
+            batches = super().next_batches(limit)
         except FencedError:
             self._role.fenced = True
             raise
-        if batch is not None:
+        for batch in batches:
             self._role.record("delivered", batch.sequence)
-        return batch
+        return batches
 
     def ack(self, sequence: int) -> None:
         try:
             super().ack(sequence)
+        except FencedError:
+            self._role.fenced = True
+            raise
+        self._role.record("acked", sequence)
+
+    def ack_through(self, sequence: int) -> None:
+        try:
+            super().ack_through(sequence)
         except FencedError:
             self._role.fenced = True
             raise
@@ -349,6 +423,8 @@ class StreamRole:
         self.next_batch_id = 0
         self.pending: int | None = None
         """A batch id whose commit did not return; it is run again before the next."""
+        self.coordinator: str | None = None
+        """The coordinator the driver commits through (``.option("coordinator", ...)``)."""
         self.records: list[bytes] = []
 
     def rows(self, batch_id: int) -> list[bytes]:
@@ -380,6 +456,7 @@ class StreamRole:
                 gc_grace_period=60.0,
                 retry=RETRY,
                 clock=self._clock,
+                coordinator=(self.coordinator,) if self.coordinator else (),
             )
         except (MillpondError, SimulatedCrash):
             return False
@@ -397,6 +474,28 @@ def sink_rows(path: Path, table: str) -> list[bytes]:
         except sqlite3.OperationalError:  # no table: nothing was ever written
             return []
     return [bytes(row[0]) for row in rows]
+
+
+def sink_progress(path: Path, progress_table: str, table: str) -> list[list[int]]:
+    """The sequences the sink's progress records for ``table``, grouped by commit, in commit
+    order.
+
+    SQLite gives a new row the rowid one past the largest, and the sink never deletes progress
+    rows, so rowid order is commit order between transactions; inside one (a group written
+    together) the order is the sink's own. Rows of one transaction share ``committed_at_ms``:
+    consecutive rows with the same value are one group (two transactions in one millisecond
+    merge, which can hide a misordering but never invent one).
+    """
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(
+                f'SELECT sequence, committed_at_ms FROM "{progress_table}" '
+                "WHERE target_table = ? ORDER BY rowid",
+                (table,),
+            ).fetchall()
+        except sqlite3.OperationalError:  # no table: nothing was ever recorded
+            return []
+    return [[int(row[0]) for row in group] for _, group in itertools.groupby(rows, lambda r: r[1])]
 
 
 _ = SinkError  # raised through ConsumerRole by a sink of another queue

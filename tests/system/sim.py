@@ -101,6 +101,8 @@ class Recorder(ForwardingStore):
         self.objects: list[ObjectEvent] = []
         self.step = 0
         """The schedule's current step, stamped on every event."""
+        self.doubled: list[str] = []
+        """Locations a manifest state held twice (step and location), for the checker."""
         self.held: list[Callable[[], object]] = []
         """Conditional manifest writes held back; they land before the next manifest write."""
 
@@ -113,6 +115,12 @@ class Recorder(ForwardingStore):
         manifest = decode_manifest(data, name=path)
         self.footers[path].append((manifest.next_sequence, manifest.epoch))
         now = {entry.location for entry in manifest.entries}
+        if len(now) != len(manifest.entries):
+            seen: set[str] = set()
+            for entry in manifest.entries:
+                if entry.location in seen:
+                    self.doubled.append(f"step {self.step}: {entry.location}")
+                seen.add(entry.location)
         for location in sorted(now - self._referenced[path]):
             self.objects.append(ObjectEvent(self.step, "append", location))
         self._referenced[path] = now

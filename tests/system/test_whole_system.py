@@ -6,6 +6,9 @@ stream's commit protocol against one store, with faults the seed chooses; then i
 checks every invariant of ``tests/invariants.py``.
 
 * CI runs ``MILLPOND_CHECKER_SCHEDULES`` schedules (default 100), seeds 0, 1, 2, ...
+* A third of the seeds (``seed % 3 == 2``) run queue A's producers through a real
+  ``millpond coordinator`` (an ``AppendCoordinator`` served over loopback HTTP), which the
+  schedule crashes, restarts and faults; the producers fall back to appending directly.
 * ``make soak`` runs many more (``MILLPOND_CHECKER_SCHEDULES=1000``, seeds from
   ``MILLPOND_CHECKER_FIRST_SEED``).
 * ``MILLPOND_CHECKER_SEED=<seed>`` replays one schedule and prints its events.
@@ -66,5 +69,11 @@ def test_schedules_cover_every_kind_of_fault() -> None:
         "stream_with_fault",
         "delayed_append",
         "misconfigured",
+        "start_coordinator",
+        "crash_coordinator",
+        "restart_coordinator",
+        "arm_coordinator",
+        "poison",
     }
     assert modes >= {"fail", "land", "hold", "crash", "crash_after"}
+    assert modes >= {"corrupt", "refuse", "operator", "auto"}  # poison, and who sets it aside

@@ -10,8 +10,11 @@ before it lands, one that lands and reports failure, a conditional write held ba
 behind a newer one, the store down for a while, a crash of any role at any store call (before
 or after it lands) and a restart much later, the clock jumping past ``reupload_after`` and the
 GC grace period, producers with skewed clocks, a second consumer taking over at any point, a
-Spark stream's driver dying mid-commit, and an operator pointing a consumer of one queue at the
-other queue's table.
+Spark stream's driver dying mid-commit, an operator pointing a consumer of one queue at the
+other queue's table, and poison batches (an object corrupted in the store, rows the database
+refuses for good): the consumer stops on one and the operator quarantines it, or the service
+sets it aside itself (``--on-bad-batch quarantine``); at the end the cause is fixed and the
+batch replayed (``tests/system/poison.py``).
 """
 
 from __future__ import annotations
@@ -23,23 +26,29 @@ from pathlib import Path
 from typing import Any
 
 from millpond.consumer.sinks import SinkError, open_sink
-from millpond.errors import FencedError, MillpondError, StorageError
+from millpond.errors import FencedError, FormatError, MillpondError, StorageError
+from millpond.queue import read_manifest
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
 from millpond.storage.store import open_store
 from tests.invariants import (
     ConsumerEvent,
     assert_exactly_once,
     assert_fenced_delivered_nothing,
+    assert_in_sink_or_set_aside,
     assert_never_back,
     assert_no_live_batch_deleted,
     assert_order_per_source,
+    assert_recorded_in_queue_order,
 )
+from tests.system.poison import Poisoner
 from tests.system.roles import (
     ConsumerRole,
+    CoordinatorRole,
     GcRole,
     ProducerRole,
     QueueSpec,
     StreamRole,
+    sink_progress,
     sink_rows,
 )
 from tests.system.sim import Fault, Recorder, SimClock, SimulatedCrash
@@ -53,6 +62,12 @@ _MAX_SKEW_MS = 20_000
 Event = tuple[Any, ...]
 
 
+def coordinated(seed: int) -> bool:
+    """Whether queue A's producers append through a ``millpond coordinator`` in this schedule
+    (a third of the seeds; the others keep the schedules they always had)."""
+    return seed % 3 == 2
+
+
 def uses_backlog_index(seed: int) -> bool:
     """Whether queue A's consumers run with the backlog index in this schedule (half do).
 
@@ -63,20 +78,42 @@ def uses_backlog_index(seed: int) -> bool:
 
 def schedule(seed: int, length: int = 28) -> list[Event]:
     """The events of one schedule, chosen by ``seed``."""
-    events = _main_events(seed, length)
+    events = _base_schedule(seed, length)
     if uses_backlog_index(seed):
         # A consumer that dies behind, leaving the index full: once, with time passing and
         # the collector running before anyone drains it (a day-long outage in small), and
         # twice more anywhere. Inserted by a draw of their own, after the main ones.
-        rng = random.Random(seed ^ 0xBAC1)
-        at = rng.randrange(len(events) + 1)
-        events[at:at] = [("stall", rng.randint(0, 2)), ("advance", 200.0), ("gc",)]
+        rng_index = random.Random(seed ^ 0xBAC1)
+        at = rng_index.randrange(len(events) + 1)
+        events[at:at] = [("stall", rng_index.randint(0, 2)), ("advance", 200.0), ("gc",)]
         for _ in range(2):
-            events.insert(rng.randrange(len(events) + 1), ("stall", rng.randint(0, 3)))
+            events.insert(rng_index.randrange(len(events) + 1), ("stall", rng_index.randint(0, 3)))
+    if coordinated(seed):
+        # The coordinator is started first, then crashed, restarted and faulted at points
+        # its own generator picks (the other events stay those of the seed).
+        rng = random.Random(seed ^ 0xC00D)
+        for _ in range(rng.randint(4, 8)):
+            kind = rng.choices(
+                ["crash_coordinator", "restart_coordinator", "arm_coordinator"], [1, 2, 4]
+            )[0]
+            event: Event = (kind,)
+            if kind == "arm_coordinator":
+                # Mostly its compare-and-swap, and mostly a death around it: the cases where a
+                # producer gets no answer and must look in the manifest itself.
+                event = (
+                    kind,
+                    rng.choices(["cas", "read", "any"], [4, 1, 1])[0],
+                    rng.choices(["fail", "land", "hold", "crash", "crash_after"], [1, 1, 1, 2, 3])[
+                        0
+                    ],
+                    rng.randrange(2),
+                )
+            events.insert(rng.randrange(len(events) + 1), event)
+        events.insert(0, ("start_coordinator",))
     return events
 
 
-def _main_events(seed: int, length: int) -> list[Event]:
+def _base_schedule(seed: int, length: int) -> list[Event]:
     rng = random.Random(seed)
     ops = ["cas", "put", "read", "any"]
     modes = ["fail", "land", "hold", "crash", "crash_after"]
@@ -133,6 +170,14 @@ def _main_events(seed: int, length: int) -> list[Event]:
             events.append((kind, rng.randint(1, 3)))
         else:
             events.append((kind,))
+    # Poison batches come from their own random stream, so the schedules above stay what
+    # they were for every seed (MUTATIONS.md's seeds keep their meaning up to the poison).
+    poison = random.Random(seed ^ 0xBAD)
+    for _ in range(poison.choice([0, 0, 1, 1, 2])):
+        how = poison.choice(["corrupt", "refuse"])
+        mode = poison.choice(["operator", "auto"])
+        at = poison.randrange(len(events) + 1)
+        events.insert(at, ("poison", poison.randrange(8), how, mode))
     return events
 
 
@@ -142,6 +187,9 @@ class World:
     def __init__(self, seed: int, directory: Path) -> None:
         rng = random.Random(seed ^ 0x5EED)
         self.seed = seed
+        # Read-ahead 4 (the default) lets the service write several fetched batches in one
+        # transaction, so a refused batch can sit inside a group; 1 keeps the older schedules.
+        self.read_ahead = random.Random(seed ^ 0xA4EAD).choice([1, 4])
         self.directory = directory
         # Half the schedules run queue A's consumers with the backlog index (its own draw, so
         # the schedules of a seed stay what they were).
@@ -187,6 +235,16 @@ class World:
             0, self.queue_b, self.recorder, self.clock, 0, directory / "wal-b0", self._outage
         )
         self.stream = StreamRole(self.queue_a, self.recorder, self.clock, self._outage)
+        self.coordinator: CoordinatorRole | None = None
+        if coordinated(seed):
+            self.coordinator = CoordinatorRole(
+                self.queue_a, self.recorder, self.clock, self._outage
+            )
+            self.coordinator.start()
+            for producer in self.producers:
+                producer.coordinator = self.coordinator.url
+            self.stream.coordinator = self.coordinator.url
+        self.poison = Poisoner(self.recorder, self.queue_a, self.sink, self._outage)
         for producer in [*self.producers, self.producer_b]:
             producer.start()
         # Queue A's consumer has run before (its table is A's): the misconfigured consumer of
@@ -223,6 +281,7 @@ class World:
             self._outage,
             table=table,
             progress_table=progress,
+            read_ahead=self.read_ahead,
             backlog_index=self.backlog_index and queue is self.queue_a,
         )
 
@@ -241,6 +300,9 @@ class World:
         for producer in [*self.producers, self.producer_b]:
             if producer.producer is not None and producer.store is not None and producer.store.dead:
                 producer.crash()
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.server is not None and not coordinator.alive:
+            coordinator.crash()  # died at a store call: its listener goes with it
 
     def _apply(self, event: Event) -> None:
         kind = event[0]
@@ -265,6 +327,19 @@ class World:
                 producer.store.arm(Fault("read", "fail", times=5))  # its own look fails too
             producer.produce(count)
             producer.flush()
+        elif kind == "start_coordinator":
+            pass  # started with the world (the producers need its address)
+        elif kind == "crash_coordinator":
+            if self.coordinator is not None:
+                self.coordinator.crash()
+        elif kind == "restart_coordinator":
+            if self.coordinator is not None and not self.coordinator.alive:
+                self.coordinator.crash()
+                self.coordinator.start()
+        elif kind == "arm_coordinator":
+            _, op, mode, after = event
+            if self.coordinator is not None:
+                self.coordinator.arm(Fault(op, mode, after))
         elif kind == "crash_producer":
             self.producers[event[1]].crash()
         elif kind == "restart_producer":
@@ -307,24 +382,44 @@ class World:
             self._consume(self.queue_b)
         elif kind == "misconfigured":
             self._misconfigured()
+        elif kind == "poison":
+            self.poison.poison(event[1], event[2], event[3])
         else:  # pragma: no cover - schedule() makes only the kinds above
             raise AssertionError(f"unknown event {event}")
 
     def _consume(self, queue: QueueSpec, *, fault: Fault | None = None) -> None:
-        role = self._consumer(queue)
-        if fault is not None:
-            role.store.arm(fault)
-        try:
-            role.run_service()
-        except SimulatedCrash:
-            role.crash()
-            return
-        except FencedError:
+        # A stop on a poisoned batch: the operator sets it aside and starts the service again
+        # (once per poisoned batch at most).
+        for _ in range(1 + self.poison.poisoned):
+            role = self._consumer(queue)
+            if fault is not None:
+                role.store.arm(fault)
+                fault = None
+            try:
+                role.run_service(self.poison.on_bad_batch)
+            except SimulatedCrash:
+                role.crash()
+                return
+            except FencedError:
+                role.close()
+                return
+            except MillpondError as err:
+                role.close()
+                if self.poison.stopped_on_poison(err) and not self.poison.auto:
+                    try:
+                        if self.poison.operator_sets_aside(err):
+                            continue
+                    except MillpondError as refused:
+                        self.violations.append(f"step {self.step}: quarantine: {refused}")
+                    return
+                self.violations.append(f"step {self.step}: consumer {role.number} stopped: {err}")
+                return
             role.close()
             return
-        except MillpondError as err:
-            self.violations.append(f"step {self.step}: consumer {role.number} stopped: {err}")
-        role.close()
+        self.violations.append(
+            f"step {self.step}: the consumer stopped on poison more often than "
+            f"{self.poison.poisoned} batches were poisoned"
+        )
 
     def _takeover(self, before: int, after: int) -> None:
         """A consumer consumes a little; a newer one takes over; the older one goes on."""
@@ -339,6 +434,9 @@ class World:
             newer.step_batches(after)
         except (SimulatedCrash, StorageError):
             pass  # a dead role, or the store down: nothing is promised about progress
+        except (FormatError, SinkError) as err:
+            if not self.poison.stopped_on_poison(err):  # stopped on poison: right
+                self.violations.append(f"step {self.step}: takeover failed: {err}")
         except MillpondError as err:
             self.violations.append(f"step {self.step}: takeover failed: {err}")
         for role in (older, newer):
@@ -353,6 +451,9 @@ class World:
             role.step_batches(count)
         except (SimulatedCrash, StorageError):
             pass
+        except (FormatError, SinkError) as err:
+            if not self.poison.stopped_on_poison(err):  # stopped on poison: right
+                self.violations.append(f"step {self.step}: stalled consumer failed: {err}")
         except MillpondError as err:
             self.violations.append(f"step {self.step}: stalled consumer failed: {err}")
         role.crash()
@@ -378,6 +479,12 @@ class World:
         consumed; the collector runs once everything is old."""
         self.outage_left = 0
         self.recorder.release_held()
+        if self.coordinator is not None:
+            if not self.coordinator.alive:
+                self.coordinator.crash()
+                self.coordinator.start()
+            assert self.coordinator.store is not None
+            self.coordinator.store.disarm()
         for producer in [*self.producers, self.producer_b]:
             if producer.store is not None:
                 producer.store.disarm()
@@ -399,18 +506,32 @@ class World:
         for queue in (self.queue_a, self.queue_b):
             GcRole(queue, self.recorder, self.clock, GRACE, self._outage).run_once()
         self._consume(self.queue_a)  # nothing left, and nothing it needs was collected
+        if self.coordinator is not None:
+            self.coordinator.crash()  # its threads end with the schedule
+        self.violations += self.poison.replay_all()
 
     def check(self) -> None:
         """Assert every invariant; raises ``AssertionError`` naming the first broken one."""
         assert not self.violations, "; ".join(self.violations)
+        assert not self.recorder.doubled, (
+            f"a location twice in one manifest: {self.recorder.doubled}"
+        )
         rows_a = sink_rows(self.sink, self.queue_a.table)
         rows_b = sink_rows(self.sink, self.queue_b.table)
         staged_a = [r for p in self.producers for r in p.staged] + self.stream.records
         produced_a = [r for p in self.producers for r in p.produced] + self.stream.records
+        assert_in_sink_or_set_aside(
+            self.poison.rows_before_replay, staged_a, self.poison.set_aside, produced=produced_a
+        )
         assert_exactly_once(rows_a, staged_a, produced=produced_a)
         assert_exactly_once(rows_b, self.producer_b.staged, produced=self.producer_b.produced)
         assert_order_per_source(rows_a, _source_and_number)
         assert_order_per_source(rows_b, _source_and_number)
+        for queue in (self.queue_a, self.queue_b):
+            assert_recorded_in_queue_order(
+                sink_progress(self.sink, queue.progress_table, queue.table),
+                read_manifest(self.recorder, queue.manifest_path).manifest.next_sequence,
+            )
         for footers in self.recorder.footers.values():
             assert_never_back(footers)
         assert_no_live_batch_deleted(self.recorder.objects)

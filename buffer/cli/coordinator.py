@@ -1,0 +1,93 @@
+"""``millpond coordinator STORE_URL``: append many producers' batches in one CAS per round.
+
+Runs :class:`~millpond.queue.coordinator.AppendCoordinator` over HTTP
+(:mod:`millpond.queue.coordinator_http`) until SIGTERM or SIGINT, then refuses what has not
+started, finishes the round under way and exits 0. Producers name it with
+``ProducerConfig(coordinator="http://host:port")`` (Spark: ``.option("coordinator", ...)``)
+and append directly whenever it does not answer, so it is never a single point of failure:
+run one or several, restart them at will.
+
+Prints one line, ``millpond coordinator: serving QUEUE on http://HOST:PORT``, once it accepts
+requests (``--port 0`` picks a free port; the line names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from types import FrameType
+
+from millpond.cli.common import add_store_arguments, open_store_from_args, require_queue
+from millpond.common.retry import STRATEGIES, RetryPolicy
+from millpond.queue.claim import queue_identity
+from millpond.queue.coordinator import DEFAULT_BUDGET, AppendCoordinator
+from millpond.queue.coordinator_http import CoordinatorServer
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser, output=False)
+    parser.add_argument(
+        "--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=7411, help="default 7411; 0: a free port")
+    parser.add_argument(
+        "--yield-every",
+        type=int,
+        default=3,
+        metavar="ROUNDS",
+        help="back-to-back rounds after which the coordinator leaves the manifest alone for a "
+        "moment, so the consumer's dequeue and epoch bump get in (default 3)",
+    )
+    parser.add_argument(
+        "--yield-slots",
+        type=float,
+        default=1.5,
+        metavar="REQUESTS",
+        help="how long that moment is, in store requests' time (default 1.5)",
+    )
+    parser.add_argument(
+        "--create",
+        action="store_true",
+        help="serve a queue that does not exist yet (its first round creates the manifest)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="exponential",
+        help="how a round that lost its compare-and-swap retries (default exponential)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    store = open_store_from_args(args)
+    if not args.create:
+        require_queue(
+            store, args.manifest_path, create_hint=" (pass --create to serve a new queue)"
+        )
+    identity = queue_identity(store.url, args.manifest_path)
+    coordinator = AppendCoordinator(
+        store,
+        args.manifest_path,
+        data_path_prefix=args.data_prefix,
+        queue=identity,
+        retry=RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET, strategy=args.strategy),
+        yield_every=args.yield_every,
+        yield_slots=args.yield_slots,
+    )
+    server = CoordinatorServer(coordinator, args.bind, args.port)
+    stopped = threading.Event()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        if not stopped.is_set():
+            stopped.set()
+            threading.Thread(target=server.close, name="millpond-coordinator-stop").start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"millpond coordinator: serving {identity} on {server.url}", flush=True)
+    server.serve_forever()
+    return 0

@@ -1,0 +1,491 @@
+"""The append coordinator: many writers' entries in one compare-and-swap per round.
+
+At 50 ms a request the manifest takes about 15-20 compare-and-swaps a second, whoever writes
+them, and a writer that just won keeps its ETag and wins again while the others need a read
+and a write to get in (issue 11). The RFC's alternative is a small stateless service that
+writers send their entries to and that appends them for everybody, one CAS per round on its
+cached ETag: :class:`AppendCoordinator` is that service's core (``millpond coordinator`` serves
+it over HTTP, :mod:`millpond.queue.coordinator_http`; producers and the Spark driver reach it
+through ``millpond.producer.coordinator``).
+
+No new durability promise. The coordinator keeps nothing on disk: a writer waits for the
+reply, and a writer that gets none looks in the manifest itself (the landed-check of
+:mod:`millpond.queue.landed`) before appending the *same* locations directly. What makes that
+safe is one promise per request, kept on the coordinator's own clock: **no write containing a
+request's entries is sent later than ``budget`` seconds after the request arrived.** A writer
+that waited longer than that (plus a grace for the request's transit) knows that only a write
+already in flight can still land, and a write in flight carries the ETag it was read at, so it
+lands only if the manifest has not changed since — before the writer's own look, which then
+finds it. A request that never got into a round is answered ``refused``: nothing of it was or
+will be written, and the writer appends it directly at once.
+
+Two looks keep a location from being appended twice when the writer's view and the
+coordinator's cross: a round that reads the manifest drops the entries it finds there from the
+request's ``lower`` bound on (its writer stopped waiting and appended them itself —
+``present_from`` of ``QueueProducer.append``), and the coordinator remembers the locations it
+appended in the last ``_REMEMBER`` seconds and answers a request for them with their sequences
+instead of writing them again (a writer that restarted before its old request's round landed;
+rounds on the cached ETag read nothing, so only this memory sees them).
+
+Fencing. Rounds carry the footer's epoch forward unchanged (``append_entries``), like any
+producer. A writer on its cached ETag wins every race against one that must read first, so
+back-to-back rounds would starve the consumer's dequeue and epoch bump (a read, then a write):
+after ``yield_every`` back-to-back rounds the coordinator waits ``yield_slots`` store requests'
+time, long enough for a read and a write of someone else to land.
+
+Several coordinators may serve one queue: they contend like producers do, each with its own
+clients' entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.metrics import Counters
+from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import parse_batch_name
+from millpond.errors import (
+    CommitStateUnknownError,
+    InvalidInputError,
+    MillpondError,
+    StorageError,
+)
+from millpond.formats.manifest import PendingEntry
+from millpond.queue.cas import QueueProducer
+from millpond.queue.coordinator_http import (
+    APPENDED,
+    DEFAULT_BUDGET,
+    REFUSED,
+    UNKNOWN,
+    Outcome,
+    decode_entries,
+    encode_entries,
+)
+from millpond.storage.store import ObjectStore
+
+__all__ = [
+    "APPENDED",
+    "DEFAULT_BUDGET",
+    "REFUSED",
+    "UNKNOWN",
+    "AppendCoordinator",
+    "Outcome",
+    "decode_entries",
+    "encode_entries",
+]
+
+logger = logging.getLogger(__name__)
+
+_MIN_BUDGET = 0.05  # a request with less time left is refused rather than tried
+_REMEMBER = 120.0  # seconds an answered request's outcome is kept for an outcome query
+_MAX_ROUND_ENTRIES = 10_000
+_MAX_PENDING_ENTRIES = 200_000
+_SLOT_SMOOTHING = 0.2
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One request, from arrival to its outcome."""
+
+    request_id: str
+    entries: list[PendingEntry]
+    deadline: float
+    lower: int = 0
+    """The lowest sequence the client may have appended these entries at itself."""
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Outcome | None = None
+    started: bool = False
+    settled_at: float = 0.0
+
+
+class AppendCoordinator:
+    """Appends its clients' entries to one queue manifest, one CAS per round.
+
+    Thread-safe: :meth:`submit` and :meth:`outcome` are called from request threads, the
+    rounds run on one thread (``millpond-coordinator``) started by :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str = "ingest/manifest",
+        *,
+        data_path_prefix: str = "ingest",
+        queue: str = "",
+        retry: RetryPolicy | None = None,
+        clock: Clock | None = None,
+        yield_every: int = 3,
+        yield_slots: float = 1.5,
+        max_round_entries: int = _MAX_ROUND_ENTRIES,
+        max_pending_entries: int = _MAX_PENDING_ENTRIES,
+    ) -> None:
+        """Set up; nothing is read or written until the first round.
+
+        Args:
+            store: the queue's store.
+            manifest_path: the queue manifest.
+            data_path_prefix: where the queue's batch objects live; entries elsewhere are
+                refused.
+            queue: this queue's identity (:func:`~millpond.queue.claim.queue_identity`);
+                requests naming another queue are refused.
+            retry: backoff of a round's compare-and-swap (default: 2 s, then the round gives
+                up; a round never outlives its requests' budget anyway).
+            clock: time source.
+            yield_every: back-to-back rounds after which the coordinator leaves the manifest
+                alone for ``yield_slots`` store requests' time (fencing and dequeues get in).
+            yield_slots: see ``yield_every``.
+            max_round_entries: entries in one round at most; the rest wait for the next.
+            max_pending_entries: entries waiting at most; requests beyond are refused.
+
+        Raises:
+            ConfigError: a bad retry policy.
+        """
+        self.queue = queue
+        self.manifest_path = manifest_path
+        self._prefix = data_path_prefix.strip("/")
+        self._clock: Clock = clock or SystemClock()
+        policy = retry or RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET)
+        self._policy = policy
+        self.counters = Counters(
+            "requests",
+            "rounds",
+            "entries_appended",
+            "refused",
+            "unknown",
+            "yields",
+            "manifest_reads",
+            "manifest_writes",
+            "cas_conflicts",
+            "cas_retries",
+            "fence_checks",
+        )
+        self._queue = QueueProducer(
+            store, manifest_path, retry=policy, clock=self._clock, counters=self.counters
+        )
+        self._yield_every = yield_every
+        self._yield_slots = yield_slots
+        self._max_round = max_round_entries
+        self._max_pending = max_pending_entries
+        self._lock = threading.Condition()
+        self._pending: deque[_Ticket] = deque()
+        self._pending_entries = 0
+        self._tickets: dict[str, _Ticket] = {}
+        self._stopping = False
+        self.dead: BaseException | None = None
+        """Set when the round thread died of something unexpected: nothing more is written."""
+        self._thread: threading.Thread | None = None
+        self.slot = 0.05
+        """Seconds one store request takes, as measured on uncontended rounds."""
+        self._back_to_back = 0
+        self._last_round_end = float("-inf")
+        self._round: list[_Ticket] = []
+        self._recent: dict[str, int] = {}
+        self._recent_at: deque[tuple[float, str]] = deque()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        entries: list[PendingEntry],
+        budget: float = DEFAULT_BUDGET,
+        lower: int = 0,
+    ) -> _Ticket:
+        """Queue a request for the next round; the ticket's ``done`` is set with its outcome.
+
+        A request id seen before returns the earlier ticket (a request is never appended twice
+        under one id). ``lower`` is the highest ``next_sequence`` the client had seen when it
+        sent the request: should it stop waiting and append the entries itself, they land at
+        or after it, and a round that reads the manifest looks for them there first.
+
+        Raises:
+            InvalidInputError: no entries, duplicate locations, or a location outside the
+                data prefix (nothing is queued).
+        """
+        if not entries:
+            raise InvalidInputError("entries: expected at least one entry, found none")
+        if len({e.location for e in entries}) != len(entries):
+            raise InvalidInputError("entries: expected distinct locations, found duplicates")
+        for entry in entries:
+            parent, _, name = entry.location.rpartition("/")
+            if parent != self._prefix or parse_batch_name(name) is None:
+                raise InvalidInputError(
+                    f"entries: expected {self._prefix}/{{ULID}}.batch locations, found "
+                    f"{entry.location!r}"
+                )
+        now = self._clock.monotonic()
+        with self._lock:
+            self._forget(now)
+            known = self._tickets.get(request_id)
+            if known is not None:
+                return known
+            ticket = _Ticket(
+                request_id, entries, now + min(budget, DEFAULT_BUDGET * 30), max(0, lower)
+            )
+            self._tickets[request_id] = ticket
+            self.counters.add("requests")
+            if self._stopping or self.dead is not None:
+                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            elif self._pending_entries + len(entries) > self._max_pending:
+                self._settle(
+                    ticket,
+                    Outcome(REFUSED, reason=f"{self._pending_entries} entries already waiting"),
+                )
+            else:
+                self._pending.append(ticket)
+                self._pending_entries += len(entries)
+                self._lock.notify_all()
+            return ticket
+
+    def outcome(self, request_id: str, wait: float) -> Outcome | None:
+        """The outcome of a request, for a client whose reply was lost.
+
+        A request still waiting for its round is withdrawn (``refused``); one inside a round is
+        waited for up to ``wait`` seconds (``None`` if still running), and is ``unknown`` when
+        the rounds died under it (nothing more will be written for it); an id never seen is
+        remembered as refused, so the request, should it still arrive, is never appended.
+        """
+        now = self._clock.monotonic()
+        with self._lock:
+            ticket = self._tickets.get(request_id)
+            if ticket is None:
+                ticket = _Ticket(request_id, [], now)
+                self._tickets[request_id] = ticket
+                self._settle(ticket, Outcome(REFUSED, reason="request never arrived"))
+            elif not ticket.started and ticket.outcome is None:
+                self._pending.remove(ticket)
+                self._pending_entries -= len(ticket.entries)
+                self._settle(ticket, Outcome(REFUSED, reason="withdrawn before its round"))
+        ticket.done.wait(wait)
+        with self._lock:
+            if ticket.outcome is None and self.dead is not None:
+                return Outcome(
+                    UNKNOWN,
+                    (None,) * len(ticket.entries),
+                    reason=f"the coordinator's rounds stopped: {self.dead!r}",
+                )
+            return ticket.outcome
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            waiting = self._pending_entries
+        return {
+            **self.counters.snapshot(),
+            "waiting_entries": waiting,
+            "slot_ms": round(self.slot * 1000, 1),
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="millpond-coordinator", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse what has not started, finish the round under way, stop."""
+        with self._lock:
+            self._stopping = True
+            while self._pending:
+                ticket = self._pending.popleft()
+                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            self._pending_entries = 0
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- rounds ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                round_ = self._next_round()
+                if round_ is None:
+                    return
+                self._append(round_)
+        except BaseException as err:
+            # A crash: the requests of the round get no reply (their clients ask, hear
+            # "unknown", and look in the manifest themselves); what had not started is refused,
+            # and so is every later request. No thread writes for them any more.
+            with self._lock:
+                self.dead = err
+                for ticket in self._round:
+                    ticket.done.set()
+                while self._pending:
+                    ticket = self._pending.popleft()
+                    self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
+                self._pending_entries = 0
+                self._lock.notify_all()
+            # Not raised again: nothing above this thread could handle it, and the request
+            # threads report the death to every client.
+            logger.exception("coordinator of %s stopped", self.manifest_path)
+
+    def _next_round(self) -> list[_Ticket] | None:
+        with self._lock:
+            while not self._pending:
+                if self._stopping:
+                    return None
+                self._lock.wait()
+        self._pace()
+        now = self._clock.monotonic()
+        with self._lock:
+            round_: list[_Ticket] = []
+            size = 0
+            locations: set[str] = set()
+            while self._pending and (
+                not round_ or size + len(self._pending[0].entries) <= (self._max_round)
+            ):
+                if any(e.location in locations for e in self._pending[0].entries):
+                    # The same batch twice (a producer that restarted): the later request waits
+                    # for the next round, which finds it appended (one append cannot hold both).
+                    break
+                ticket = self._pending.popleft()
+                self._pending_entries -= len(ticket.entries)
+                if ticket.deadline - now < _MIN_BUDGET:
+                    self._settle(ticket, Outcome(REFUSED, reason="its budget ran out waiting"))
+                    continue
+                ticket.started = True
+                round_.append(ticket)
+                size += len(ticket.entries)
+                locations.update(e.location for e in ticket.entries)
+            self._round = round_
+            return round_
+
+    def _pace(self) -> None:
+        """After ``yield_every`` back-to-back rounds, leave the manifest alone for a while."""
+        gap = self._yield_slots * self.slot
+        idle = self._clock.monotonic() - self._last_round_end
+        if idle >= gap:
+            self._back_to_back = 0
+            return
+        if self._back_to_back < self._yield_every:
+            return
+        self._back_to_back = 0
+        self.counters.add("yields")
+        self._clock.sleep(gap - idle)
+
+    def _append(self, round_: list[_Ticket]) -> None:
+        if not round_:
+            return
+        entries = [entry for ticket in round_ for entry in ticket.entries]
+        # Entries this coordinator appended itself a moment ago (a producer that restarted
+        # before its old request's round landed sends them again): their sequences, unwritten.
+        # A round on the cached ETag never reads the manifest, so only this memory finds them.
+        known: list[int | None] = [self._recent.get(entry.location) for entry in entries]
+        todo = [i for i, sequence in enumerate(known) if sequence is None]
+        deadline = min(ticket.deadline for ticket in round_)
+        before = self.counters.snapshot()
+        started = self._clock.monotonic()
+        outcomes: list[Outcome]
+        try:
+            if todo:
+                sequences: tuple[int | None, ...] = self._queue.append(
+                    [entries[i] for i in todo],
+                    deadline=deadline,
+                    present_from=min(t.lower for t in round_),
+                )
+                self._measure(started, before)
+                self._remember([entries[i] for i in todo], sequences)
+                _merge(known, todo, sequences)
+            next_sequence = self._queue.seen_next_sequence
+            outcomes = [Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(known, round_)]
+            self.counters.add("entries_appended", len(todo))
+        except CommitStateUnknownError as err:
+            _merge(known, todo, err.sequences or (None,) * len(todo))
+            logger.warning(
+                "round of %s entries from %s requests may or may not have landed: %s",
+                len(todo),
+                len(round_),
+                err,
+            )
+            outcomes = [
+                Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
+                if all(s is not None for s in seqs)
+                else Outcome(
+                    UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err)
+                )
+                for seqs in _slices(known, round_)
+            ]
+        except StorageError as err:
+            # No write of the round can have landed: the clients append directly (what is
+            # known to be in already is said, and the rest is looked for first).
+            logger.warning("round of %s entries refused: %s", len(todo), err)
+            outcomes = [
+                Outcome(UNKNOWN, seqs, reason=str(err))
+                if any(s is not None for s in seqs)
+                else Outcome(REFUSED, reason=str(err))
+                for seqs in _slices(known, round_)
+            ]
+        except MillpondError as err:
+            logger.exception("round of %s entries failed", len(todo))
+            outcomes = [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
+        self.counters.add("rounds")
+        self._back_to_back += 1
+        self._last_round_end = self._clock.monotonic()
+        with self._lock:
+            for ticket, outcome in zip(round_, outcomes, strict=True):
+                self._settle(ticket, outcome)
+
+    def _measure(self, started: float, before: dict[str, int]) -> None:
+        after = self.counters.snapshot()
+        requests = sum(
+            after.get(k, 0) - before.get(k, 0) for k in ("manifest_reads", "manifest_writes")
+        )
+        if requests == 1:  # an uncontended round on the cached ETag: one request
+            sample = self._clock.monotonic() - started
+            if sample > 0:
+                self.slot += _SLOT_SMOOTHING * (sample - self.slot)
+
+    def _remember(self, entries: Sequence[PendingEntry], sequences: Sequence[int | None]) -> None:
+        """Keep the locations just appended for ``_REMEMBER`` seconds (round thread only)."""
+        now = self._clock.monotonic()
+        for entry, sequence in zip(entries, sequences, strict=True):
+            if sequence is not None:
+                self._recent[entry.location] = sequence
+                self._recent_at.append((now, entry.location))
+        while self._recent_at and (
+            now - self._recent_at[0][0] > _REMEMBER or len(self._recent_at) > self._max_pending
+        ):
+            _, location = self._recent_at.popleft()
+            self._recent.pop(location, None)
+
+    def _settle(self, ticket: _Ticket, outcome: Outcome) -> None:
+        """Record the outcome (holding the lock)."""
+        ticket.outcome = outcome
+        ticket.settled_at = self._clock.monotonic()
+        if outcome.status == REFUSED:
+            self.counters.add("refused")
+        elif outcome.status == UNKNOWN:
+            self.counters.add("unknown")
+        ticket.done.set()
+
+    def _forget(self, now: float) -> None:
+        """Drop outcomes older than ``_REMEMBER`` (holding the lock)."""
+        if len(self._tickets) < 1024:
+            return
+        stale = [
+            rid
+            for rid, t in self._tickets.items()
+            if t.outcome is not None and now - t.settled_at > _REMEMBER
+        ]
+        for rid in stale:
+            del self._tickets[rid]
+
+
+def _merge(known: list[int | None], todo: list[int], sequences: Sequence[int | None]) -> None:
+    for index, sequence in zip(todo, sequences, strict=True):
+        known[index] = sequence
+
+
+def _slices(sequences: Sequence[int | None], round_: list[_Ticket]) -> list[tuple[int | None, ...]]:
+    out: list[tuple[int | None, ...]] = []
+    begin = 0
+    for ticket in round_:
+        out.append(tuple(sequences[begin : begin + len(ticket.entries)]))
+        begin += len(ticket.entries)
+    return out

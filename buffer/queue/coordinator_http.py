@@ -1,0 +1,310 @@
+"""``millpond coordinator`` over HTTP: the wire protocol and a small threaded server.
+
+Requests (HTTP/1.1, keep-alive):
+
+* ``POST /v1/append`` — body: the entries in the RFC manifest encoding
+  (:func:`encode_entries`); headers ``X-Millpond-Queue`` (the
+  queue's identity: a coordinator serves one queue and refuses any other),
+  ``X-Millpond-Request`` (an id the client makes up; a second request with the same id gets
+  the first one's outcome, never a second append), ``X-Millpond-Budget`` (seconds) and
+  ``X-Millpond-From`` (the highest ``next_sequence`` the client has seen: should it append the
+  entries itself after giving up on the reply, they land at or after it). The
+  reply, once the round is over, is an :class:`Outcome` as JSON:
+  200 for ``appended`` and ``unknown``, 503 for ``refused``; 400 for a request that cannot be
+  served (refused too: nothing is written).
+* ``POST /v1/outcome`` — header ``X-Millpond-Request``: the outcome of a request whose reply
+  was lost (withdrawing it if its round has not started; an id never seen is remembered as
+  refused, so that request is never appended should it still arrive).
+* ``GET /v1/health`` — the queue served and counters, as JSON.
+
+The server binds 127.0.0.1 unless told otherwise. It holds no state a restart would lose
+except outcomes of requests already answered (see :mod:`millpond.queue.coordinator`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from millpond.errors import FormatError, InvalidInputError
+from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
+
+if TYPE_CHECKING:
+    from millpond.queue.coordinator import AppendCoordinator
+
+__all__ = [
+    "APPENDED",
+    "APPEND_PATH",
+    "BUDGET_HEADER",
+    "DEFAULT_BUDGET",
+    "FROM_HEADER",
+    "HEALTH_PATH",
+    "OUTCOME_PATH",
+    "QUEUE_HEADER",
+    "REFUSED",
+    "REQUEST_HEADER",
+    "UNKNOWN",
+    "CoordinatorServer",
+    "Outcome",
+    "decode_entries",
+    "encode_entries",
+]
+
+logger = logging.getLogger(__name__)
+
+APPEND_PATH = "/v1/append"
+OUTCOME_PATH = "/v1/outcome"
+HEALTH_PATH = "/v1/health"
+QUEUE_HEADER = "X-Millpond-Queue"
+REQUEST_HEADER = "X-Millpond-Request"
+BUDGET_HEADER = "X-Millpond-Budget"
+FROM_HEADER = "X-Millpond-From"
+_MAX_BODY = 64 << 20
+_OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
+_IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
+
+
+APPENDED = "appended"
+"""Every entry is in the queue; ``Outcome.sequences`` says where."""
+UNKNOWN = "unknown"
+"""Some entries may have landed: ``sequences`` holds what is known, ``maybe_landed_from`` where
+the rest may be. No write containing them is sent after the reply."""
+REFUSED = "refused"
+"""Nothing of the request was written, and nothing of it will be."""
+
+DEFAULT_BUDGET = 2.0
+"""Seconds after a request arrives during which the coordinator may send writes containing it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one request."""
+
+    status: str
+    """:data:`APPENDED`, :data:`UNKNOWN` or :data:`REFUSED`."""
+    sequences: tuple[int | None, ...] = ()
+    """Per entry, its sequence when known to be in the queue."""
+    next_sequence: int | None = None
+    """The manifest's ``next_sequence`` after the round (a lower bound for later appends)."""
+    maybe_landed_from: int | None = None
+    """With :data:`UNKNOWN`: the lowest sequence an attempt could have landed at."""
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Outcome:
+        """Parse a reply.
+
+        Raises:
+            FormatError: not an outcome.
+        """
+        try:
+            record = json.loads(data)
+            status = _status(record["status"])
+            sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
+            return cls(
+                status=status,
+                sequences=sequences,
+                next_sequence=_opt_int(record.get("next_sequence")),
+                maybe_landed_from=_opt_int(record.get("maybe_landed_from")),
+                reason=str(record.get("reason", "")),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
+
+
+def _status(value: Any) -> str:
+    if value not in (APPENDED, UNKNOWN, REFUSED):
+        raise ValueError(f"status {value!r}")
+    return str(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def encode_entries(entries: Sequence[PendingEntry]) -> bytes:
+    """A request body: the entries in the RFC manifest encoding (validated on both ends).
+
+    Raises:
+        InvalidInputError: an entry does not fit the wire format.
+    """
+    data, _ = append_entries(empty_manifest(), entries)
+    return data
+
+
+def decode_entries(data: bytes) -> list[PendingEntry]:
+    """The entries of a request body.
+
+    Raises:
+        FormatError: not a manifest encoding.
+    """
+    manifest = decode_manifest(data, name="coordinator request")
+    return [PendingEntry(e.location, e.metadata) for e in manifest.entries]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    timeout = _IDLE_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        if self.path != HEALTH_PATH:
+            self._reply(404, {"status": REFUSED, "reason": f"no such path {self.path}"})
+            return
+        coordinator = self.server.coordinator
+        self._reply(
+            200,
+            {
+                "queue": coordinator.queue,
+                "manifest_path": coordinator.manifest_path,
+                "alive": coordinator.dead is None,
+                **coordinator.stats(),
+            },
+        )
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0") or 0)
+        if length > _MAX_BODY:
+            self._reply(400, _refused(f"body of {length} bytes is over {_MAX_BODY}"))
+            self.close_connection = True
+            return
+        body = self.rfile.read(length) if length else b""
+        coordinator = self.server.coordinator
+        request_id = self.headers.get(REQUEST_HEADER, "")
+        if not request_id:
+            self._reply(400, _refused(f"expected a {REQUEST_HEADER} header, found none"))
+            return
+        if self.path == OUTCOME_PATH:
+            outcome = coordinator.outcome(request_id, _OUTCOME_WAIT)
+            self._answer(outcome)
+            return
+        if self.path != APPEND_PATH:
+            self._reply(404, _refused(f"no such path {self.path}"))
+            return
+        queue = self.headers.get(QUEUE_HEADER, "")
+        if queue != coordinator.queue:
+            self._reply(
+                409,
+                _refused(
+                    f"this coordinator serves {coordinator.queue!r}, the request names {queue!r}"
+                ),
+            )
+            return
+        try:
+            budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
+            lower = int(self.headers.get(FROM_HEADER, "0"))
+            entries = decode_entries(body)
+            ticket = coordinator.submit(request_id, entries, budget, lower)
+        except (ValueError, FormatError, InvalidInputError) as err:
+            self._reply(400, _refused(str(err)))
+            return
+        while not ticket.done.wait(0.5):
+            if coordinator.dead is not None:
+                break
+        if ticket.outcome is None:
+            # The rounds died with this request in one: no reply, as from a crashed process.
+            self.close_connection = True
+            return
+        self._answer(ticket.outcome)
+
+    def _answer(self, outcome: Outcome | None) -> None:
+        if outcome is None:
+            self.close_connection = True  # still running after the wait: the client asks again
+            return
+        code = 503 if outcome.status == REFUSED else 200
+        self._send(code, outcome.to_json())
+
+    def _reply(self, code: int, record: dict[str, Any]) -> None:
+        self._send(code, json.dumps(record, separators=(",", ":")).encode())
+
+    def _send(self, code: int, data: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _refused(reason: str) -> dict[str, Any]:
+    return {"status": REFUSED, "reason": reason}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    coordinator: AppendCoordinator
+
+
+class CoordinatorServer:
+    """An :class:`AppendCoordinator` served over HTTP on ``host:port`` (0: a free port)."""
+
+    def __init__(self, coordinator: AppendCoordinator, host: str = "127.0.0.1", port: int = 0):
+        self.coordinator = coordinator
+        self._server = _Server((host, port), _Handler)
+        self._server.coordinator = coordinator
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self._server.server_address[0]
+        text = host.decode() if isinstance(host, bytes) else str(host)
+        return f"http://{text}:{self.port}"
+
+    def start(self) -> CoordinatorServer:
+        """Start the rounds and serve requests on a daemon thread; returns ``self``."""
+        self.coordinator.start()
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.02},  # close() and crash tests wait at most this
+            name="millpond-coordinator-http",
+            daemon=True,
+        )
+        self._thread.start()
+        logger.info("coordinator of %s serving on %s", self.coordinator.queue, self.url)
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve on the calling thread until :meth:`close` (from another thread or a signal)."""
+        self.coordinator.start()
+        logger.info("coordinator of %s serving on %s", self.coordinator.queue, self.url)
+        self._server.serve_forever(poll_interval=0.1)
+
+    def close_listener(self) -> None:
+        """Stop accepting connections at once (requests on open connections still get their
+        outcomes); :meth:`close` stops the rounds too."""
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(5.0)
+        self._server.server_close()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop: refuse what has not started, finish the round under way, close the socket."""
+        self.coordinator.stop(timeout)
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(timeout)
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> CoordinatorServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,326 @@
+"""Appending through ``millpond coordinator``, and directly whenever it cannot help.
+
+:class:`CoordinatedAppender` has the contract of :meth:`QueueProducer.append
+<millpond.queue.cas.QueueProducer.append>`: it returns once every entry is provably in the
+queue, and raises ``CommitStateUnknownError`` saying what is known when it cannot tell. It sends
+the entries to the first coordinator that answers (:mod:`millpond.queue.coordinator`, which
+appends many writers' entries in one compare-and-swap per round) and falls back to the
+producer's own compare-and-swap:
+
+* **unreachable** (the connection could not be made): nothing was sent; append directly, and
+  leave that coordinator alone for ``retry_after`` seconds;
+* **refused** (overloaded, stopping, another queue): nothing of the request was or will be
+  written; append directly;
+* **unknown** (the coordinator's own write may or may not have landed): the coordinator sends
+  no more writes for the request; what it knows is kept, and the direct append starts with the
+  landed-check (:func:`~millpond.queue.landed.resolve_landing`) for the rest — never a new
+  location, never a second entry for one that landed;
+* **no reply** (the connection broke after the request was sent): ask the coordinator what
+  became of the request (a request it never saw is then refused for good). When it cannot be
+  asked, wait until the coordinator's promise has run out — no write containing a request is
+  sent later than ``budget`` seconds after it arrived; ``grace`` covers its way there — and
+  then do the landed-check as above. Only a write already in flight can land after that, and
+  it carries the ETag it was read at: it lands before the check's read, or makes the direct
+  compare-and-swap fail and be looked at again, or never lands. A request that arrives later
+  than the grace allowed cannot double anything either: the coordinator writes only on a
+  manifest it read or wrote itself, and drops entries it finds there from the client's
+  ``X-Millpond-From`` on (``present_from`` of ``QueueProducer.append``).
+
+The lower bound the landed-check starts from is the highest ``next_sequence`` this writer has
+seen before sending: the request cannot have landed below it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from millpond.common.clock import Clock
+from millpond.common.metrics import Counters
+from millpond.errors import CommitStateUnknownError, ConfigError, FormatError, StorageError
+from millpond.formats.manifest import PendingEntry
+from millpond.queue.cas import QueueProducer
+from millpond.queue.coordinator import (
+    APPENDED,
+    DEFAULT_BUDGET,
+    REFUSED,
+    UNKNOWN,
+    Outcome,
+    encode_entries,
+)
+from millpond.queue.coordinator_http import (
+    APPEND_PATH,
+    BUDGET_HEADER,
+    FROM_HEADER,
+    OUTCOME_PATH,
+    QUEUE_HEADER,
+    REQUEST_HEADER,
+)
+
+__all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"]
+
+logger = logging.getLogger(__name__)
+
+_SENT = "sent"
+_UNSENT = "unsent"
+_LOST = "lost"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorOptions:
+    """How a producer talks to its coordinators."""
+
+    budget: float = DEFAULT_BUDGET
+    """Seconds after a request arrives during which a coordinator may write it. Default 2."""
+    grace: float = 3.0
+    """Seconds added to ``budget`` for the request's way to the coordinator before a writer
+    that got no reply and cannot ask appends directly. Default 3. (Should a request take longer
+    than that to arrive, the coordinator still never appends a location twice: a round that
+    reads the manifest drops the entries it finds there.)"""
+    connect_timeout: float = 1.0
+    """Seconds to open a connection. Default 1."""
+    retry_after: float = 5.0
+    """Seconds a coordinator that could not be reached, or refused, is left alone. Default 5."""
+
+
+def parse_coordinator_urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``http://host:port`` URLs from a string (comma-separated) or a sequence.
+
+    Raises:
+        ConfigError: a URL that is not ``http://host:port``.
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls: list[str] = []
+    for item in items:
+        url = str(item).strip().rstrip("/")
+        if not url:
+            continue
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "http" or not parts.hostname or port is None or parts.path:
+            raise ConfigError(
+                "coordinator", f"expected http://host:port (comma-separated), found {item!r}"
+            )
+        urls.append(url)
+    return tuple(urls)
+
+
+class _Endpoint:
+    """One coordinator: a keep-alive connection, and when to try it again."""
+
+    def __init__(self, url: str, options: CoordinatorOptions) -> None:
+        parts = urlsplit(url)
+        assert parts.hostname is not None
+        assert parts.port is not None
+        self.url = url
+        self._host = parts.hostname
+        self._port = parts.port
+        self._options = options
+        self._conn: http.client.HTTPConnection | None = None
+        self.down_until = float("-inf")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connect(self) -> http.client.HTTPConnection | None:
+        if self._conn is not None and self._conn.sock is not None:
+            return self._conn
+        self.close()
+        conn = http.client.HTTPConnection(
+            self._host, self._port, timeout=self._options.connect_timeout
+        )
+        try:
+            conn.connect()
+        except OSError:
+            conn.close()
+            return None
+        assert conn.sock is not None
+        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
+        conn.sock.settimeout(self._options.budget + self._options.grace)
+        self._conn = conn
+        return conn
+
+    def call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, Outcome | None]:
+        """``(kind, outcome)``: ``unsent`` (no connection), ``lost`` (sent, no usable reply)
+        or ``sent`` with the outcome."""
+        conn = self._connect()
+        if conn is None:
+            return _UNSENT, None
+        try:
+            conn.request("POST", path, body, headers)
+            response = conn.getresponse()
+            data = response.read()
+            if response.will_close:
+                self.close()
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return _LOST, None
+        try:
+            return _SENT, Outcome.from_json(data)
+        except FormatError:
+            self.close()
+            return _LOST, None
+
+
+class CoordinatedAppender:
+    """Appends through coordinators when they answer, directly otherwise (module docstring)."""
+
+    def __init__(
+        self,
+        direct: QueueProducer,
+        urls: Sequence[str],
+        *,
+        queue: str,
+        clock: Clock,
+        options: CoordinatorOptions | None = None,
+    ) -> None:
+        self._direct = direct
+        self._queue = queue
+        self._clock = clock
+        self._options = options or CoordinatorOptions()
+        self._endpoints = [_Endpoint(url, self._options) for url in urls]
+        self._seen_next = 0
+
+    @property
+    def counters(self) -> Counters:
+        return self._direct.counters
+
+    @property
+    def seen_next_sequence(self) -> int:
+        return max(self._seen_next, self._direct.seen_next_sequence)
+
+    def close(self) -> None:
+        for endpoint in self._endpoints:
+            endpoint.close()
+
+    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]:
+        """Append ``entries`` in order; the contract of ``QueueProducer.append``.
+
+        Raises:
+            InvalidInputError, FormatError, MillpondError: as ``QueueProducer.append``.
+            CommitStateUnknownError: not known whether (all of) it landed; what is known is in
+                ``sequences``.
+            StorageError: nothing landed and the store failed past the retry budget.
+        """
+        lower = self.seen_next_sequence
+        body: bytes | None = None
+        for endpoint in self._endpoints:
+            if self._clock.monotonic() < endpoint.down_until:
+                continue
+            if body is None:
+                body = encode_entries(entries)
+            outcome = self._through(endpoint, body, lower)
+            if outcome is None:
+                # No reply, nobody to ask, the coordinator's promise has run out: look first.
+                self.counters.add("coordinator_lost")
+                return self._direct.append(entries, maybe_landed_from=lower, present_from=lower)
+            if outcome.status == APPENDED and (
+                len(outcome.sequences) != len(entries) or None in outcome.sequences
+            ):
+                outcome = Outcome(UNKNOWN, reason=f"a reply that does not fit: {outcome}")
+            if outcome.status == APPENDED:
+                self.counters.add("coordinator_appends")
+                if outcome.next_sequence is not None:
+                    self._seen_next = max(self._seen_next, outcome.next_sequence)
+                return tuple(s for s in outcome.sequences if s is not None)
+            if outcome.status == REFUSED:
+                self.counters.add("coordinator_refused")
+                endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+                logger.info("coordinator %s refused an append: %s", endpoint.url, outcome.reason)
+                continue
+            self.counters.add("coordinator_unknown")
+            return self._after_unknown(entries, outcome, lower)
+        self.counters.add("direct_appends")
+        # A refused request was never written; were a coordinator's write still in flight, it
+        # carries an older ETag, and a manifest read since is searched for the entries anyway.
+        return self._direct.append(entries, present_from=lower)
+
+    def _through(self, endpoint: _Endpoint, body: bytes, lower: int) -> Outcome | None:
+        """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
+        when nobody could say (after waiting out the coordinator's promise)."""
+        request_id = uuid.uuid4().hex
+        headers = {
+            QUEUE_HEADER: self._queue,
+            REQUEST_HEADER: request_id,
+            BUDGET_HEADER: f"{self._options.budget:g}",
+            FROM_HEADER: str(lower),
+            "Content-Type": "application/octet-stream",
+        }
+        sent_at = self._clock.monotonic()
+        kind, outcome = endpoint.call(APPEND_PATH, body, headers)
+        if kind == _UNSENT:
+            endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+            logger.warning(
+                "coordinator %s unreachable; appending directly for %g s",
+                endpoint.url,
+                self._options.retry_after,
+            )
+            return Outcome(REFUSED, reason="unreachable")
+        if kind == _SENT:
+            return outcome
+        # Sent, no reply: ask (a request the coordinator never saw is refused for good then).
+        promise = sent_at + self._options.budget + self._options.grace
+        ask = {REQUEST_HEADER: request_id, "Content-Length": "0"}
+        while self._clock.monotonic() < promise:
+            kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)
+            if kind == _SENT and outcome is not None:
+                logger.info("coordinator %s: lost reply recovered (%s)", endpoint.url, outcome)
+                return outcome
+            self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))
+        endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+        logger.warning(
+            "coordinator %s did not answer for an append (no reply, and no answer since); "
+            "checking the manifest before appending directly",
+            endpoint.url,
+        )
+        return None
+
+    def _after_unknown(
+        self, entries: Sequence[PendingEntry], outcome: Outcome, lower: int
+    ) -> tuple[int, ...]:
+        known: list[int | None] = list(outcome.sequences) or [None] * len(entries)
+        if len(known) != len(entries):
+            known = [None] * len(entries)
+        rest = [i for i, sequence in enumerate(known) if sequence is None]
+        if not rest:
+            return tuple(s for s in known if s is not None)
+        start = max(lower, outcome.maybe_landed_from or 0)
+        logger.warning(
+            "coordinator append of %s entries may or may not have landed (%s); checking the "
+            "manifest for %s of them",
+            len(entries),
+            outcome.reason,
+            len(rest),
+        )
+        try:
+            found = self._direct.append(
+                [entries[i] for i in rest], maybe_landed_from=start, present_from=lower
+            )
+        except CommitStateUnknownError as err:
+            inner = err.sequences or (None,) * len(rest)
+            for index, sequence in zip(rest, inner, strict=True):
+                known[index] = sequence
+            raise CommitStateUnknownError(
+                str(err), sequences=tuple(known), maybe_landed_from=err.maybe_landed_from
+            ) from err
+        except StorageError as err:
+            if len(rest) == len(entries):
+                raise
+            # A prefix is known to be in; the rest provably is not: say so.
+            raise CommitStateUnknownError(
+                str(err), sequences=tuple(known), maybe_landed_from=start
+            ) from err
+        for index, sequence in zip(rest, found, strict=True):
+            known[index] = sequence
+        return tuple(s for s in known if s is not None)
