@@ -37,8 +37,12 @@ $(AZURITE): localstack/package.json localstack/package-lock.json
 demo: $(STAMP)
 	$(PY) -m millpond.localstack.demo
 
+# Two workers, a test file per worker at a time (its session servers start once per worker):
+# most tests wait on servers and processes, so two share two cores well. TEST_WORKERS=0 runs
+# everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) postgres-binaries $(AZURITE)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Every benchmark on loopback, then those that use the object store again with 50 ms injected
 # per request (the latency proxy; results named <name>@50ms). BENCH_LATENCY_MS=0 skips that pass.
