@@ -32,13 +32,10 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from types import FrameType
 from typing import TypeVar
 
 from millpond.cli.common import (
@@ -48,6 +45,7 @@ from millpond.cli.common import (
     serving_metrics,
 )
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.signals import stop_on_signals
 from millpond.consumer import _metrics
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
@@ -670,7 +668,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("report-interval", f"expected >= 0 seconds, found {args.report_interval}")
     stop = threading.Event()
     with (
-        _stop_on_signals(stop),
+        stop_on_signals(stop, what="finishing the current batch"),
         open_sink(
             args.sink,
             table=args.table,
@@ -722,22 +720,3 @@ def run(args: argparse.Namespace) -> int:
         ):
             service.run(stop, until_idle=args.exit_when_idle)
     return 0
-
-
-@contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set ``stop``: the loop finishes its batch, flushes and returns."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        logger.info("received %s; finishing the current batch", signal.Signals(signum).name)
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

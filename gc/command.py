@@ -9,10 +9,8 @@ object per line).
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 from collections.abc import Callable
-from types import FrameType
 
 from millpond.cli.common import (
     add_metrics_arguments,
@@ -23,6 +21,7 @@ from millpond.cli.common import (
     serving_metrics,
 )
 from millpond.common.exposition import MetricsCollector, Sample
+from millpond.common.signals import stop_on_signals
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
 from millpond.queue.gc_rules import GcReport
 
@@ -78,16 +77,10 @@ def _passes(
         report(collector.run_once())
         return 0
     stop = threading.Event()
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        collector.run_forever(stop, on_report=report)
+        with stop_on_signals(stop):
+            collector.run_forever(stop, on_report=report)
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
         collector.close()
     return 0
 
