@@ -28,7 +28,9 @@ and consumed — must come back under the same name, never a new one. Each recov
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable, Iterable
 from itertools import takewhile
 
 from millpond.common.clock import Clock
@@ -39,7 +41,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.formats.manifest import empty_manifest, find_locations
+from millpond.formats.manifest import PendingEntry, empty_manifest, find_locations
 from millpond.producer._publisher import fail_fatal, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
@@ -189,7 +191,14 @@ class Committer:
 
     def _append_group(self) -> list[Batch]:
         group: list[Batch] = []
-        for batch in self._state.batches:
+        self._extend_group(group, self._state.batches)
+        return group
+
+    def _extend_group(self, group: list[Batch], candidates: Iterable[Batch]) -> list[Batch]:
+        """Take the uploaded batches of ``candidates`` into ``group`` until one is not ready;
+        returns those taken (holding ``state.cond``)."""
+        taken: list[Batch] = []
+        for batch in candidates:
             if (
                 batch.state is not BatchState.UPLOADED
                 or len(group) == _MAX_GROUP
@@ -197,10 +206,25 @@ class Committer:
                 or self._needs_refresh(batch)
             ):
                 break
-            group.append(batch)
-        for batch in group:
             batch.state = BatchState.APPENDING
-        return group
+            group.append(batch)
+            taken.append(batch)
+        return taken
+
+    def _more(self, group: list[Batch]) -> Callable[[], list[PendingEntry]]:
+        """What a lost race adds to the append: the batches uploaded meanwhile right behind
+        ``group`` (which grows with them, so the result and every error still line up)."""
+
+        def more() -> list[PendingEntry]:
+            state = self._state
+            with state.cond:
+                if not group or group[-1] not in state.batches:
+                    return []
+                behind = state.batches.index(group[-1]) + 1
+                taken = self._extend_group(group, itertools.islice(state.batches, behind, None))
+            return [batch.pending_entry() for batch in taken]
+
+        return more
 
     def _needs_refresh(self, batch: Batch) -> bool:
         """Whether the batch's object may be too old to be safe from GC until its append."""
@@ -234,7 +258,9 @@ class Committer:
         self._last_append = self._clock.monotonic()
         state = self._state
         try:
-            sequences = self._queue.append([batch.pending_entry() for batch in group])
+            sequences = self._queue.append(
+                [batch.pending_entry() for batch in group], more=self._more(group)
+            )
         except CommitStateUnknownError as err:
             self._after_unknown_append(group, err)
             self._pause("manifest append", err)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import http.client
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -204,8 +204,15 @@ class CoordinatedAppender:
         for endpoint in self._endpoints:
             endpoint.close()
 
-    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]:
+    def append(
+        self,
+        entries: Sequence[PendingEntry],
+        *,
+        more: Callable[[], Sequence[PendingEntry]] | None = None,
+    ) -> tuple[int, ...]:
         """Append ``entries`` in order; the contract of ``QueueProducer.append``.
+
+        ``more`` is used by the direct appends only: a coordinator round loses no race.
 
         Raises:
             InvalidInputError, FormatError, MillpondError: as ``QueueProducer.append``.
@@ -224,7 +231,9 @@ class CoordinatedAppender:
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
                 self.counters.add("coordinator_lost")
-                return self._direct.append(entries, maybe_landed_from=lower, present_from=lower)
+                return self._direct.append(
+                    entries, maybe_landed_from=lower, present_from=lower, more=more
+                )
             if outcome.status == APPENDED and (
                 len(outcome.sequences) != len(entries) or None in outcome.sequences
             ):
@@ -244,7 +253,7 @@ class CoordinatedAppender:
         self.counters.add("direct_appends")
         # A refused request was never written; were a coordinator's write still in flight, it
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
-        return self._direct.append(entries, present_from=lower)
+        return self._direct.append(entries, present_from=lower, more=more)
 
     def _through(self, endpoint: _Endpoint, body: bytes, lower: int) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``

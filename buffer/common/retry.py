@@ -8,14 +8,18 @@ strategies decide how a loop that lost a compare-and-swap waits:
   has lost, the *longer* it waits; and a writer that just won keeps the manifest it wrote and
   tries again at once with its ETag, one request against the losers' two (read, then write).
   At 50 ms a request that writer wins again and again while the others starve (issue 11).
-* ``"aging"`` (prototype, issue 11): a lost race waits a random part of a few *slots* (the
-  measured duration of one store request), and the part shrinks as the loop ages: the longer
-  a writer has waited, the sooner it retries, and a writer that has waited
-  ``aging_horizon`` slots retries at once. A writer that just won does not go first: before
-  its next append it yields a random part of ``contended_yield`` slots when it has seen
-  contention lately, or of ``back_to_back_yield`` slots when it appends back to back, leaving
-  the losers the window they need to read and write. Store failures (not conflicts) still back
-  off exponentially, so an outage is never hammered.
+* ``"aging"`` (issue 11): the oldest batches go first. A lost race reads the manifest at
+  once, and the batch names the winners appended (ULIDs carry their mint time) decide the next
+  write: a writer whose oldest batch is older than all of theirs was passed over and writes
+  at once; one that lost to older batches lets them go first, waiting ``conflict_spread``
+  *slots* (the measured duration of one store request), a share that shrinks as its loop
+  ages, to nothing after ``aging_horizon`` slots. A writer that just won does not go first
+  either: before its next append it waits ``contended_yield`` slots when it has lost a race
+  lately (time for a loser to read and write), or a random part of ``back_to_back_yield``
+  slots when it appends back to back. Store failures (not conflicts) still back off
+  exponentially, so an outage is never hammered. Writers whose clocks disagree by more than
+  a round trip get a share of turns skewed towards the slower clock, never a lost or doubled
+  entry: the compare-and-swap decides, the pacing only orders the attempts.
 
 A :class:`Pacer` carries what one writer learns across its retry loops (slot length, when it
 last won, when it last lost); :meth:`RetryPolicy.pacer` makes one per writer.
@@ -61,13 +65,15 @@ class RetryPolicy:
     """How a lost compare-and-swap waits: ``"exponential"`` or ``"aging"`` (module docstring).
     Default ``"exponential"``."""
     aging_horizon: float = 16.0
-    """``"aging"``: slots of waiting after which a lost race retries at once. Default 16."""
-    conflict_spread: float = 2.0
-    """``"aging"``: slots; the longest wait of a writer that has just started losing.
-    Default 2."""
-    contended_yield: float = 2.0
-    """``"aging"``: slots; the longest a writer that won while others contend (it lost a race
-    within the last ``aging_horizon`` slots) waits before its next append. Default 2."""
+    """``"aging"``: slots; a loop that has waited this long retries a lost race at once, and a
+    writer that lost a race within this long counts as contended. Default 16."""
+    conflict_spread: float = 0.3
+    """``"aging"``: slots; after a lost race to batches older than its own, the longest a
+    loop that has just started waits before writing again (none when it lost to younger
+    ones), so the writers with older batches get their writes in first. Default 0.3."""
+    contended_yield: float = 1.5
+    """``"aging"``: slots; how long a writer that has seen contention lately waits before its
+    next append, so a loser that is reading gets its write in first. Default 1.5."""
     back_to_back_yield: float = 0.25
     """``"aging"``: slots; the longest a writer whose previous append ended less than a slot
     ago waits before the next one, contention seen or not: a writer that always wins at once
@@ -132,6 +138,16 @@ class Backoff:
         )
         self.attempt += 1
         return min(random.uniform(0, cap), remaining)
+
+    def before_write(self, older: bool | None) -> float:
+        """The pause before writing on a manifest read after a lost race (0 here).
+
+        Args:
+            older: whether this loop's entries are older than every entry the winners of
+                the race appended (``None``: not known).
+        """
+        del older
+        return 0.0
 
     def sleep(self, *, conflict: bool = False) -> bool:
         """Sleep before the next attempt; ``False`` when the budget is spent.
@@ -199,10 +215,17 @@ class _AgingBackoff(Backoff):
         self._pacer.observe(now - self.attempt_started, requests)
         self._pacer.lost(now)
         self.attempt += 1
+        return 0.0  # read at once: what the winners appended decides the pause (before_write)
+
+    def before_write(self, older: bool | None) -> float:
+        if older:
+            return 0.0
+        now = self._clock.monotonic()
         policy, slot = self._policy, self._pacer.slot
         waited = (now - self.started) / slot
         share = max(0.0, 1.0 - waited / policy.aging_horizon) if policy.aging_horizon else 0.0
-        return min(random.uniform(0.0, policy.conflict_spread * slot) * share, remaining)
+        delay = policy.conflict_spread * slot * share * random.uniform(0.8, 1.0)
+        return max(0.0, min(delay, self._deadline - now))
 
 
 class AgingPacer(Pacer):
@@ -230,13 +253,13 @@ class AgingPacer(Pacer):
     def take_turn(self) -> None:
         now = self._clock.monotonic()
         policy = self._policy
-        if now - self._last_loss < policy.aging_horizon * self.slot:
-            spread = policy.contended_yield
+        if self._contended(now):
+            self._clock.sleep(policy.contended_yield * self.slot * random.uniform(0.9, 1.1))
         elif now - self._last_win < self.slot:
-            spread = policy.back_to_back_yield
-        else:
-            return
-        self._clock.sleep(random.uniform(0.0, spread * self.slot))
+            self._clock.sleep(random.uniform(0.0, policy.back_to_back_yield * self.slot))
+
+    def _contended(self, now: float) -> bool:
+        return now - self._last_loss < self._policy.aging_horizon * self.slot
 
     def start(self, *, cached: bool = False) -> Backoff:
         return _AgingBackoff(self, cached=cached)

@@ -35,6 +35,7 @@ __all__ = [
     "encode_entry",
     "find_locations",
     "first_sequence",
+    "locations_from",
     "remove_through",
     "with_epoch",
 ]
@@ -285,18 +286,34 @@ def find_locations(raw: bytes, locations: set[str], *, from_sequence: int = 0) -
     Raises:
         FormatError: the entry framing is inconsistent.
     """
+    return {
+        location: sequence
+        for sequence, location in _locations(raw, from_sequence)
+        if location in locations
+    }
+
+
+def locations_from(raw: bytes, from_sequence: int) -> list[str]:
+    """The locations of the entries at ``sequence >= from_sequence``, in queue order.
+
+    Only the location field is decoded (what a writer that lost a race reads of the winners).
+
+    Raises:
+        FormatError: the entry framing is inconsistent.
+    """
+    return [location for _sequence, location in _locations(raw, from_sequence)]
+
+
+def _locations(raw: bytes, from_sequence: int) -> Iterator[tuple[int, str]]:
+    """``(sequence, location)`` of each entry at ``sequence >= from_sequence``."""
     footer = decode_footer(raw)
-    found: dict[str, int] = {}
     view = memoryview(raw)
     for start, _end, sequence in _entry_spans(raw, footer, name="manifest"):
         if sequence < from_sequence:
             continue
         location_len = _ENTRY_HEAD.unpack_from(view, start)[2]
         begin = start + _ENTRY_HEAD.size
-        location = bytes(view[begin : begin + location_len]).decode("utf-8", "replace")
-        if location in locations:
-            found[location] = sequence
-    return found
+        yield sequence, bytes(view[begin : begin + location_len]).decode("utf-8", "replace")
 
 
 def first_sequence(

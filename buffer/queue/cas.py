@@ -18,13 +18,14 @@ location with its rows, skips a location it has already written.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
 from millpond.common.retry import Backoff, RetryPolicy
+from millpond.common.ulids import parse_batch_name
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -44,6 +45,7 @@ from millpond.formats.manifest import (
     decode_tail,
     empty_manifest,
     find_locations,
+    locations_from,
     remove_through,
     with_epoch,
 )
@@ -65,7 +67,12 @@ class Appender(Protocol):
     @property
     def seen_next_sequence(self) -> int: ...
 
-    def append(self, entries: Sequence[PendingEntry]) -> tuple[int, ...]: ...
+    def append(
+        self,
+        entries: Sequence[PendingEntry],
+        *,
+        more: Callable[[], Sequence[PendingEntry]] | None = None,
+    ) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +195,7 @@ class QueueProducer:
         maybe_landed_from: int | None = None,
         deadline: float | None = None,
         present_from: int | None = None,
+        more: Callable[[], Sequence[PendingEntry]] | None = None,
     ) -> tuple[int, ...]:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
@@ -215,6 +223,12 @@ class QueueProducer:
                 ever written on a manifest state this writer read or wrote itself, so no
                 location found in that state is appended twice.
 
+            more: after a lost race, called before the next write for entries that became
+                ready meanwhile; they join the group (after it, in the order returned) and
+                the result covers them too. A writer that lost takes everything it has ready
+                into its next attempt, so what became ready while it waited does not wait for
+                another turn.
+
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
             FormatError: the stored manifest is corrupt.
@@ -229,10 +243,12 @@ class QueueProducer:
         """
         if not entries:
             raise InvalidInputError("entries: expected at least one entry, found none")
-        locations = [entry.location for entry in entries]
-        if len(set(locations)) != len(entries):
+        entries = list(entries)
+        locations = {entry.location for entry in entries}
+        if len(locations) != len(entries):
             raise InvalidInputError("entries: expected distinct locations, found duplicates")
         cas = self._cas
+        lost = False  # a write of this loop has lost a race or failed
         # Under a fair strategy a writer that just won lets the others go first.
         self._pacer.take_turn()
         current = self._cached
@@ -264,10 +280,27 @@ class QueueProducer:
                         todo = self._settle_landed(
                             current, entries, todo, result, maybe_landed_from
                         )
-                        maybe_landed_from = None
+                        lost_from, maybe_landed_from = maybe_landed_from, None
                         if not todo:
                             self._cached = current
                             return tuple(_filled(result))
+                        if lost:
+                            older = _older_than_winners(current.data, lost_from, entries, todo)
+                            pause = backoff.before_write(older)
+                            if pause > 0:
+                                cas.clock.sleep(pause)
+                if lost and more is not None:
+                    extra = list(more())
+                    if any(e.location in locations for e in extra) or len(
+                        {e.location for e in extra}
+                    ) != len(extra):
+                        raise InvalidInputError(
+                            "more: expected locations not in the group yet, found duplicates"
+                        )
+                    locations.update(e.location for e in extra)
+                    todo.extend(range(len(entries), len(entries) + len(extra)))
+                    entries.extend(extra)
+                    result.extend([None] * len(extra))
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
                 _check_deadline(cas, deadline)
@@ -278,11 +311,13 @@ class QueueProducer:
                     # its precondition on our own landed write): look before appending again.
                     maybe_landed_from = sequences.start
                     self._cached = None
+                    lost = True
                     cas.backoff(backoff, "manifest append", err)
                     continue
                 except StorageError as err:
                     self._cached = None
                     current = None
+                    lost = True
                     cas.backoff(backoff, "manifest append", err)
                     continue
             except StorageError as err:
@@ -363,6 +398,33 @@ class QueueProducer:
             if sequence is not None:
                 result[todo[position]] = sequence
         return [todo[position] for position in landing.missing]
+
+
+def _older_than_winners(
+    data: bytes, from_sequence: int, entries: Sequence[PendingEntry], todo: Sequence[int]
+) -> bool | None:
+    """Whether the oldest of ``todo`` was minted before every batch appended from
+    ``from_sequence`` on (the race's winners); ``None`` when batch names do not tell.
+
+    Batch names carry their mint time (ULIDs): a writer that lost to younger batches than its
+    own has waited longest and should write at once, one that lost to older ones lets them go.
+    """
+    mine = _oldest(entries[i].location for i in todo)
+    if mine is None:
+        return None
+    ours = {entries[i].location for i in todo}
+    theirs = _oldest(loc for loc in locations_from(data, from_sequence) if loc not in ours)
+    return True if theirs is None else mine < theirs
+
+
+def _oldest(locations: Iterable[str]) -> str | None:
+    """The oldest batch name's ULID (ULIDs sort by their mint time, then at random)."""
+    ulids = [
+        ulid
+        for location in locations
+        if (ulid := parse_batch_name(location.rsplit("/", 1)[-1])) is not None
+    ]
+    return min(ulids) if ulids else None
 
 
 def _check_deadline(cas: _CasLoop, deadline: float | None) -> None:

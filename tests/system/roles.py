@@ -37,6 +37,10 @@ __all__ = ["ConsumerRole", "CoordinatorRole", "GcRole", "ProducerRole", "QueueSp
 
 # Short rounds: a role whose store is down gives up a round quickly (in simulated time).
 RETRY = RetryPolicy(max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2)
+AGING_RETRY = RetryPolicy(
+    max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2, strategy="aging"
+)
+"""The fair pacing of contended appends (issue 11), for the schedules that switch it on."""
 _FLUSH_ROUNDS = 400  # each waits a few real milliseconds and moves the clock on
 
 
@@ -64,8 +68,10 @@ class ProducerRole:
         wal_dir: Path,
         down: Callable[[], bool],
         coordinator: str | None = None,
+        retry: RetryPolicy = RETRY,
     ) -> None:
         self.source = f"{queue.name}p{index}"
+        self.retry = retry
         self.coordinator = coordinator
         """The ``millpond coordinator`` URL its appends go through, if any."""
         self.queue = queue
@@ -94,7 +100,7 @@ class ProducerRole:
             flush_interval=3600.0,  # the schedule flushes; the clock never seals by itself
             flush_size_bytes=1,  # one batch per produce() call: appends of several batches
             upload_concurrency=1,
-            retry=RETRY,
+            retry=self.retry,
             coordinator=self.coordinator,
             clock=self._clock,
         )

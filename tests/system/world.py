@@ -42,6 +42,8 @@ from tests.invariants import (
 )
 from tests.system.poison import Poisoner
 from tests.system.roles import (
+    AGING_RETRY,
+    RETRY,
     ConsumerRole,
     CoordinatorRole,
     GcRole,
@@ -74,6 +76,12 @@ def uses_backlog_index(seed: int) -> bool:
     A draw of its own, so the events the main draw makes stay what they were for every seed.
     """
     return random.Random(seed ^ 0x1DE5).random() < 0.5
+
+
+def paces_fairly(seed: int) -> bool:
+    """Whether queue A's producers pace contended appends with the ``aging`` strategy (half
+    the schedules; a draw of its own, so the events of a seed stay what they were)."""
+    return random.Random(seed ^ 0xFA1E).random() < 0.5
 
 
 def schedule(seed: int, length: int = 28) -> list[Event]:
@@ -228,6 +236,7 @@ class World:
                 rng.randint(-_MAX_SKEW_MS, _MAX_SKEW_MS),
                 directory / f"wal-a{i}",
                 self._outage,
+                retry=AGING_RETRY if paces_fairly(seed) else RETRY,
             )
             for i in range(2)
         ]

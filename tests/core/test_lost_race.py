@@ -1,0 +1,121 @@
+"""A writer that loses a compare-and-swap: it takes what became ready meanwhile into its next
+write (conflict-aware group commit), and under the ``aging`` strategy it writes again at once
+when the race went to younger batches than its own, and lets older ones go first.
+
+Every store here is real (the ``any_store_target`` servers); the lost race is a real
+conditional write refused because another writer appended first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from millpond.common.retry import RetryPolicy
+from millpond.errors import CommitStateUnknownError, InvalidInputError
+from millpond.formats.manifest import PendingEntry
+from millpond.queue import QueueProducer, read_manifest
+from millpond.storage.store import ObjectStore
+from tests.support import StoreTarget
+
+from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, open_target, pending
+
+AGING = RetryPolicy(strategy="aging", max_elapsed=60.0, base_delay=0.05, max_delay=1.0)
+
+
+@pytest.fixture
+def store(any_store_target: StoreTarget) -> ObjectStore:
+    return open_target(any_store_target)
+
+
+def _locations(store: ObjectStore) -> list[str]:
+    return [e.location for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+class _Ready:
+    """A ``more`` callback handing out prepared groups, one per call, and counting calls."""
+
+    def __init__(self, *groups: list[PendingEntry]) -> None:
+        self.groups = list(groups)
+        self.calls = 0
+
+    def __call__(self) -> list[PendingEntry]:
+        self.calls += 1
+        return self.groups.pop(0) if self.groups else []
+
+
+def test_a_writer_that_lost_takes_what_became_ready_into_its_next_write(
+    store: ObjectStore,
+) -> None:
+    mine = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine.append(pending(1, tag="first"))  # caches the manifest it wrote
+    theirs = pending(2, tag="theirs")
+    rival.append(theirs)  # the cached manifest is now stale: the next write loses
+    group, later = pending(2, tag="group"), pending(3, tag="later")
+    ready = _Ready(later)
+    sequences = mine.append(group, more=ready)
+    assert ready.calls == 1
+    assert sequences == (3, 4, 5, 6, 7)  # the group, then what became ready, contiguous
+    assert _locations(store)[1:] == [e.location for e in theirs + group + later]
+    assert mine.counters.get("cas_conflicts") == 1
+
+
+def test_an_uncontended_write_does_not_ask_for_more(store: ObjectStore) -> None:
+    mine = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    ready = _Ready(pending(2, tag="later"))
+    assert mine.append(pending(2), more=ready) == (0, 1)
+    assert mine.append(pending(1), more=ready) == (2,)
+    assert ready.calls == 0
+    assert len(_locations(store)) == 3
+
+
+def test_a_group_that_landed_after_all_is_not_grown(store: ObjectStore) -> None:
+    # The "lost" write had landed (a timeout after the write): the group is settled by the
+    # look, and nothing more is taken into a write that will not happen.
+    faulty = FaultyStore(store)
+    mine = QueueProducer(faulty, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine.append(pending(1))
+    faulty.fail_next(land=True, error=CommitStateUnknownError)
+    ready = _Ready(pending(2, tag="later"))
+    group = pending(2, tag="group")
+    assert mine.append(group, more=ready) == (1, 2)
+    assert ready.calls == 0
+    assert _locations(store)[1:] == [e.location for e in group]
+
+
+def test_more_may_not_repeat_a_location(store: ObjectStore) -> None:
+    mine = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine.append(pending(1))
+    rival.append(pending(1))
+    group = pending(2)
+    with pytest.raises(InvalidInputError, match="more: expected locations not in the group"):
+        mine.append(group, more=_Ready([group[0]]))
+    assert not set(_locations(store)) & {e.location for e in group}
+
+
+def _pause_after_losing(store: ObjectStore, *, winners_are_older: bool) -> float:
+    """Seconds an aging writer sleeps in an append whose first write loses a race."""
+    clock = FakeClock()
+    mine = QueueProducer(store, MANIFEST, retry=AGING, clock=clock)
+    mine.append(pending(1, tag="first"))
+    clock.sleep(100.0)  # long idle: no back-to-back yield, no contention remembered
+    older, younger = pending(1, tag="older"), pending(1, tag="younger")  # minted in this order
+    group, theirs = (younger, older) if winners_are_older else (older, younger)
+    QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock()).append(theirs)
+    clock.slept.clear()
+    mine.append(group)
+    assert mine.counters.get("cas_conflicts") == 1
+    return sum(clock.slept)
+
+
+def test_a_loser_writes_at_once_when_younger_batches_won(store: ObjectStore) -> None:
+    assert _pause_after_losing(store, winners_are_older=False) == 0.0
+
+
+def test_a_loser_lets_older_batches_go_first(store: ObjectStore) -> None:
+    pause = _pause_after_losing(store, winners_are_older=True)
+    # Requests take no time on the fake clock, so the slot stays at base_delay, and a loop
+    # that has just started waits 80-100 % of conflict_spread slots.
+    slot = AGING.base_delay
+    assert 0.8 * AGING.conflict_spread * slot <= pause <= AGING.conflict_spread * slot
