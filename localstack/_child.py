@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 from millpond.localstack._process import (
     LOOPBACK,
@@ -37,7 +37,7 @@ from millpond.localstack._process import (
     stop_process_group,
 )
 
-__all__ = ["ChildProcess", "ChildServer"]
+__all__ = ["ChildProcess", "ChildServer", "start_or_close"]
 
 logger = logging.getLogger(__name__)
 
@@ -278,3 +278,27 @@ class ChildServer(ChildProcess):
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"{type(self).__name__}(port={self.port}, root={str(self._root)!r}, {state})"
+
+
+_Server = TypeVar("_Server", bound=ChildProcess)
+
+
+def start_or_close(server: _Server, *, timeout: float) -> _Server:
+    """Start a new server; close it (process and temp dir) if that fails or is interrupted.
+
+    Args:
+        server: a server that has not run yet.
+        timeout: seconds to wait for it to become ready.
+
+    Returns:
+        ``server``, running.
+
+    Raises:
+        LocalServiceError: it did not start (the log tail included).
+    """
+    try:
+        server.start(timeout=timeout)
+    except BaseException:
+        server.close()
+        raise
+    return server

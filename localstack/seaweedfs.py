@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from millpond.localstack._child import ChildServer
+from millpond.localstack._child import ChildServer, start_or_close
 from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
 from millpond.localstack.s3 import S3Endpoint, ensure_bucket, s3_client, wait_until_writable
 
@@ -251,10 +251,4 @@ def start_seaweedfs(
     Raises:
         LocalServiceError: it did not start; the message includes the log tail.
     """
-    server = SeaweedFS(bucket=bucket, data_dir=data_dir)
-    try:
-        server.start(timeout=timeout)
-    except BaseException:
-        server.close()
-        raise
-    return server
+    return start_or_close(SeaweedFS(bucket=bucket, data_dir=data_dir), timeout=timeout)
