@@ -1,25 +1,34 @@
-"""A local server run as one child process on one loopback port: Azurite, fake-gcs-server.
+"""A local server run as one child process on loopback ports: SeaweedFS, Azurite,
+fake-gcs-server, PostgreSQL.
 
-:class:`ChildServer` holds what they share with SeaweedFS's wrapper: a data directory (a temp
-dir removed on close, or the caller's, kept), a log file, a free port chosen on the first start
-and kept across ``stop()`` / ``start()`` so data and endpoint survive a restart, a retry with a
-new port when another process took the chosen one meanwhile, and a stop by the child's own
-process group (never by name).
+:class:`ChildProcess` is the process lifecycle they all share, written once: free ports on
+127.0.0.1 (new ones when another process took one between choosing and binding it), a launch
+into the server's own process group with its output in a log file, a wait until it is usable
+that gives up as soon as the process dies, an error carrying the log tail when it does not
+start, a stop of the child's own process group (never by name), an exit hook that closes a
+server its creator forgot, and ``with``-block use.
+
+:class:`ChildServer` adds the data directory of the storage emulators: a temp dir removed on
+close, or the caller's, kept; ports are chosen on the first start and kept across
+``stop()`` / ``start()`` so data and endpoint survive a restart. PostgreSQL keeps its own
+policy (a fresh cluster in a fresh temp dir per start, removed on stop).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, ClassVar, Self, TypeVar
 
 from millpond.localstack._process import (
+    LOOPBACK,
     LocalServiceError,
     close_at_exit,
     forget_at_exit,
@@ -28,56 +37,55 @@ from millpond.localstack._process import (
     stop_process_group,
 )
 
-__all__ = ["ChildServer"]
+__all__ = ["ChildProcess", "ChildServer", "start_or_close"]
 
 logger = logging.getLogger(__name__)
 
 _BIND_RETRIES = 3
-# What the servers print when their port was taken between choosing it and binding it.
+# What the servers print when their port was taken between choosing it and binding it
+# (Node's code, and the OS message that Go programs and PostgreSQL print).
 _PORT_TAKEN = ("address already in use", "eaddrinuse")
+# How much of the log to search for that: `weed server` logs a lot from its four services.
+_PORT_TAKEN_TAIL_LINES = 200
 
 
-class ChildServer(ABC):
-    """One server process on 127.0.0.1:``port``, in its own process group."""
+class ChildProcess(ABC):
+    """One server process listening on 127.0.0.1, in its own process group."""
 
-    name = "server"
+    name: ClassVar[str] = "server"
     """Names the server in log lines and errors."""
+    log_name: ClassVar[str] = "server.log"
+    """The log file's name in :attr:`_workdir`."""
+    port_names: ClassVar[tuple[str, ...]] = ("port",)
+    """One name per listener that needs a port; the first is :attr:`port`."""
+    stop_signal: ClassVar[signal.Signals] = signal.SIGTERM
+    """The polite request to stop, sent to the process group before SIGKILL."""
 
-    def __init__(self, *, binary: Path, data_dir: Path | None, temp_prefix: str) -> None:
+    def __init__(self, *, binary: Path) -> None:
         """Prepare a server; nothing runs until :meth:`start`.
 
         Args:
             binary: the executable.
-            data_dir: where data and the log go; a new temp dir when ``None`` (removed by
-                :meth:`close`; a given directory is kept).
-            temp_prefix: prefix of the temp dir's name.
         """
         self._binary = binary
-        self._owns_dir = data_dir is None
-        self._root = Path(tempfile.mkdtemp(prefix=temp_prefix)) if data_dir is None else data_dir
-        self._port = 0
+        self._ports: dict[str, int] = {}
         self._process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
-        """How long the last :meth:`start` took, until the server took a write."""
-
-    @property
-    def root(self) -> Path:
-        """The directory holding ``data/`` and the log."""
-        return self._root
-
-    @property
-    def log_path(self) -> Path:
-        """The server's combined stdout/stderr log."""
-        return self._root / "server.log"
+        """How long the last :meth:`start` took, until the server was ready for use."""
 
     @property
     def port(self) -> int:
-        """The port on 127.0.0.1 (0 before the first start)."""
-        return self._port
+        """The (first) port on 127.0.0.1; 0 before the first start."""
+        return self._ports.get(self.port_names[0], 0)
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every TCP port by listener name (empty before the first start)."""
+        return dict(self._ports)
 
     @property
     def pid(self) -> int | None:
-        """PID (and process group) of the running server, or ``None``."""
+        """PID (and process group ID) of the running server, or ``None``."""
         return self._process.pid if self._process is not None else None
 
     @property
@@ -85,26 +93,43 @@ class ChildServer(ABC):
         """Whether the process is alive."""
         return self._process is not None and self._process.poll() is None
 
+    @property
+    @abstractmethod
+    def _workdir(self) -> Path:
+        """The directory the server runs in and logs to; exists once :meth:`_prepare` ran."""
+
     @abstractmethod
     def command(self) -> list[str]:
-        """Return the command line (the port must have been chosen)."""
+        """Return the command line (the ports must have been chosen)."""
 
     @abstractmethod
     def _wait_ready(self, timeout: float) -> None:
-        """Wait until the server answers and its bucket or container takes a write.
+        """Wait until the server is ready for use (its bucket, container or database exists).
 
         Raises:
-            LocalServiceError: it did not in time, or the process died.
+            LocalServiceError: it was not in time, or the process died.
         """
 
-    def start(self, *, timeout: float = 60.0) -> None:
-        """Start the server and wait until it takes a write (creating its bucket first).
+    @abstractmethod
+    def close(self, *, timeout: float | None = None) -> None:
+        """Stop the server and remove what this object created; safe to call twice."""
 
-        The first start picks a free port (and another one if it was taken meanwhile); later
-        starts reuse it and the data directory, so data survives.
+    @abstractmethod
+    def _prepare(self) -> None:
+        """Make the working directory ready before a launch (once per :meth:`start`)."""
+
+    def _popen_options(self) -> dict[str, Any]:
+        """Return further :class:`subprocess.Popen` arguments (environment, user)."""
+        return {}
+
+    def start(self, *, timeout: float = 60.0) -> None:
+        """Start the server and wait until it is ready for use.
+
+        Ports already chosen are kept (a restart); otherwise free ones are picked, and new ones
+        when another process took one before the server bound it.
 
         Args:
-            timeout: seconds to wait for the server to become writable.
+            timeout: seconds to wait for the server to become ready.
 
         Raises:
             LocalServiceError: already running, or it did not start (the log tail included).
@@ -113,51 +138,31 @@ class ChildServer(ABC):
             raise LocalServiceError(f"{self.name}: already running (pid {self.pid})")
         began = time.monotonic()
         close_at_exit(self, self.close)
-        (self._root / "data").mkdir(parents=True, exist_ok=True)
-        fixed_port = self._port != 0
+        self._prepare()
+        fixed_ports = bool(self._ports)
         for attempt in range(1, _BIND_RETRIES + 1):
-            if not fixed_port:
-                self._port = free_ports(1)[0]
+            if not fixed_ports:
+                chosen = free_ports(len(self.port_names))
+                self._ports = dict(zip(self.port_names, chosen, strict=True))
             try:
                 self._launch_and_wait(timeout)
                 break
             except LocalServiceError:
-                tail = log_tail(self.log_path, 100).lower()
+                tail = log_tail(self._log_file, _PORT_TAKEN_TAIL_LINES).lower()
                 self._terminate(timeout=0.0)
                 taken = any(text in tail for text in _PORT_TAKEN)
-                if fixed_port or not taken or attempt == _BIND_RETRIES:
+                if fixed_ports or not taken or attempt == _BIND_RETRIES:
                     raise
-                logger.info("%s: port %s was taken meanwhile; retrying", self.name, self._port)
+                logger.info("%s: a port was taken meanwhile; retrying with new ports", self.name)
         self.startup_seconds = time.monotonic() - began
         logger.info(
-            "%s (pid %s) on 127.0.0.1:%s, ready in %.1f s",
+            "%s (pid %s) on %s:%s, ready in %.1f s",
             self.name,
             self.pid,
-            self._port,
+            LOOPBACK,
+            self.port,
             self.startup_seconds,
         )
-
-    def stop(self, *, timeout: float = 5.0) -> None:
-        """Stop the process group and keep the data: SIGTERM, SIGKILL after ``timeout``.
-
-        Args:
-            timeout: seconds between SIGTERM and SIGKILL; 0 kills at once.
-        """
-        self._terminate(timeout=timeout)
-
-    def close(self, *, timeout: float | None = None) -> None:
-        """Stop the server and delete the data directory if this object created it.
-
-        Args:
-            timeout: seconds between SIGTERM and SIGKILL; by default 0 when the data is about
-                to be deleted anyway, else 5.
-        """
-        if timeout is None:
-            timeout = 0.0 if self._owns_dir else 5.0
-        self._terminate(timeout=timeout)
-        if self._owns_dir:
-            shutil.rmtree(self._root, ignore_errors=True)
-        forget_at_exit(self)
 
     def __enter__(self) -> Self:
         return self
@@ -172,28 +177,33 @@ class ChildServer(ABC):
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
-        return f"{type(self).__name__}(port={self._port}, root={str(self._root)!r}, {state})"
+        return f"{type(self).__name__}(port={self.port}, {state})"
+
+    @property
+    def _log_file(self) -> Path:
+        return self._workdir / self.log_name
 
     def _launch_and_wait(self, timeout: float) -> None:
         argv = self.command()
         logger.debug("starting %s: %s", self.name, " ".join(argv))
-        with self.log_path.open("ab") as log:
+        with self._log_file.open("ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
                 argv,
-                cwd=self._root,
+                cwd=self._workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 process_group=0,  # its own group, so stop() can signal every child it forks
+                **self._popen_options(),
             )
         try:
             self._wait_ready(timeout)
         except Exception as err:
             raise LocalServiceError(
-                f"{self.name} did not start: {err}\n--- {self.log_path} (tail) ---\n"
-                f"{log_tail(self.log_path)}"
+                f"{self.name} did not start: {err}\n--- {self._log_file} (tail) ---\n"
+                f"{log_tail(self._log_file)}"
             ) from err
 
     def _exit_reason(self) -> str | None:
@@ -203,5 +213,92 @@ class ChildServer(ABC):
 
     def _terminate(self, *, timeout: float) -> None:
         process, self._process = self._process, None
-        if process is not None:
-            stop_process_group(process, timeout=timeout, name=self.name)
+        if process is None:
+            return
+        stop_process_group(process, timeout=timeout, name=self.name, first_signal=self.stop_signal)
+
+
+class ChildServer(ChildProcess):
+    """A storage emulator's process with a data directory that outlives ``stop()``."""
+
+    def __init__(self, *, binary: Path, data_dir: Path | None, temp_prefix: str) -> None:
+        """Prepare a server; nothing runs until :meth:`start`.
+
+        Args:
+            binary: the executable.
+            data_dir: where data and the log go; a new temp dir when ``None`` (removed by
+                :meth:`close`; a given directory is kept).
+            temp_prefix: prefix of the temp dir's name.
+        """
+        super().__init__(binary=binary)
+        self._owns_dir = data_dir is None
+        self._root = (
+            Path(tempfile.mkdtemp(prefix=temp_prefix)) if data_dir is None else Path(data_dir)
+        )
+
+    @property
+    def root(self) -> Path:
+        """The directory holding ``data/`` and the log."""
+        return self._root
+
+    @property
+    def log_path(self) -> Path:
+        """The server's combined stdout/stderr log."""
+        return self._log_file
+
+    @property
+    def _workdir(self) -> Path:
+        return self._root
+
+    def _prepare(self) -> None:
+        (self._root / "data").mkdir(parents=True, exist_ok=True)
+
+    def stop(self, *, timeout: float = 5.0) -> None:
+        """Stop the process group and keep the data: SIGTERM, SIGKILL after ``timeout``.
+
+        Args:
+            timeout: seconds between SIGTERM and SIGKILL; 0 kills at once.
+        """
+        self._terminate(timeout=timeout)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Stop the server and delete the data directory if this object created it.
+
+        Args:
+            timeout: seconds between SIGTERM and SIGKILL; by default 0 when the data is about
+                to be deleted anyway (a graceful shutdown would only cost time), else 5.
+        """
+        if timeout is None:
+            timeout = 0.0 if self._owns_dir else 5.0
+        self._terminate(timeout=timeout)
+        if self._owns_dir:
+            shutil.rmtree(self._root, ignore_errors=True)
+        forget_at_exit(self)
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"{type(self).__name__}(port={self.port}, root={str(self._root)!r}, {state})"
+
+
+_Server = TypeVar("_Server", bound=ChildProcess)
+
+
+def start_or_close(server: _Server, *, timeout: float) -> _Server:
+    """Start a new server; close it (process and temp dir) if that fails or is interrupted.
+
+    Args:
+        server: a server that has not run yet.
+        timeout: seconds to wait for it to become ready.
+
+    Returns:
+        ``server``, running.
+
+    Raises:
+        LocalServiceError: it did not start (the log tail included).
+    """
+    try:
+        server.start(timeout=timeout)
+    except BaseException:
+        server.close()
+        raise
+    return server

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from pathlib import Path
 
-from millpond.localstack._child import ChildServer
+from millpond.localstack._child import ChildServer, start_or_close
 from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
 
 __all__ = [
@@ -301,10 +301,4 @@ def start_azurite(
     Raises:
         LocalServiceError: it did not start (the log tail included), or no ``azurite-blob``.
     """
-    server = Azurite(container=container, data_dir=data_dir)
-    try:
-        server.start(timeout=timeout)
-    except BaseException:
-        server.close()
-        raise
-    return server
+    return start_or_close(Azurite(container=container, data_dir=data_dir), timeout=timeout)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from millpond.localstack._child import ChildServer
+from millpond.localstack._child import ChildServer, start_or_close
 from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
 
 __all__ = ["FakeGcs", "GcsEndpoint", "find_fake_gcs_binary", "start_fake_gcs"]
@@ -405,10 +405,4 @@ def start_fake_gcs(
     Raises:
         LocalServiceError: it did not start (the log tail included), or no binary.
     """
-    server = FakeGcs(bucket=bucket, data_dir=data_dir)
-    try:
-        server.start(timeout=timeout)
-    except BaseException:
-        server.close()
-        raise
-    return server
+    return start_or_close(FakeGcs(bucket=bucket, data_dir=data_dir), timeout=timeout)

@@ -16,19 +16,15 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from millpond.localstack._child import ChildProcess
 from millpond.localstack._process import (
     LOOPBACK,
     LocalServiceError,
-    close_at_exit,
     forget_at_exit,
-    free_ports,
     log_tail,
-    stop_process_group,
     wait_for,
 )
 
@@ -42,7 +38,7 @@ _VERSIONED_BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/pgsql-*/bin")
 _SUPERUSER = "postgres"
 # Line 8 of postmaster.pid is the postmaster's status; "ready" means it accepts connections.
 _PIDFILE_STATUS_LINE = 7
-_BIND_RETRIES = 3
+_FAST_SHUTDOWN_SECONDS = 10.0
 
 
 def find_postgres_bin_dir() -> Path:
@@ -75,11 +71,19 @@ def find_postgres_bin_dir() -> Path:
     )
 
 
-class PostgresServer:
+class PostgresServer(ChildProcess):
     """A PostgreSQL postmaster on 127.0.0.1 in its own temp dir, run as a child process group.
+
+    Each :meth:`start` creates a fresh cluster in a fresh temp dir (data, unix socket,
+    ``postgres.log``) on fresh ports; :meth:`stop` shuts it down and deletes the directory.
 
     Use :func:`start_postgres` rather than constructing one directly.
     """
+
+    name = "PostgreSQL"
+    log_name = "postgres.log"
+    # What `pg_ctl stop -m fast` sends (pg_ctl itself refuses to run as root).
+    stop_signal = signal.SIGINT
 
     def __init__(
         self,
@@ -96,19 +100,14 @@ class PostgresServer:
                 :func:`find_postgres_bin_dir` when ``None``.
             fsync: the server's ``fsync`` setting; keep it on unless a benchmark says otherwise.
         """
+        found = bin_dir if bin_dir is not None else find_postgres_bin_dir()
+        super().__init__(binary=found / "postgres")
+        self._bin_dir = found
         self._database = database
-        self._bin_dir = bin_dir if bin_dir is not None else find_postgres_bin_dir()
         self._fsync = fsync
         self._root: Path | None = None
-        self._port = 0
-        self._process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None
-        """How long :meth:`start` took, until the database existed."""
-
-    @property
-    def port(self) -> int:
-        """The TCP port on 127.0.0.1 (0 before start)."""
-        return self._port
+        self._env: dict[str, str] = {}
+        self._run_as: dict[str, Any] = {}
 
     @property
     def database(self) -> str:
@@ -118,22 +117,35 @@ class PostgresServer:
     @property
     def url(self) -> str:
         """Connection URL, ``postgresql://postgres@127.0.0.1:PORT/millpond`` (trust auth)."""
-        return f"postgresql://{_SUPERUSER}@{LOOPBACK}:{self._port}/{self._database}"
-
-    @property
-    def pid(self) -> int | None:
-        """PID (and process group ID) of the postmaster, or ``None`` when stopped."""
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the postmaster is alive."""
-        return self._process is not None and self._process.poll() is None
+        return f"postgresql://{_SUPERUSER}@{LOOPBACK}:{self.port}/{self._database}"
 
     @property
     def root(self) -> Path | None:
         """The temp dir holding ``data/``, the unix socket and ``postgres.log``, while running."""
         return self._root
+
+    @property
+    def _workdir(self) -> Path:
+        if self._root is None:
+            raise LocalServiceError("PostgreSQL: not started, so it has no directory")
+        return self._root
+
+    def command(self) -> list[str]:
+        """Return the ``postgres`` command line (the cluster and port must exist).
+
+        Returns:
+            argv, ready for :class:`subprocess.Popen`.
+        """
+        root = self._workdir
+        return [
+            str(self._binary),
+            "-D", str(root / "data"),
+            "-p", str(self.port),
+            "-c", f"listen_addresses={LOOPBACK}",
+            "-c", f"unix_socket_directories={root}",
+            "-c", f"fsync={'on' if self._fsync else 'off'}",
+            "-c", "logging_collector=off",
+        ]  # fmt: skip
 
     def start(self, *, timeout: float = 60.0) -> None:
         """Create the cluster, start the postmaster, wait until it accepts, create the database.
@@ -146,26 +158,13 @@ class PostgresServer:
         """
         if self._process is not None:
             raise LocalServiceError(f"PostgreSQL: already running (pid {self.pid})")
-        began = time.monotonic()
-        root = Path(tempfile.mkdtemp(prefix="millpond-pg-"))
-        self._root = root
-        close_at_exit(self, self.stop)
         try:
-            self._start_in(root, timeout)
+            super().start(timeout=timeout)
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.monotonic() - began
-        logger.info(
-            "PostgreSQL (pid %s) on %s:%s, database %s, ready in %.1f s",
-            self.pid,
-            LOOPBACK,
-            self._port,
-            self._database,
-            self.startup_seconds,
-        )
 
-    def stop(self, *, timeout: float = 10.0) -> None:
+    def stop(self, *, timeout: float = _FAST_SHUTDOWN_SECONDS) -> None:
         """Fast shutdown, then delete the cluster's temp dir.
 
         Sends SIGINT to the postmaster, which is exactly what ``pg_ctl stop -m fast`` does
@@ -175,42 +174,38 @@ class PostgresServer:
         Args:
             timeout: seconds to wait for the fast shutdown.
         """
-        process, self._process = self._process, None
-        if process is not None:
-            stop_process_group(
-                process, timeout=timeout, name="PostgreSQL", first_signal=signal.SIGINT
-            )
+        self._terminate(timeout=timeout)
         root, self._root = self._root, None
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
         forget_at_exit(self)
 
-    def __enter__(self) -> PostgresServer:
-        return self
+    def close(self, *, timeout: float | None = None) -> None:
+        """The same as :meth:`stop` (with its default ``timeout`` when ``None``).
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        Args:
+            timeout: seconds to wait for the fast shutdown.
+        """
+        self.stop(timeout=_FAST_SHUTDOWN_SECONDS if timeout is None else timeout)
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"PostgresServer(url={self.url!r}, {state})"
 
-    def _start_in(self, root: Path, timeout: float) -> None:
-        run_as = _server_user_kwargs()
-        if run_as:
+    def _prepare(self) -> None:
+        # A fresh cluster in a fresh temp dir on fresh ports, every start.
+        self._ports = {}
+        root = Path(tempfile.mkdtemp(prefix="millpond-pg-"))
+        self._root = root
+        self._run_as = _server_user_kwargs()
+        if self._run_as:
             # The server user must own its directories; root's mkdtemp made them root-only.
-            os.chown(root, run_as["user"], run_as["group"])
-        data = root / "data"
-        env = _clean_env()
+            os.chown(root, self._run_as["user"], self._run_as["group"])
+        self._env = _clean_env()
         self._run(
             [
                 str(self._bin_dir / "initdb"),
-                f"--pgdata={data}",
+                f"--pgdata={root / 'data'}",
                 f"--username={_SUPERUSER}",
                 "--auth=trust",
                 "--encoding=UTF8",
@@ -220,78 +215,35 @@ class PostgresServer:
                 "--no-sync",
             ],
             cwd=root,
-            env=env,
+            env=self._env,
             log_path=root / "initdb.log",
-            run_as=run_as,
+            run_as=self._run_as,
         )
-        for attempt in range(1, _BIND_RETRIES + 1):
-            try:
-                self._launch_and_wait(root, env, run_as, timeout)
-                break
-            except LocalServiceError:
-                # Another process can take the free port before the postmaster binds it.
-                port_taken = "could not bind" in log_tail(root / "postgres.log", 20)
-                if not port_taken or attempt == _BIND_RETRIES:
-                    raise
-                logger.info("PostgreSQL: port %s was taken meanwhile; retrying", self._port)
+
+    def _popen_options(self) -> dict[str, Any]:
+        return {"env": self._env, **self._run_as}
+
+    def _wait_ready(self, timeout: float) -> None:
+        root = self._workdir
+        wait_for(
+            lambda: True if _pidfile_status(root / "data") == "ready" else None,
+            timeout=timeout,
+            what=f"PostgreSQL on port {self.port}",
+            alive=self._exit_reason,
+        )
         self._run(
             [
                 str(self._bin_dir / "createdb"),
                 f"--host={LOOPBACK}",
-                f"--port={self._port}",
+                f"--port={self.port}",
                 f"--username={_SUPERUSER}",
                 self._database,
             ],
             cwd=root,
-            env=env,
+            env=self._env,
             log_path=root / "createdb.log",
             run_as={},
         )
-
-    def _launch_and_wait(
-        self, root: Path, env: dict[str, str], run_as: dict[str, Any], timeout: float
-    ) -> None:
-        data = root / "data"
-        log_path = root / "postgres.log"
-        self._port = free_ports(1)[0]
-        argv = [
-            str(self._bin_dir / "postgres"),
-            "-D", str(data),
-            "-p", str(self._port),
-            "-c", f"listen_addresses={LOOPBACK}",
-            "-c", f"unix_socket_directories={root}",
-            "-c", f"fsync={'on' if self._fsync else 'off'}",
-            "-c", "logging_collector=off",
-        ]  # fmt: skip
-        logger.debug("starting PostgreSQL: %s", " ".join(argv))
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                argv,
-                cwd=root,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                process_group=0,  # stop() signals the postmaster and every backend it forked
-                **run_as,
-            )
-
-        def exit_reason() -> str | None:
-            if process.poll() is None:
-                return None
-            return f"postgres exited with code {process.returncode}\n{log_tail(log_path)}"
-
-        try:
-            wait_for(
-                lambda: True if _pidfile_status(data) == "ready" else None,
-                timeout=timeout,
-                what=f"PostgreSQL on port {self._port}",
-                alive=exit_reason,
-            )
-        except LocalServiceError:
-            stop_process_group(process, timeout=5.0, name="PostgreSQL", first_signal=signal.SIGINT)
-            raise
-        self._process = process
 
     @staticmethod
     def _run(

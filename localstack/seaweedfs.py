@@ -17,24 +17,12 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
 import sys
 import sysconfig
-import tempfile
-import time
 from pathlib import Path
-from types import TracebackType
 
-from millpond.localstack._process import (
-    LOOPBACK,
-    LocalServiceError,
-    close_at_exit,
-    forget_at_exit,
-    free_ports,
-    log_tail,
-    stop_process_group,
-    wait_for,
-)
+from millpond.localstack._child import ChildServer, start_or_close
+from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
 from millpond.localstack.s3 import S3Endpoint, ensure_bucket, s3_client, wait_until_writable
 
 __all__ = ["SeaweedFS", "find_weed_binary", "start_seaweedfs"]
@@ -42,16 +30,17 @@ __all__ = ["SeaweedFS", "find_weed_binary", "start_seaweedfs"]
 logger = logging.getLogger(__name__)
 
 # The listeners of one `weed server`, each given an explicit port so none falls back to a
-# default (and `http port + 10000` for gRPC never collides with anything).
+# default (and `http port + 10000` for gRPC never collides with anything). The S3 gateway's
+# comes first: it is the server's `port`.
 _PORT_NAMES = (
+    "s3",
+    "s3.grpc",
     "master",
     "master.grpc",
     "volume",
     "volume.grpc",
     "filer",
     "filer.grpc",
-    "s3",
-    "s3.grpc",
 )
 # weed always adds a gRPC unix socket at these fixed paths (not configurable); removed on stop.
 _GRPC_UNIX_SOCKETS = {
@@ -60,7 +49,6 @@ _GRPC_UNIX_SOCKETS = {
     "filer.grpc": "/tmp/seaweedfs-filer-grpc-{port}.sock",
     "s3.grpc": "/tmp/seaweedfs-s3-grpc-{port}.sock",
 }
-_BIND_RETRIES = 3
 
 
 def find_weed_binary() -> Path:
@@ -91,11 +79,23 @@ def find_weed_binary() -> Path:
     )
 
 
-class SeaweedFS:
+class SeaweedFS(ChildServer):
     """A single-node SeaweedFS with an S3 gateway on 127.0.0.1, run as a child process group.
+
+    Its directory holds ``data/``, ``s3.json`` (the S3 identities) and ``weed.log``; ``port``
+    is the S3 gateway's, ``ports`` names all eight listeners.
+
+    ``weed server`` 4.48 does not finish a SIGTERM shutdown even in 15 s (the filer's gRPC
+    graceful stop waits on the S3 gateway's metadata subscription), so ``stop()`` ends in
+    SIGKILL after its timeout. Data survives that: an acknowledged write has reached the
+    leveldb journal and volume files (the OS page cache), which outlive the process.
 
     Use :func:`start_seaweedfs` rather than constructing one directly.
     """
+
+    name = "SeaweedFS"
+    log_name = "weed.log"
+    port_names = _PORT_NAMES
 
     def __init__(
         self,
@@ -122,47 +122,13 @@ class SeaweedFS:
                 startup and vacuuming quick.
         """
         # Find the binary first: a missing one must not leave a temp dir behind.
-        self._binary = binary if binary is not None else find_weed_binary()
+        found = binary if binary is not None else find_weed_binary()
+        super().__init__(binary=found, data_dir=data_dir, temp_prefix="millpond-weed-")
         self._bucket = bucket
-        self._owns_dir = data_dir is None
-        if data_dir is None:
-            self._root = Path(tempfile.mkdtemp(prefix="millpond-weed-"))
-        else:
-            self._root = Path(data_dir)
         self._access_key_id = access_key_id
         self._secret_access_key = secret_access_key
         self._region = region
         self._volume_size_limit_mb = volume_size_limit_mb
-        self._ports: dict[str, int] = {}
-        self._process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None
-        """How long the last :meth:`start` took, until the bucket took a write."""
-
-    @property
-    def root(self) -> Path:
-        """The directory holding ``data/``, ``s3.json`` and ``weed.log``."""
-        return self._root
-
-    @property
-    def log_path(self) -> Path:
-        """The server's combined stdout/stderr log."""
-        return self._root / "weed.log"
-
-    @property
-    def ports(self) -> dict[str, int]:
-        """Every TCP port by listener name (``s3``, ``s3.grpc``, ``master``, ...); fixed after
-        the first start."""
-        return dict(self._ports)
-
-    @property
-    def pid(self) -> int | None:
-        """PID (and process group ID) of the running ``weed``, or ``None`` when stopped."""
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the ``weed`` process is alive."""
-        return self._process is not None and self._process.poll() is None
 
     @property
     def endpoint(self) -> S3Endpoint:
@@ -171,10 +137,10 @@ class SeaweedFS:
         Raises:
             LocalServiceError: never started, so there is no port yet.
         """
-        if "s3" not in self._ports:
+        if self.port == 0:
             raise LocalServiceError("SeaweedFS: not started yet, so it has no port")
         return S3Endpoint(
-            endpoint=f"http://{LOOPBACK}:{self._ports['s3']}",
+            endpoint=f"http://{LOOPBACK}:{self.port}",
             bucket=self._bucket,
             access_key_id=self._access_key_id,
             secret_access_key=self._secret_access_key,
@@ -194,7 +160,7 @@ class SeaweedFS:
             "server",
             f"-ip={LOOPBACK}",
             f"-ip.bind={LOOPBACK}",
-            f"-dir={self._root / 'data'}",
+            f"-dir={self.root / 'data'}",
             f"-master.port={p['master']}",
             f"-master.port.grpc={p['master.grpc']}",
             "-master.telemetry=false",  # no reports to telemetry.seaweedfs.com
@@ -213,101 +179,19 @@ class SeaweedFS:
             "-filer",
             f"-filer.port={p['filer']}",
             f"-filer.port.grpc={p['filer.grpc']}",
-            f"-filer.localSocket={self._root / 'filer.sock'}",
+            f"-filer.localSocket={self.root / 'filer.sock'}",
             "-s3",
             f"-s3.port={p['s3']}",
             f"-s3.port.grpc={p['s3.grpc']}",
-            f"-s3.localSocket={self._root / 's3.sock'}",
-            f"-s3.config={self._root / 's3.json'}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+            f"-s3.config={self.root / 's3.json'}",
             "-s3.port.iceberg=0",  # no Iceberg REST catalog listener
             "-s3.port.lance=0",  # no Lance namespace listener
             "-s3.iam=false",  # no IAM API on the S3 port
         ]
 
-    def start(self, *, timeout: float = 60.0) -> None:
-        """Start ``weed``, wait until the bucket takes a write, creating the bucket if needed.
-
-        The first start picks free ports (retrying with new ones if a port was taken in the
-        meantime); later starts reuse them and the data directory, so data survives.
-
-        Args:
-            timeout: seconds to wait for the S3 gateway to become writable.
-
-        Raises:
-            LocalServiceError: already running, or it did not start (the log tail is included).
-        """
-        if self.running:
-            raise LocalServiceError(f"SeaweedFS: already running (pid {self.pid})")
-        began = time.monotonic()
-        close_at_exit(self, self.close)
-        (self._root / "data").mkdir(parents=True, exist_ok=True)
-        self._write_identities()
-        fixed_ports = bool(self._ports)
-        for attempt in range(1, _BIND_RETRIES + 1):
-            if not fixed_ports:
-                self._ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
-            try:
-                self._launch_and_wait(timeout)
-                break
-            except LocalServiceError:
-                port_taken = "address already in use" in log_tail(self.log_path, 200).lower()
-                self._terminate(timeout=0.0)
-                if fixed_ports or not port_taken or attempt == _BIND_RETRIES:
-                    raise
-                logger.info("SeaweedFS: a port was taken meanwhile; retrying with new ports")
-        self.startup_seconds = time.monotonic() - began
-        logger.info(
-            "SeaweedFS (pid %s) S3 on %s, bucket %s, ready in %.1f s",
-            self.pid,
-            self.endpoint.endpoint,
-            self._bucket,
-            self.startup_seconds,
-        )
-
-    def stop(self, *, timeout: float = 5.0) -> None:
-        """Stop ``weed`` and keep its data: SIGTERM the process group, SIGKILL after ``timeout``.
-
-        ``weed server`` 4.48 does not finish a SIGTERM shutdown even in 15 s (the filer's
-        gRPC graceful stop waits on the S3 gateway's metadata subscription), so this ends in
-        SIGKILL after ``timeout``. Data survives that: an acknowledged write has reached the
-        leveldb journal and volume files (the OS page cache), which outlive the process.
-        Pass ``timeout=0`` to kill at once.
-
-        Args:
-            timeout: seconds between SIGTERM and SIGKILL.
-        """
-        self._terminate(timeout=timeout)
-
-    def close(self, *, timeout: float | None = None) -> None:
-        """Stop ``weed`` and delete the data directory if this object created it.
-
-        Args:
-            timeout: seconds between SIGTERM and SIGKILL; by default 0 when the data is about
-                to be deleted anyway (a graceful shutdown would only cost time), else 5.
-        """
-        if timeout is None:
-            timeout = 0.0 if self._owns_dir else 5.0
-        self._terminate(timeout=timeout)
-        if self._owns_dir:
-            shutil.rmtree(self._root, ignore_errors=True)
-        forget_at_exit(self)
-
-    def __enter__(self) -> SeaweedFS:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = f"pid {self.pid}" if self.running else "stopped"
-        return f"SeaweedFS(s3_port={self._ports.get('s3')}, root={str(self._root)!r}, {state})"
-
-    def _write_identities(self) -> None:
+    def _prepare(self) -> None:
+        super()._prepare()
         # One admin identity: every request must be signed with these keys (anonymous gets 403).
         config = {
             "identities": [
@@ -320,53 +204,26 @@ class SeaweedFS:
                 }
             ]
         }
-        path = self._root / "s3.json"
+        path = self.root / "s3.json"
         path.write_text(json.dumps(config, indent=2))
         path.chmod(stat.S_IRUSR | stat.S_IWUSR)  # it holds the secret key
 
-    def _launch_and_wait(self, timeout: float) -> None:
-        argv = self.command()
-        logger.debug("starting SeaweedFS: %s", " ".join(argv))
-        with self.log_path.open("ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
-            log.flush()
-            self._process = subprocess.Popen(
-                argv,
-                cwd=self._root,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                process_group=0,  # its own group, so stop() can signal every child it forks
-            )
+    def _wait_ready(self, timeout: float) -> None:
         endpoint = self.endpoint
-        try:
-            client = s3_client(endpoint, timeout=2.0)
-            wait_for(
-                lambda: client.list_buckets(),
-                timeout=timeout,
-                what="SeaweedFS S3 gateway",
-                alive=self._exit_reason,
-            )
-            ensure_bucket(endpoint)
-            wait_until_writable(
-                endpoint, timeout=timeout, what="SeaweedFS", alive=self._exit_reason
-            )
-        except Exception as err:
-            raise LocalServiceError(
-                f"SeaweedFS did not start: {err}\n--- {self.log_path} (tail) ---\n"
-                f"{log_tail(self.log_path)}"
-            ) from err
-
-    def _exit_reason(self) -> str | None:
-        if self._process is None or self._process.poll() is None:
-            return None
-        return f"weed exited with code {self._process.returncode}"
+        client = s3_client(endpoint, timeout=2.0)
+        wait_for(
+            lambda: client.list_buckets(),
+            timeout=timeout,
+            what="SeaweedFS S3 gateway",
+            alive=self._exit_reason,
+        )
+        ensure_bucket(endpoint)
+        wait_until_writable(endpoint, timeout=timeout, what="SeaweedFS", alive=self._exit_reason)
 
     def _terminate(self, *, timeout: float) -> None:
-        process, self._process = self._process, None
-        if process is None:
+        if self._process is None:
             return
-        stop_process_group(process, timeout=timeout, name="SeaweedFS")
+        super()._terminate(timeout=timeout)
         for name, pattern in _GRPC_UNIX_SOCKETS.items():
             path = Path(pattern.format(port=self._ports[name]))
             # Only a socket file can be ours; never remove anything else that has this name.
@@ -394,10 +251,4 @@ def start_seaweedfs(
     Raises:
         LocalServiceError: it did not start; the message includes the log tail.
     """
-    server = SeaweedFS(bucket=bucket, data_dir=data_dir)
-    try:
-        server.start(timeout=timeout)
-    except BaseException:
-        server.close()
-        raise
-    return server
+    return start_or_close(SeaweedFS(bucket=bucket, data_dir=data_dir), timeout=timeout)

@@ -32,7 +32,7 @@ from millpond.localstack import (
     listening_addresses,
     start_postgres,
 )
-from millpond.localstack import postgres as postgres_module
+from millpond.localstack import _child as child_module
 from millpond.localstack._process import free_ports
 from millpond.localstack.s3 import s3_client
 from millpond.storage.store import open_store
@@ -392,10 +392,10 @@ def test_postgres_retries_when_its_port_is_taken(
     # postgres_server is requested only to skip when the binaries are missing.
     with socket.create_server((LOOPBACK, 0)) as squatter:
         taken = squatter.getsockname()[1]
-        real_free_ports = postgres_module.free_ports
+        real_free_ports = child_module.free_ports
         offers = iter([[taken]])
         monkeypatch.setattr(
-            postgres_module, "free_ports", lambda n: next(offers, None) or real_free_ports(n)
+            child_module, "free_ports", lambda n: next(offers, None) or real_free_ports(n)
         )
         with start_postgres() as server:
             assert server.port != taken
