@@ -32,17 +32,25 @@ the consumer's dequeues (in steady state a dequeue every 100 batches costs the p
 one extra GET + CAS per 100 batches).
 
 What counts toward the target: the DESIGN row measures *ingest*, and its floor is one request
-per batch object written (1024 / flush MiB per GiB), so ``ratio`` is the **producer's**
-requests per GiB ingested, every kind counted (batch PUTs, manifest CAS, manifest GETs), over
-that floor — from the moment the ``Producer`` constructor returned. What the constructor sends
-(the store checks of ``preflight``, the queue's claim, the clock probe: about 15 requests) is
-paid once per producer, not per GiB, and would dominate a 1 GiB round at 64 MiB (16 requests
-is the whole floor): it is counted separately (``producer_startup_requests``) and reported
-beside the ratio with it included (``producer_with_startup_ratio``), never hidden. Reading
-the data back needs at least one GET per batch object, so the consumer alone is at least 1x
-the floor and producer + consumer + GC at least 2x: those are reported beside it
-(``consumer_ratio``, ``gc_ratio``, ``total_ratio``), never hidden, and never in the ratio.
-GiB = 2**30 bytes of entry payload.
+per batch object written (1024 / flush MiB per GiB), so the producer's requests per GiB
+ingested, every kind counted (batch PUTs, manifest CAS, manifest GETs), are divided by that
+floor. Two ratios, both at the default 16 MiB flush size, and the verdict needs both within
+the target (``ratio`` is the larger of the two):
+
+* ``producer_ratio``: steady state, from the moment the ``Producer`` constructor returned;
+* ``producer_with_startup_ratio``: the same with what the constructor sent counted too
+  (``producer_startup_requests``). Every Spark task opens a producer, so this is what a
+  user pays for a 1 GiB task. The round's producer stands for the one that creates the
+  queue: 7 requests — the store check of ``preflight`` (one probe object: create, a refused
+  second create, a refused stale update, HEAD, delete; its last-modified time is also the
+  store's clock), the claim's GET and the PUT that creates the claim. A producer opening an
+  existing queue sends 6 (``tests/producer/test_startup_requests.py`` holds it to that).
+
+At 64 MiB the start-up is a larger share of a 1 GiB round (16 requests is the whole floor);
+that round's with-start-up ratio is reported, not judged. Reading the data back needs at
+least one GET per batch object, so the consumer alone is at least 1x the floor and producer +
+consumer + GC at least 2x: those are reported beside it (``consumer_ratio``, ``gc_ratio``,
+``total_ratio``), never hidden, and never in the ratio. GiB = 2**30 bytes of entry payload.
 """
 
 from __future__ import annotations
@@ -204,8 +212,8 @@ def _round(
     producer_store = CountingStore(inner)
     # The queue's claim with a short grace period, so that one GC pass at the end can delete
     # the consumed objects (a collector may not use a shorter grace period than its queue's).
-    # Written through the producer's counter: the PUT a producer sends to create the claim
-    # (after the GET that finds none, counted when the producer reads this one instead).
+    # Written through the producer's counter: the PUT the producer that creates the queue
+    # sends (after its GET that finds none, counted when the producer reads this one instead).
     claim = QueueClaim(manifest_path=MANIFEST, gc_grace_period=GC_GRACE)
     producer_store.put_if_absent(claim_path("ingest"), claim.encode())
     consumer_store = CountingStore(inner)
@@ -351,9 +359,11 @@ def run(quick: bool) -> dict[str, Any]:
     per_gib = main["per_gib"]
     floor = main["floor_per_gib"]
     xs = [r["flush_mib"] for r in rounds]
+    # The verdict: steady state and start-up included, both at the default flush size.
+    verdict = max(ratios["producer"], ratios["producer_with_startup"])
     return make_result(
         NAME,
-        ratio=ratios["producer"],
+        ratio=verdict,
         target=TARGET,
         target_op="<=",
         figures={
@@ -363,9 +373,11 @@ def run(quick: bool) -> dict[str, Any]:
             "gc_per_gib": per_gib["gc"],
             "total_per_gib": per_gib["total"],
             "producer_ratio": ratios["producer"],
+            "producer_passed": ratios["producer"] <= TARGET,
             "producer_with_startup_ratio": ratios["producer_with_startup"],
             "producer_with_startup_passed": ratios["producer_with_startup"] <= TARGET,
             "producer_startup_requests": main["producer_startup_requests"],
+            "producer_startup_total": sum(main["producer_startup_requests"].values()),
             "consumer_ratio": ratios["consumer"],
             "gc_ratio": ratios["gc"],
             "total_ratio": ratios["total"],
@@ -382,7 +394,10 @@ def run(quick: bool) -> dict[str, Any]:
             "tuned_producer_with_startup_ratio": tuned["ratios"]["producer_with_startup"],
             "tuned_producer_per_gib": tuned["per_gib"]["producer"],
             "tuned_batches_per_append": tuned["batches_per_append"],
-            "tuned_passed": tuned["ratios"]["producer"] <= TARGET,
+            "tuned_passed": max(
+                tuned["ratios"]["producer"], tuned["ratios"]["producer_with_startup"]
+            )
+            <= TARGET,
             "tuned_seconds": tuned["seconds"],
             "rounds": rounds,
             "entry_bytes": ENTRY_BYTES,
@@ -401,8 +416,10 @@ def run(quick: bool) -> dict[str, Any]:
                 "requests / GiB",
                 xs,
                 {
-                    "producer (counts toward target)": [r["per_gib"]["producer"] for r in rounds],
-                    "producer with its start-up": [
+                    "producer, steady state (judged at 16 MiB)": [
+                        r["per_gib"]["producer"] for r in rounds
+                    ],
+                    "producer with its start-up (judged at 16 MiB)": [
                         r["per_gib"]["producer_with_startup"] for r in rounds
                     ],
                     "producer, batch objects only": [
@@ -438,17 +455,18 @@ def run(quick: bool) -> dict[str, Any]:
             ),
         ],
         headline=(
-            f"{MAIN_FLUSH_MIB} MiB flushes: producer {per_gib['producer']:.0f} req/GiB "
-            f"({ratios['producer']:.2f}x floor {floor:.0f}; "
-            f"{ratios['producer_with_startup']:.2f}x with its start-up requests); "
+            f"{MAIN_FLUSH_MIB} MiB flushes: producer {per_gib['producer_with_startup']:.0f} "
+            f"req/GiB with its {sum(main['producer_startup_requests'].values())} start-up "
+            f"requests ({ratios['producer_with_startup']:.2f}x floor {floor:.0f}; "
+            f"{ratios['producer']:.2f}x without); "
             f"consumer {ratios['consumer']:.2f}x, "
             f"total {ratios['total']:.2f}x; with commit_interval {TUNED_INTERVAL:g} s: "
-            f"producer {tuned['ratios']['producer']:.2f}x"
+            f"producer {tuned['ratios']['producer_with_startup']:.2f}x with its start-up"
         ),
         notes=(
-            "ratio = producer requests per GiB ingested / (1024 / flush MiB), all request kinds "
-            "after the producer opened the queue (its start-up requests, once per producer, "
-            "are reported beside it); "
+            "ratio = producer requests per GiB ingested / (1024 / flush MiB) at 16 MiB, all "
+            "request kinds, the larger of: with the producer's start-up requests (once per "
+            "producer, so per Spark task) and without them (steady state); "
             "consumer, GC and total are reported beside it (reading back needs >= 1x floor)."
         ),
     )

@@ -9,6 +9,10 @@ On start (and, if the store does not answer then, before the first append) the p
   longer than the collectors' delete window, and defaults to half the grace period;
 * measures its clock against the store's: replayed batches are aged by their ULID time, which
   this clock wrote, so a skew beyond :data:`~millpond.queue.claim.MAX_CLOCK_SKEW` is refused.
+  The start-up check of the store (:func:`~millpond.storage.checks.preflight`) reads the
+  store's clock from the probe object it writes anyway and hands it over; when that check did
+  not run (it runs once per store and process) or a later attempt opens the queue, a probe of
+  its own (2 requests) measures it.
 
 Permanent problems raise ``ConfigError``; a store that is down is waited out.
 """
@@ -28,7 +32,7 @@ from millpond.queue.claim import (
     open_claim,
 )
 from millpond.storage.store import ObjectStore
-from millpond.storage.store_time import probe_store_time
+from millpond.storage.store_time import StoreTime, probe_store_time
 
 __all__ = ["QueueSession"]
 
@@ -53,15 +57,19 @@ class QueueSession:
     def open(self) -> bool:
         return self.claim is not None
 
-    def try_open(self) -> bool:
+    def try_open(self, store_time: StoreTime | None = None) -> bool:
         """One attempt; ``False`` when the store did not answer (try again later).
+
+        Args:
+            store_time: the store's clock, measured just now by the caller (the start-up
+                check); ``None`` probes it.
 
         Raises:
             ConfigError: the queue refuses this producer (named).
             FormatError: the claim object is corrupt.
         """
         try:
-            self._open_once()
+            self._open_once(store_time)
         except StorageError as err:
             logger.info(
                 "queue %s not reachable yet (%s); checking again before publishing",
@@ -91,7 +99,7 @@ class QueueSession:
                     backoff = self._config.retry.start(self._clock)
                     backoff.sleep()
 
-    def _open_once(self) -> None:
+    def _open_once(self, store_time: StoreTime | None = None) -> None:
         config = self._config
         store = self._store
         prefix = config.data_path_prefix
@@ -118,7 +126,9 @@ class QueueSession:
                 f"{claim.gc_grace_period:g} s): a batch could never be appended before GC may "
                 "take it; give the queue a longer grace period",
             )
-        probe = probe_store_time(store, internal_path(prefix, CLOCK_PROBE), self._clock)
+        probe = store_time or probe_store_time(
+            store, internal_path(prefix, CLOCK_PROBE), self._clock
+        )
         if probe.skew_seconds > MAX_CLOCK_SKEW:
             direction = "behind" if probe.offset_ms > 0 else "ahead of"
             raise ConfigError(

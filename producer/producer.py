@@ -94,7 +94,8 @@ class Producer:
             )
         self._config = config
         self._store = open_store(config.store, config.store_options)
-        preflight(self._store, write=True)  # fail fast on what no retry fixes
+        # Fail fast on what no retry fixes; the store's clock comes back from its probe write.
+        store_time = preflight(self._store, write=True, lists=False, clock=config.clock)
         budget = max(4 * config.flush_size_bytes, _MIN_MEMORY_BUDGET)
         self._state = state = State(clock=config.clock, mem_budget=budget)
         self._clock = StopAwareClock(config.clock, state.stop)
@@ -110,7 +111,7 @@ class Producer:
         self._session = QueueSession(self._store, config, self._clock)
         self._coordinated: CoordinatedAppender | None = None
         try:
-            self._session.try_open()
+            self._session.try_open(store_time)
             self._replay()
         except BaseException:
             self._wal.close()

@@ -222,15 +222,18 @@ def open_claim(
     if claim is None and create is not None:
         try:
             store.put_if_absent(path, create.encode())
+        except ConflictError:
+            # Another role claimed it first (or our own earlier attempt landed): read it.
+            claim = _read(store, path)
+        else:
+            # Created, so ours is the claim: no need to read it back.
             logger.info(
                 "claimed %s for %s (GC grace period %s s)",
                 path,
                 create.manifest_path,
                 create.gc_grace_period,
             )
-        except ConflictError:
-            pass  # another role claimed it first (or our own earlier attempt landed): read it
-        claim = _read(store, path)
+            claim = create
         if claim is None:
             claim = create
     if claim is not None:

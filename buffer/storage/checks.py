@@ -8,8 +8,10 @@ how to fix it. They write only under ``_millpond_check/`` below the store root (
 * :func:`run_store_checks` — every store check, in order: credentials, bucket, permissions,
   conditional create, conditional update, clock skew, manifest. A check that cannot run
   because an earlier one failed is skipped, saying why.
-* :func:`preflight` — at start: one listing (credentials, bucket, permission) and, for a
-  writer, the conditional-write probe, once per store and process. A refusal raises
+* :func:`preflight` — at start, once per store and process: for a role that lists, one
+  listing (credentials, bucket, permission to list); for a writer, one probe object that
+  checks conditional writes in 5 requests and, from the store's stamp on it, reads the store's
+  clock (a producer, which never lists, sends only these 5). A refusal raises
   :class:`~millpond.errors.StoreAccessError` within seconds; a store that does not answer is
   left to the caller's retries, as before.
 """
@@ -17,11 +19,12 @@ how to fix it. They write only under ``_millpond_check/`` below the store root (
 from __future__ import annotations
 
 import logging
+import string
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.errors import (
@@ -33,7 +36,7 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import decode_manifest
 from millpond.storage.store import ObjectStore
-from millpond.storage.store_time import probe_store_time
+from millpond.storage.store_time import StoreTime, probe_store_time
 
 __all__ = [
     "MAX_CLOCK_SKEW",
@@ -60,7 +63,8 @@ _CONDITIONAL_HINT = (
     "conditional writes (older SeaweedFS, MinIO and Ceph releases accept or ignore "
     "If-None-Match / If-Match), or another store"
 )
-_passed: set[str] = set()  # stores (and uses) this process has checked once already
+_PROBE_FIRST = b"millpond start-up check\n"
+_passed: set[str] = set()  # stores (and checks) this process has passed once already
 _passed_lock = threading.Lock()
 
 
@@ -321,34 +325,55 @@ def _bucket_name(store: ObjectStore) -> str:
     return f"{noun} {rest.split('/', 1)[0]!r}" if rest else store.url
 
 
-def preflight(store: ObjectStore, *, write: bool, timeout: float = PREFLIGHT_TIMEOUT) -> None:
+def preflight(
+    store: ObjectStore,
+    *,
+    write: bool,
+    lists: bool = True,
+    clock: Clock | None = None,
+    timeout: float = PREFLIGHT_TIMEOUT,
+) -> StoreTime | None:
     """The cheap checks at start: fail fast on what no retry fixes.
 
-    Lists the probe prefix (credentials, bucket, permission to list); for a writer, also
-    checks that a stale conditional write is rejected. Once per store and process: a store
-    that passed is not probed again (later refusals still surface as errors). Local
-    stores (memory, ``file://``) are not checked. A store that fails or does not answer
-    within ``timeout`` is left to the caller's own retries (the check goes on in the
-    background and only logs).
+    For a caller that lists (``lists``), one listing of the probe prefix: credentials, bucket,
+    permission to list. For a writer, one probe object that shows a second create-if-absent
+    and an update on an ETag the object does not have are both refused and leave it as it was
+    (:func:`_probe_conditional_writes`, 5 requests); its first write also proves credentials,
+    bucket and permission to write, and the store's stamp on it gives the store's clock, which
+    the caller gets back instead of probing again. A producer, which never lists, sends only
+    the probe.
+
+    Once per store and process: what passed is not checked again (later refusals still
+    surface as errors), and then no clock is returned. Local stores (memory, ``file://``) are
+    not checked. A store that fails or does not answer within ``timeout`` is left to the
+    caller's own retries (the check goes on in the background and only logs).
 
     Args:
         store: the store about to be used.
-        write: whether the caller will write (producers, consumers, GC).
+        write: whether the caller will write (producers, consumers).
+        lists: whether the caller will list objects (consumers and collectors do; producers
+            do not).
+        clock: this machine's clock, against which the store's is read; default the system's.
         timeout: seconds to wait for an answer.
 
+    Returns:
+        The store's clock as read from the probe's write, when this call wrote one and the
+        store stamped it; otherwise ``None``.
+
     Raises:
-        StoreAccessError: credentials missing or rejected, the bucket missing, listing not
-            allowed, or conditional writes that do not reject a stale write.
+        StoreAccessError: credentials missing or rejected, the bucket missing, listing (or
+            writing) not allowed, or conditional writes that do not reject a stale write.
     """
     if store.is_local:
-        return
+        return None
     outcome: list[StoreAccessError] = []
+    measured: list[StoreTime | None] = []
     done = threading.Event()
     abandoned = threading.Event()
 
     def run() -> None:
         try:
-            _preflight(store, write=write)
+            measured.append(_preflight(store, write=write, lists=lists, clock=clock))
         except StoreAccessError as err:
             outcome.append(err)
             if abandoned.is_set():  # too late to fail the start: say it loudly
@@ -368,32 +393,121 @@ def preflight(store: ObjectStore, *, write: bool, timeout: float = PREFLIGHT_TIM
             store.url,
             timeout,
         )
-        return
+        return None
     if outcome:
         raise outcome[0]
+    return measured[0] if measured else None
 
 
-def _preflight(store: ObjectStore, *, write: bool) -> None:
-    key = f"{type(store).__name__}:{store.url}:{'write' if write else 'read'}"
+def _preflight(
+    store: ObjectStore, *, write: bool, lists: bool, clock: Clock | None
+) -> StoreTime | None:
+    base = f"{type(store).__name__}:{store.url}"
+    listed, written = f"{base}:list", f"{base}:conditional_writes"
     with _passed_lock:
-        if key in _passed:
-            return
-    store.list(PROBE_PREFIX, recursive=False)
-    if not write:
+        need_list = (lists or not write) and listed not in _passed
+        need_probe = write and written not in _passed
+    if need_list:
+        store.list(PROBE_PREFIX, recursive=False)
         with _passed_lock:
-            _passed.add(key)
-        return
+            _passed.add(listed)
+    if not need_probe:
+        return None
+    measured = _probe_conditional_writes(store, clock or SystemClock())
+    with _passed_lock:
+        _passed.add(written)
+    return measured
+
+
+def _probe_conditional_writes(store: ObjectStore, clock: Clock) -> StoreTime | None:
+    """Check conditional writes on one new probe object, then delete it: 5 requests.
+
+    1. create-if-absent: the probe (credentials, bucket and permission to write with it; the
+       store stamps it with its own time);
+    2. create-if-absent again: must be refused (``If-None-Match: *``);
+    3. update conditional on an ETag the probe does not have: must be refused (``If-Match``).
+       A store compares the header with the object's current ETag, so one that was never
+       valid stands for a stale one; it is the probe's own with one digit changed, so it has
+       the form the store hands out (quoted MD5 on S3, a generation number on GCS);
+    4. HEAD: the probe still has its first ETag (neither refused write landed anyway), and its
+       last-modified time gives the store's clock;
+    5. delete the probe.
+
+    ``millpond doctor`` (:func:`run_store_checks`) checks the same with a genuinely stale ETag
+    and more requests.
+
+    Returns:
+        The store's clock, read from step 1's write; ``None`` if the store keeps no time.
+
+    Raises:
+        StoreAccessError: a refusal (credentials, bucket, permission), or conditional writes
+            that do not work (``problem="conditional_writes"``).
+        StorageError: the store failed.
+    """
     path = f"{PROBE_PREFIX}/{uuid.uuid4().hex}/cas"
+    before = clock.now_ms()
     try:
-        for check in (_conditional_create, _conditional_update):
-            result = check(store, path)
-            if not result.ok:
-                raise StoreAccessError(
-                    f"{store.url}: conditional writes do not work: {result.detail}",
-                    problem="conditional_writes",
-                    hint=result.hint,
-                )
+        etag = store.put_if_absent(path, _PROBE_FIRST)
+    except StorageError:
+        store.delete_many([path])  # the create may have landed before the failure
+        raise
+    after = clock.now_ms()
+    try:
+        return _judge_probe(store, path, etag, before, after)
     finally:
         store.delete_many([path])
-    with _passed_lock:
-        _passed.add(key)
+
+
+def _judge_probe(
+    store: ObjectStore, path: str, etag: str | None, before_ms: int, after_ms: int
+) -> StoreTime | None:
+    if etag is None:  # the write's answer carried none: ask for it (one more request)
+        etag = store.head(path).etag
+        if etag is None:
+            _refuse_conditional(store, "the store returns no ETag")
+    try:
+        store.put_if_absent(path, b"second")
+    except ConflictError:
+        pass
+    else:
+        _refuse_conditional(
+            store, "a second create-if-absent (If-None-Match: *) of one object was accepted"
+        )
+    try:
+        store.put_if_match(path, b"stale write", _other_etag(etag))
+    except ConflictError:
+        pass
+    else:
+        _refuse_conditional(store, "an update conditional on a stale ETag (If-Match) was accepted")
+    info = store.head(path)
+    if info.etag != etag:
+        # Another ETag: a refused write landed anyway, or the store spells ETags differently
+        # in HEAD answers than in PUT answers. The bytes tell which (one more request).
+        data = store.get(path).data
+        if data == b"second":
+            _refuse_conditional(
+                store, "a refused create-if-absent (If-None-Match: *) overwrote the object anyway"
+            )
+        if data != _PROBE_FIRST:
+            _refuse_conditional(
+                store, "a refused stale update (If-Match) overwrote the object anyway"
+            )
+    if info.last_modified is None:
+        return None
+    return StoreTime.from_write(info.last_modified, before_ms, after_ms)
+
+
+def _other_etag(etag: str) -> str:
+    """``etag`` with its last hex digit changed: the same form, never the same value."""
+    for i in range(len(etag) - 1, -1, -1):
+        if etag[i] in string.hexdigits:
+            return f"{etag[:i]}{'1' if etag[i] == '0' else '0'}{etag[i + 1 :]}"
+    return f'"{uuid.uuid4().hex}"'
+
+
+def _refuse_conditional(store: ObjectStore, detail: str) -> NoReturn:
+    raise StoreAccessError(
+        f"{store.url}: conditional writes do not work: {detail}",
+        problem="conditional_writes",
+        hint=_CONDITIONAL_HINT,
+    )

@@ -7,7 +7,9 @@ true store time of the write lies in ``[stamp, stamp + 1 s)``; the result carrie
 uncertainty plus half the round trip.
 
 Used where a rule compares against times the store wrote (garbage collection's last-modified
-rule) and to measure the skew of a producer's clock against the store's.
+rule) and to measure the skew of a producer's clock against the store's. A caller that writes
+an object anyway (the start-up check of conditional writes) reads the store's clock from that
+write with :meth:`StoreTime.from_write` instead of sending a probe of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +39,24 @@ class StoreTime:
     uncertainty_ms: float
     """How far ``offset_ms`` may be off either way."""
 
+    @classmethod
+    def from_write(cls, stamp: datetime, before_ms: float, after_ms: float) -> StoreTime:
+        """What a write learned: the store stamped it ``stamp``, and it was sent at local time
+        ``before_ms`` (or later) and answered by ``after_ms``.
+
+        The true store time of the write lies in ``[stamp, stamp + 1 s)`` (stores keep whole
+        seconds) and, locally, in ``[before_ms, after_ms]``: the result carries both
+        uncertainties.
+        """
+        stamp_ms = to_ms(stamp)
+        local_mid = (before_ms + after_ms) / 2
+        store_mid = stamp_ms + _STAMP_RESOLUTION_MS / 2
+        return cls(
+            stamp_ms=stamp_ms,
+            offset_ms=store_mid - local_mid,
+            uncertainty_ms=(after_ms - before_ms) / 2 + _STAMP_RESOLUTION_MS / 2,
+        )
+
     @property
     def skew_seconds(self) -> float:
         """The clock skew that is certain: ``|offset|`` less the uncertainty, at least 0."""
@@ -60,11 +80,4 @@ def probe_store_time(store: ObjectStore, path: str, clock: Clock) -> StoreTime:
     after = clock.now_ms()
     if info.last_modified is None:
         raise StorageError(f"{store.url}/{path}: the store keeps no last-modified time")
-    stamp = to_ms(info.last_modified)
-    local_mid = (before + after) / 2
-    store_mid = stamp + _STAMP_RESOLUTION_MS / 2
-    return StoreTime(
-        stamp_ms=stamp,
-        offset_ms=store_mid - local_mid,
-        uncertainty_ms=(after - before) / 2 + _STAMP_RESOLUTION_MS / 2,
-    )
+    return StoreTime.from_write(info.last_modified, before, after)

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from millpond.errors import StoreAccessError
+from millpond.errors import ConflictError, StoreAccessError
 from millpond.formats.manifest import empty_manifest
 from millpond.localstack import AzureEndpoint, GcsEndpoint, S3Endpoint
 from millpond.localstack._process import free_ports
 from millpond.storage.checks import CheckResult, preflight, run_store_checks, store_clock_skew
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, ObjectInfo, ObjectStore, open_store
 from tests.support import unique_root
 
 _ENDPOINTS = {
@@ -174,6 +174,86 @@ def test_a_store_that_ignores_if_none_match_fails_the_create_check(
     assert checks["conditional_create"].status == "fail"
     assert "If-None-Match: *" in checks["conditional_create"].detail
     assert checks["conditional_update"].status == "skip"
+
+
+def test_preflight_passes_on_every_real_server_and_reads_the_store_clock(
+    remote: ObjectStore,
+) -> None:
+    measured = preflight(remote, write=True, lists=False)
+    assert measured is not None
+    # Every local server shares this machine's clock.
+    assert measured.skew_seconds <= 1.0, measured
+    assert remote.list() == []  # the probe object is deleted
+    # Once per store and process: passed, it is not sent again.
+    assert preflight(remote, write=True, lists=False) is None
+
+
+class RefusesButCreates(ForwardingStore):
+    """Answers a second create-if-absent with a conflict, after overwriting anyway."""
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        try:
+            return self.inner.put_if_absent(path, data)
+        except ConflictError:
+            self.inner.put(path, data)
+            raise
+
+
+class RefusesButUpdates(ForwardingStore):
+    """Answers a stale If-Match update with a conflict, after writing it anyway."""
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        try:
+            return self.inner.put_if_match(path, data, etag)
+        except ConflictError:
+            self.inner.put(path, data)
+            raise
+
+
+@pytest.mark.parametrize(
+    ("broken", "detail"),
+    [
+        (IgnoresIfNoneMatch, "a second create-if-absent (If-None-Match: *) of one object was"),
+        (IgnoresIfMatch, "an update conditional on a stale ETag (If-Match) was accepted"),
+        (RefusesButCreates, "a refused create-if-absent (If-None-Match: *) overwrote the"),
+        (RefusesButUpdates, "a refused stale update (If-Match) overwrote the object anyway"),
+    ],
+)
+def test_preflight_refuses_every_way_conditional_writes_can_be_broken(
+    seaweedfs_s3: S3Endpoint, broken: type[ForwardingStore], detail: str
+) -> None:
+    inner = open_store(seaweedfs_s3.url_for(unique_root()), seaweedfs_s3.store_options())
+    with pytest.raises(StoreAccessError) as info:
+        preflight(broken(inner), write=True, lists=False)
+    assert info.value.problem == "conditional_writes"
+    assert detail in str(info.value)
+    assert "conditional writes" in info.value.hint
+    assert inner.list() == []  # the probe object is deleted all the same
+
+
+class NoEtagOnWrite(ForwardingStore):
+    """A store whose write answers carry no ETag (HEAD and GET still give it)."""
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        self.inner.put_if_absent(path, data)
+        return None
+
+
+class RespelledEtag(ForwardingStore):
+    """A store that spells ETags differently in HEAD answers than in write answers."""
+
+    def head(self, path: str) -> ObjectInfo:
+        info = self.inner.head(path)
+        return dataclasses.replace(info, etag=f"W/{info.etag}")
+
+
+@pytest.mark.parametrize("quirk", [NoEtagOnWrite, RespelledEtag])
+def test_preflight_passes_a_working_store_with_unusual_etags(
+    moto_s3: S3Endpoint, quirk: type[ForwardingStore]
+) -> None:
+    inner = open_store(moto_s3.url_for(unique_root()), moto_s3.store_options())
+    assert preflight(quirk(inner), write=True, lists=False) is not None
+    assert inner.list() == []
 
 
 def test_fake_gcs_server_without_its_proxy_fails_the_permission_check(
