@@ -19,7 +19,6 @@ how to fix it. They write only under ``_millpond_check/`` below the store root (
 from __future__ import annotations
 
 import logging
-import string
 import threading
 import uuid
 from collections.abc import Callable
@@ -64,6 +63,7 @@ _CONDITIONAL_HINT = (
     "If-None-Match / If-Match), or another store"
 )
 _PROBE_FIRST = b"millpond start-up check\n"
+_PROBE_UPDATED = b"millpond start-up check, updated\n"
 _passed: set[str] = set()  # stores (and checks) this process has passed once already
 _passed_lock = threading.Lock()
 
@@ -420,24 +420,22 @@ def _preflight(
 
 
 def _probe_conditional_writes(store: ObjectStore, clock: Clock) -> StoreTime | None:
-    """Check conditional writes on one new probe object, then delete it: 5 requests.
+    """Check conditional writes on one new probe object, then delete it: 6 requests.
 
-    1. create-if-absent: the probe (credentials, bucket and permission to write with it; the
-       store stamps it with its own time);
+    1. create-if-absent: the probe (credentials, bucket and permission to write with it);
     2. create-if-absent again: must be refused (``If-None-Match: *``);
-    3. update conditional on an ETag the probe does not have: must be refused (``If-Match``).
-       A store compares the header with the object's current ETag, so one that was never
-       valid stands for a stale one; it is the probe's own with one digit changed, so it has
-       the form the store hands out (quoted MD5 on S3, a generation number on GCS);
-    4. HEAD: the probe still has its first ETag (neither refused write landed anyway), and its
+    3. update conditional on the probe's current ETag: must succeed. A store that refuses it
+       (ETags that do not round-trip) would refuse every manifest append, for ever; the
+       store stamps this write with its own time;
+    4. update conditional on the first ETag, now stale: must be refused (``If-Match``);
+    5. HEAD: the probe has step 3's ETag (no refused write landed anyway), and its
        last-modified time gives the store's clock;
-    5. delete the probe.
+    6. delete the probe.
 
-    ``millpond doctor`` (:func:`run_store_checks`) checks the same with a genuinely stale ETag
-    and more requests.
+    ``millpond doctor`` (:func:`run_store_checks`) checks the same with more requests.
 
     Returns:
-        The store's clock, read from step 1's write; ``None`` if the store keeps no time.
+        The store's clock, read from step 3's write; ``None`` if the store keeps no time.
 
     Raises:
         StoreAccessError: a refusal (credentials, bucket, permission), or conditional writes
@@ -445,21 +443,19 @@ def _probe_conditional_writes(store: ObjectStore, clock: Clock) -> StoreTime | N
         StorageError: the store failed.
     """
     path = f"{PROBE_PREFIX}/{uuid.uuid4().hex}/cas"
-    before = clock.now_ms()
     try:
         etag = store.put_if_absent(path, _PROBE_FIRST)
     except StorageError:
         store.delete_many([path])  # the create may have landed before the failure
         raise
-    after = clock.now_ms()
     try:
-        return _judge_probe(store, path, etag, before, after)
+        return _judge_probe(store, path, etag, clock)
     finally:
         store.delete_many([path])
 
 
 def _judge_probe(
-    store: ObjectStore, path: str, etag: str | None, before_ms: int, after_ms: int
+    store: ObjectStore, path: str, etag: str | None, clock: Clock
 ) -> StoreTime | None:
     if etag is None:  # the write's answer carried none: ask for it (one more request)
         etag = store.head(path).etag
@@ -473,36 +469,41 @@ def _judge_probe(
         _refuse_conditional(
             store, "a second create-if-absent (If-None-Match: *) of one object was accepted"
         )
+    before = clock.now_ms()
     try:
-        store.put_if_match(path, b"stale write", _other_etag(etag))
+        updated = store.put_if_match(path, _PROBE_UPDATED, etag)
+    except ConflictError:
+        if store.get(path).data == b"second":
+            _refuse_created_anyway(store)
+        _refuse_conditional(
+            store,
+            "an update conditional on the object's current ETag (If-Match) was refused: the "
+            "ETags the store returns do not match its own",
+        )
+    after = clock.now_ms()
+    try:
+        store.put_if_match(path, b"stale write", etag)
     except ConflictError:
         pass
     else:
         _refuse_conditional(store, "an update conditional on a stale ETag (If-Match) was accepted")
     info = store.head(path)
-    if info.etag != etag:
-        # Another ETag: a refused write landed anyway, or the store spells ETags differently
-        # in HEAD answers than in PUT answers. The bytes tell which (one more request).
-        data = store.get(path).data
-        if data == b"second":
-            _refuse_conditional(
-                store, "a refused create-if-absent (If-None-Match: *) overwrote the object anyway"
-            )
-        if data != _PROBE_FIRST:
+    if updated is None or info.etag != updated:
+        # Another ETag than the update's: the refused write landed anyway, or the store spells
+        # ETags differently in HEAD answers than in write answers. The bytes tell which.
+        if store.get(path).data != _PROBE_UPDATED:
             _refuse_conditional(
                 store, "a refused stale update (If-Match) overwrote the object anyway"
             )
     if info.last_modified is None:
         return None
-    return StoreTime.from_write(info.last_modified, before_ms, after_ms)
+    return StoreTime.from_write(info.last_modified, before, after)
 
 
-def _other_etag(etag: str) -> str:
-    """``etag`` with its last hex digit changed: the same form, never the same value."""
-    for i in range(len(etag) - 1, -1, -1):
-        if etag[i] in string.hexdigits:
-            return f"{etag[:i]}{'1' if etag[i] == '0' else '0'}{etag[i + 1 :]}"
-    return f'"{uuid.uuid4().hex}"'
+def _refuse_created_anyway(store: ObjectStore) -> NoReturn:
+    _refuse_conditional(
+        store, "a refused create-if-absent (If-None-Match: *) overwrote the object anyway"
+    )
 
 
 def _refuse_conditional(store: ObjectStore, detail: str) -> NoReturn:

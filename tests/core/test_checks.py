@@ -210,10 +210,19 @@ class RefusesButUpdates(ForwardingStore):
             raise
 
 
+class RefusesEveryUpdate(ForwardingStore):
+    """Refuses every conditional update: its ETags do not match its own (on the first manifest
+    append a producer would lose every race, for ever)."""
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        raise ConflictError(f"{path}: changed since ETag {etag} was read")
+
+
 @pytest.mark.parametrize(
     ("broken", "detail"),
     [
         (IgnoresIfNoneMatch, "a second create-if-absent (If-None-Match: *) of one object was"),
+        (RefusesEveryUpdate, "an update conditional on the object's current ETag (If-Match) was"),
         (IgnoresIfMatch, "an update conditional on a stale ETag (If-Match) was accepted"),
         (RefusesButCreates, "a refused create-if-absent (If-None-Match: *) overwrote the"),
         (RefusesButUpdates, "a refused stale update (If-Match) overwrote the object anyway"),

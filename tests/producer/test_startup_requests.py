@@ -4,10 +4,10 @@ Counted twice: at the adapter boundary (a store wrapper that records every call 
 path, in order) and on the wire (the latency proxy, with no delay, counts the HTTP requests
 that reach the server), so a request obstore retried or sent on its own would show too.
 
-A producer opening an existing queue sends at most 6: the store check of
+A producer opening an existing queue sends at most 7: the store check of
 :func:`~millpond.storage.checks.preflight` (one probe object: create, refused second create,
-refused stale update, HEAD, delete; its stamp gives the store's clock) and one read of the
-queue's claim. Every role of a Spark job opens a producer, so these are paid per task.
+update on its ETag, refused stale update, HEAD, delete; the update's stamp gives the store's
+clock) and one read of the queue's claim. Every role of a Spark job opens a producer, so these are paid per task.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from millpond.storage.store import (
 )
 from tests.support import unique_root
 
-MAX_STARTUP_REQUESTS = 6
+MAX_STARTUP_REQUESTS = 7
 """Requests a producer may send opening an existing queue, before its first batch."""
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
