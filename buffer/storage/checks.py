@@ -488,13 +488,10 @@ def _judge_probe(
     else:
         _refuse_conditional(store, "an update conditional on a stale ETag (If-Match) was accepted")
     info = store.head(path)
-    if updated is None or info.etag != updated:
-        # Another ETag than the update's: the refused write landed anyway, or the store spells
-        # ETags differently in HEAD answers than in write answers. The bytes tell which.
-        if store.get(path).data != _PROBE_UPDATED:
-            _refuse_conditional(
-                store, "a refused stale update (If-Match) overwrote the object anyway"
-            )
+    # Another ETag than the update's: the refused write landed anyway, or the store spells
+    # ETags differently in HEAD answers than in write answers. The bytes tell which.
+    if (updated is None or info.etag != updated) and store.get(path).data != _PROBE_UPDATED:
+        _refuse_conditional(store, "a refused stale update (If-Match) overwrote the object anyway")
     if info.last_modified is None:
         return None
     return StoreTime.from_write(info.last_modified, before, after)

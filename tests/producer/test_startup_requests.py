@@ -7,7 +7,8 @@ that reach the server), so a request obstore retried or sent on its own would sh
 A producer opening an existing queue sends at most 7: the store check of
 :func:`~millpond.storage.checks.preflight` (one probe object: create, refused second create,
 update on its ETag, refused stale update, HEAD, delete; the update's stamp gives the store's
-clock) and one read of the queue's claim. Every role of a Spark job opens a producer, so these are paid per task.
+clock) and one read of the queue's claim. Every role of a Spark job opens a producer, so
+these are paid per task.
 """
 
 from __future__ import annotations
