@@ -454,9 +454,7 @@ def _probe_conditional_writes(store: ObjectStore, clock: Clock) -> StoreTime | N
         store.delete_many([path])
 
 
-def _judge_probe(
-    store: ObjectStore, path: str, etag: str | None, clock: Clock
-) -> StoreTime | None:
+def _judge_probe(store: ObjectStore, path: str, etag: str | None, clock: Clock) -> StoreTime | None:
     if etag is None:  # the write's answer carried none: ask for it (one more request)
         etag = store.head(path).etag
         if etag is None:
