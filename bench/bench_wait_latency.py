@@ -32,7 +32,7 @@ target (issue 11): p99 <= 3x the lone producer's p50 at N = 16, reported as
 per row: the share of appends the coordinator made; the rest fell back).
 
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
-``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,aging``,
+``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,exponential``,
 ``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments).
 """
 

@@ -39,7 +39,11 @@ def _default_retry() -> RetryPolicy:
     # One round of PUT or manifest retries; the producer starts another round after it (it
     # never gives up on staged data), so a round only needs to be long enough to ride out a
     # blip without re-reading the manifest.
-    return RetryPolicy(max_attempts=50, max_elapsed=10.0, base_delay=0.01, max_delay=1.0)
+    # Lost races are paced by age ("aging"): at real store latency several producers on one
+    # queue otherwise leave the last winner winning while the others starve (issue 11).
+    return RetryPolicy(
+        max_attempts=50, max_elapsed=10.0, base_delay=0.01, max_delay=1.0, strategy="aging"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,7 +102,8 @@ class ProducerConfig:
     retry: RetryPolicy = field(default_factory=_default_retry)
     """Backoff of one round of PUT or manifest-append retries. After a round fails the producer
     checks what landed and starts another: staged data is never given up. Default 50 attempts
-    within 10 s, delays 0.01 s doubling to 1 s."""
+    within 10 s, store failures backing off from 0.01 s doubling to 1 s, and lost races paced by
+    age (``strategy="aging"``: the producer with the oldest batches writes first)."""
     commit_interval: float = 0.0
     """Seconds; at least this long between the start of two manifest appends of this producer,
     so that more uploaded batches share one compare-and-swap: fewer object-store requests per
@@ -192,7 +197,8 @@ class ProducerConfig:
 
         Keys are the field names. ``store_options.<key>`` sets one obstore option and
         ``retry.<field>`` one field of the retry policy (``max_attempts``, ``max_elapsed``,
-        ``base_delay``, ``max_delay``). ``clock`` cannot be given as a string.
+        ``base_delay``, ``max_delay``, ``strategy``: ``aging``, the default, or
+        ``exponential``). ``clock`` cannot be given as a string.
 
         Raises:
             ConfigError: an unknown key (named) or a value that does not parse (key named,
@@ -324,6 +330,7 @@ _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
     "max_elapsed": parse_duration,
     "base_delay": parse_duration,
     "max_delay": parse_duration,
+    "strategy": str,
 }
 
 

@@ -45,7 +45,7 @@ __all__ = [
 STRATEGIES = ("exponential", "aging")
 """Every value of :attr:`RetryPolicy.strategy`."""
 FAIRNESS_STRATEGIES = ("aging",)
-"""The strategies that pace contended compare-and-swap for fairness (prototypes)."""
+"""The strategies that pace contended compare-and-swap for fairness."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -123,6 +123,7 @@ def test_from_options_parses_strings(tmp_path: Path) -> None:
         ({"max_buffered_inputs": "many"}, "max_buffered_inputs", "integer"),
         ({"retry.forever": "1"}, "retry.forever", "retry."),
         ({"retry.max_attempts": "0"}, "retry.max_attempts", ">= 1"),
+        ({"retry.strategy": "fifo"}, "retry.strategy", "exponential, aging"),
         ({"wal_sync": "never"}, "wal_sync", "'always'"),
     ],
 )
@@ -133,6 +134,15 @@ def test_from_options_names_the_bad_key(
     with pytest.raises(ConfigError, match=expected) as info:
         ProducerConfig.from_options(full)
     assert info.value.key == key
+
+
+def test_lost_races_are_paced_by_age_unless_the_options_say_otherwise(tmp_path: Path) -> None:
+    assert _config(tmp_path).retry.strategy == "aging"
+    chosen = ProducerConfig.from_options(
+        {"store": "memory://", "wal_dir": str(tmp_path), "retry.strategy": "exponential"}
+    )
+    assert chosen.retry.strategy == "exponential"
+    assert chosen.retry.max_elapsed == _config(tmp_path).retry.max_elapsed  # the rest default
 
 
 def test_from_options_requires_store_and_wal_dir() -> None:
