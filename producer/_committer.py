@@ -144,7 +144,10 @@ class Committer:
 
         * While other batches are being uploaded, the head waits for them, at most
           ``flush_interval`` after its own upload landed. A batch with nothing in flight
-          behind it (a trickle of small ``produce()`` calls) is appended at once.
+          behind it (a trickle of small ``produce()`` calls) is appended at once. Through a
+          coordinator the head never waits: the coordinator writes many producers' batches
+          in one compare-and-swap, so waiting saves no store request, and the batches uploaded
+          while one request is out go together in the next.
         * ``flush()`` cannot finish before its last upload anyway: its batches wait until
           all it flushes is uploaded, so it costs as few appends as the uploads allow —
           at most half of ``reupload_after`` (the head is never written again for it)
@@ -163,7 +166,7 @@ class Committer:
         linger = 0.0
         if self._config.commit_interval > 0:
             linger = self._last_append + self._config.commit_interval - now
-        if self._uploads_in_flight():
+        if self._uploads_in_flight() and not self._config.coordinator:
             linger = max(linger, ready_at + self._config.flush_interval - now)
         return linger
 

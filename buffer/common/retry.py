@@ -173,8 +173,9 @@ class Pacer:
         self._policy = policy
         self._clock = clock
 
-    def take_turn(self) -> None:
-        """Wait, if this writer should let others go first. Never waits here."""
+    def take_turn(self) -> bool:
+        """Wait, if this writer should let others go first; whether it waited. Never here."""
+        return False
 
     def start(self, *, cached: bool = False) -> Backoff:
         """The backoff of one loop.
@@ -250,13 +251,16 @@ class AgingPacer(Pacer):
     def clock(self) -> Clock:
         return self._clock
 
-    def take_turn(self) -> None:
+    def take_turn(self) -> bool:
         now = self._clock.monotonic()
         policy = self._policy
         if self._contended(now):
             self._clock.sleep(policy.contended_yield * self.slot * random.uniform(0.9, 1.1))
-        elif now - self._last_win < self.slot:
+            return True
+        if now - self._last_win < self.slot:
             self._clock.sleep(random.uniform(0.0, policy.back_to_back_yield * self.slot))
+            return True
+        return False
 
     def _contended(self, now: float) -> bool:
         return now - self._last_loss < self._policy.aging_horizon * self.slot

@@ -223,11 +223,11 @@ class QueueProducer:
                 ever written on a manifest state this writer read or wrote itself, so no
                 location found in that state is appended twice.
 
-            more: after a lost race, called before the next write for entries that became
-                ready meanwhile; they join the group (after it, in the order returned) and
-                the result covers them too. A writer that lost takes everything it has ready
-                into its next attempt, so what became ready while it waited does not wait for
-                another turn.
+            more: after a lost race, or a pause to let other writers go first, called
+                before the next write for entries that became ready meanwhile; they join the
+                group (after it, in the order returned) and the result covers them too. A
+                writer that waited takes everything it has ready into its next attempt, so
+                what became ready meanwhile does not wait for another turn.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -248,9 +248,10 @@ class QueueProducer:
         if len(locations) != len(entries):
             raise InvalidInputError("entries: expected distinct locations, found duplicates")
         cas = self._cas
-        lost = False  # a write of this loop has lost a race or failed
         # Under a fair strategy a writer that just won lets the others go first.
-        self._pacer.take_turn()
+        # What became ready while this writer let the others go first joins its first write.
+        grow = self._pacer.take_turn()
+        lost = False  # a write of this loop has lost a race or failed
         current = self._cached
         backoff = self._pacer.start(cached=current is not None)
         result: list[int | None] = [None] * len(entries)
@@ -289,7 +290,7 @@ class QueueProducer:
                             pause = backoff.before_write(older)
                             if pause > 0:
                                 cas.clock.sleep(pause)
-                if lost and more is not None:
+                if grow and more is not None:
                     extra = list(more())
                     if any(e.location in locations for e in extra) or len(
                         {e.location for e in extra}
@@ -311,13 +312,13 @@ class QueueProducer:
                     # its precondition on our own landed write): look before appending again.
                     maybe_landed_from = sequences.start
                     self._cached = None
-                    lost = True
+                    grow = lost = True
                     cas.backoff(backoff, "manifest append", err)
                     continue
                 except StorageError as err:
                     self._cached = None
                     current = None
-                    lost = True
+                    grow = lost = True
                     cas.backoff(backoff, "manifest append", err)
                     continue
             except StorageError as err:

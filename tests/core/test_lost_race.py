@@ -119,3 +119,22 @@ def test_a_loser_lets_older_batches_go_first(store: ObjectStore) -> None:
     # that has just started waits 80-100 % of conflict_spread slots.
     slot = AGING.base_delay
     assert 0.8 * AGING.conflict_spread * slot <= pause <= AGING.conflict_spread * slot
+
+
+def test_what_became_ready_while_a_writer_let_others_go_first_joins_its_write(
+    store: ObjectStore,
+) -> None:
+    clock = FakeClock()
+    mine = QueueProducer(store, MANIFEST, retry=AGING, clock=clock)
+    mine.append(pending(1, tag="first"))
+    QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock()).append(pending(1))
+    mine.append(pending(1, tag="lost-once"))  # loses one race: this writer is contended now
+    conflicts = mine.counters.get("cas_conflicts")
+    clock.slept.clear()
+    group, later = pending(2, tag="group"), pending(2, tag="later")
+    ready = _Ready(later)
+    assert mine.append(group, more=ready) == (3, 4, 5, 6)
+    assert sum(clock.slept) > 0  # it yielded before its first write ...
+    assert ready.calls == 1  # ... and took what became ready meanwhile into that write
+    assert mine.counters.get("cas_conflicts") == conflicts
+    assert _locations(store)[3:] == [e.location for e in group + later]

@@ -413,3 +413,49 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
     stats = server.coordinator.stats()
     assert stats["manifest_writes"] >= 15, stats
     assert stats["yields"] >= 2, stats  # it paused while the consumers bumped and dequeued
+
+
+class _HoldSecondUpload(ForwardingStore):
+    """Holds the second batch upload until ``release`` is set."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+        self.held = threading.Event()
+        self._uploads = 0
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path.endswith(".batch"):
+            self._uploads += 1
+            if self._uploads == 2:
+                self.held.set()
+                self.release.wait(DEADLINE)
+        return self.inner.put_if_absent(path, data)
+
+
+def test_a_coordinated_producer_does_not_hold_an_uploaded_batch_for_uploads_in_flight(
+    queue_store: ObjectStore, tmp_path: Path
+) -> None:
+    # Appending directly, an uploaded batch waits up to flush_interval for the uploads behind
+    # it, to share their compare-and-swap; through a coordinator that saves no store request
+    # (the coordinator groups many producers' batches), so it is appended at once.
+    server = _serve(queue_store)
+    store = _HoldSecondUpload(queue_store)
+    options = {"coordinator": server.url, "flush_size_bytes": 1, "flush_interval": 60.0}
+    producer = Producer(config(store, tmp_path / "wal", **options))
+    try:
+        first = producer.produce([b"first"])
+        first.wait_staged(DEADLINE)
+        second = producer.produce([b"second"])
+        _wait_for(store.held.is_set, "the second upload to be under way")
+        first.wait(DEADLINE / 4)  # well inside the 60 s a direct producer would wait
+        assert len(_locations(queue_store)) == 1
+        assert not second.done()
+        store.release.set()
+        second.wait(DEADLINE)
+        assert producer.metrics()["coordinator_appends"] == 2
+    finally:
+        store.release.set()
+        producer.close(timeout=DEADLINE)
+        server.close()
+    assert all_entries(queue_store) == [b"first", b"second"]
