@@ -234,6 +234,25 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result's row, then one per side target it judged (``make_result(side_rows=)``)."""
+    rows = [summary_row(result)]
+    if "error" in result:
+        return rows
+    for side in result.get("side_rows", []):
+        row = {
+            "name": f"{result['name']}/{side['name']}",
+            "ratio": side["ratio"],
+            "target": side["target"],
+            "target_op": side.get("target_op", ">="),
+            "seconds": None,
+            "headline": side.get("headline", ""),
+        }
+        row["passed"] = passed(row)
+        rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = f"{'benchmark':<28} {'ratio':>8} {'target':>9} {'result':>7} {'secs':>7}  headline"
     print(header)
@@ -317,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.error("benchmark %s failed: %s", name, result["error"])
         results.append(result)
 
-    rows = [summary_row(r) for r in results]
+    rows = [row for r in results for row in summary_rows(r)]
     summary = {
         "quick": args.quick,
         "machine": machine(),

@@ -457,4 +457,21 @@ def run(quick: bool) -> dict[str, Any]:
             "ratio = worst over N of max(p50 / (3 x lone p50), p99 / (6 x lone p50)) for the "
             "judged strategy; lone = N=1 default strategy in the same run"
         ),
+        side_rows=(
+            [
+                {
+                    "name": COORDINATED,
+                    "ratio": at_max["p99_over_lone_p50"],
+                    "target": COORDINATOR_P99_LIMIT,
+                    "target_op": "<=",
+                    "headline": (
+                        f"through millpond coordinator, N={at_max['producers']}: wait() p99 "
+                        f"{at_max['p99_ms']:.0f} ms = {at_max['p99_over_lone_p50']:.2f}x the "
+                        f"lone producer's p50 {lone_p50:.0f} ms"
+                    ),
+                }
+            ]
+            if at_max is not None
+            else []
+        ),
     )

@@ -75,8 +75,13 @@ def make_result(
     series: Sequence[Mapping[str, Any]] = (),
     headline: str = "",
     notes: str = "",
+    side_rows: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The dict a benchmark's ``run()`` returns.
+
+    ``side_rows``: further targets the same run judges (``name`` suffix, ``ratio``,
+    ``target``, ``target_op``, ``headline``); each becomes a row of its own in the summary
+    table and plot, named ``<name>/<suffix>``.
 
     Raises:
         ValueError: an unknown ``target_op``.
@@ -97,6 +102,8 @@ def make_result(
         result["headline"] = headline
     if notes:
         result["notes"] = notes
+    if side_rows:
+        result["side_rows"] = [dict(row) for row in side_rows]
     return result
 
 
