@@ -60,6 +60,22 @@ def unique_root() -> str:
     return f"t-{uuid.uuid4().hex}"
 
 
+class ClockOff:
+    """This machine's clock, off by ``seconds`` (a producer or consumer with a skewed clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.offset_ms = round(seconds * 1000)
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000 + self.offset_ms
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 class ManualClock:
     """Wall clock the test moves by hand; monotonic time and sleep are real."""
 

@@ -59,6 +59,7 @@ from tests.producer.producer_support import (
     fresh_memory,
     read_back,
 )
+from tests.support import ClockOff
 
 _ONE_ATTEMPT = RetryPolicy(max_attempts=1, max_elapsed=5.0, base_delay=0.001, max_delay=0.001)
 _FAST = RetryPolicy(max_attempts=1000, max_elapsed=60.0, base_delay=0.001, max_delay=0.05)
@@ -516,30 +517,14 @@ def test_timing_assumptions_a_shorter_gc_grace_period_is_refused(tmp_path: Path)
         consumer.initialize()
 
 
-class _ClockOff:
-    """This machine's clock, off by ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.offset_ms = round(seconds * 1000)
-
-    def now_ms(self) -> int:
-        return time.time_ns() // 1_000_000 + self.offset_ms
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
 @pytest.mark.parametrize("off", [-300.0, 300.0])
 def test_timing_assumptions_clock_skew_against_the_store_is_refused(
     tmp_path: Path, off: float
 ) -> None:
     store = fresh_memory()  # stamps writes with this machine's real clock
     with pytest.raises(ConfigError, match="clock") as refused:
-        Producer(config(store, tmp_path / "wal", clock=_ClockOff(off)))
+        Producer(config(store, tmp_path / "wal", clock=ClockOff(off)))
     assert ("behind" if off < 0 else "ahead of") in str(refused.value)
     # Within the bound it starts (the store's whole-second stamps are allowed for).
-    with Producer(config(store, tmp_path / "ok", clock=_ClockOff(20.0))) as producer:
+    with Producer(config(store, tmp_path / "ok", clock=ClockOff(20.0))) as producer:
         producer.produce([b"x"]).wait(timeout=30)

@@ -35,7 +35,7 @@ from millpond.storage.store import (
     ObjectStore,
     open_store,
 )
-from tests.support import unique_root
+from tests.support import ClockOff, unique_root
 
 MAX_STARTUP_REQUESTS = 7
 """Requests a producer may send opening an existing queue, before its first batch."""
@@ -185,34 +185,18 @@ def test_the_producer_that_creates_the_queue_does_not_read_its_own_claim_back(
     assert QueueClaim.decode(inner.get(claim).data, name=claim).manifest_path == MANIFEST
 
 
-class _ClockOff:
-    """This machine's clock, off by ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.offset_ms = round(seconds * 1000)
-
-    def now_ms(self) -> int:
-        return time.time_ns() // 1_000_000 + self.offset_ms
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
 @pytest.mark.parametrize("off", [-300.0, 300.0])
 def test_the_clock_read_from_the_store_check_still_refuses_a_skewed_producer(
     proxy: LatencyProxy, tmp_path: Path, off: float
 ) -> None:
     _, recorder = _queue(proxy, claimed=True)
     with pytest.raises(ConfigError, match="clock") as refused:
-        _start(recorder, tmp_path / "wal", clock=_ClockOff(off))
+        _start(recorder, tmp_path / "wal", clock=ClockOff(off))
     assert ("behind" if off < 0 else "ahead of") in str(refused.value)
     # Measured on the check's probe object: no clock probe of its own was sent.
     clock = internal_path(PREFIX, "clock")
     assert all(path != clock for _, path in recorder.snapshot()), recorder.snapshot()
     # Within the bound it starts (the store's whole-second stamps are allowed for).
     _, fresh = _queue(proxy, claimed=True)
-    with _start(fresh, tmp_path / "ok", clock=_ClockOff(20.0)) as producer:
+    with _start(fresh, tmp_path / "ok", clock=ClockOff(20.0)) as producer:
         producer.produce([b"x"]).wait(30)
