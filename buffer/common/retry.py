@@ -28,6 +28,7 @@ last won, when it last lost); :meth:`RetryPolicy.pacer` makes one per writer.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from millpond.common.clock import Clock, SystemClock
@@ -139,12 +140,13 @@ class Backoff:
         self.attempt += 1
         return min(random.uniform(0, cap), remaining)
 
-    def before_write(self, older: bool | None) -> float:
+    def before_write(self, older: Callable[[], bool | None]) -> float:
         """The pause before writing on a manifest read after a lost race (0 here).
 
         Args:
-            older: whether this loop's entries are older than every entry the winners of
-                the race appended (``None``: not known).
+            older: says whether this loop's entries are older than every entry the winners
+                of the race appended (``None``: not known); called only by a strategy that
+                orders writers by age (it reads the winners' entries).
         """
         del older
         return 0.0
@@ -218,8 +220,8 @@ class _AgingBackoff(Backoff):
         self.attempt += 1
         return 0.0  # read at once: what the winners appended decides the pause (before_write)
 
-    def before_write(self, older: bool | None) -> float:
-        if older:
+    def before_write(self, older: Callable[[], bool | None]) -> float:
+        if older():
             return 0.0
         now = self._clock.monotonic()
         policy, slot = self._policy, self._pacer.slot

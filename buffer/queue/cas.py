@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from millpond.common.clock import Clock, SystemClock
@@ -286,8 +287,9 @@ class QueueProducer:
                             self._cached = current
                             return tuple(_filled(result))
                         if lost:
-                            older = _older_than_winners(current.data, lost_from, entries, todo)
-                            pause = backoff.before_write(older)
+                            pause = backoff.before_write(
+                                partial(_older_than_winners, current.data, lost_from, entries, todo)
+                            )
                             if pause > 0:
                                 cas.clock.sleep(pause)
                 if grow and more is not None:

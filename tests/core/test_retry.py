@@ -57,11 +57,11 @@ def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() ->
         _request(clock, 2)  # the attempt that lost
         assert backoff.next_delay(conflict=True) == 0.0  # read the winners' manifest at once
         _request(clock)
-        assert backoff.before_write(True) == 0.0  # lost to younger batches: write at once
+        assert backoff.before_write(lambda: True) == 0.0  # lost to younger batches: write at once
         waited = clock.monotonic() - backoff.started  # type: ignore[attr-defined]
         share = max(0.0, 1 - waited / (policy.aging_horizon * pacer.slot))
         ceilings.append(policy.conflict_spread * pacer.slot * share)
-        pause = backoff.before_write(False)  # lost to older batches: let them go first
+        pause = backoff.before_write(lambda: False)  # lost to older batches: let them go first
         pauses.append(pause)
         clock.sleep(pause)
     assert all(0.8 * c - 1e-12 <= p <= c + 1e-12 for p, c in zip(pauses, ceilings, strict=True))
