@@ -388,21 +388,21 @@ class ConsumerService:
                 raise err  # not a batch: the manifest itself
             sequence, location, metadata = entry.sequence, entry.location, entry.metadata
         why = f"{type(err).__name__}: {err}"
-        if self._reporter is not None:
-            self._reporter.stopped_on(sequence, location, why)
-        if self._on_bad_batch is BadBatchPolicy.STOP:
-            stopped = self._reporter.report.stopped_on if self._reporter is not None else None
-            if stopped is not None:
-                logger.error(
-                    "stopped on sequence %s; to set it aside: %s", sequence, stopped.command
-                )
-            raise err
-        if self._bad_in_a_row >= self._quarantine_limit:
-            raise MillpondError(
-                f"{self._bad_in_a_row} batches in a row were set aside; stopping on sequence "
-                f"{sequence} ({location}) instead: that many look like a problem of the "
-                f"database or the configuration, not of the data. {why}"
-            ) from err
+        looked = self._with_retry(
+            stop,
+            f"look up sequence {sequence}'s location in the quarantine",
+            functools.partial(self._set_aside_earlier, location, sequence),
+        )
+        if looked is None:
+            return False
+        earlier = looked[0]
+        if earlier is not None:
+            # The same location appended again (a producer that recovered after its first
+            # append was dequeued), set aside under an earlier sequence: not a new bad batch to
+            # stop on but a duplicate, recorded as one like any location written twice.
+            why = f"a duplicate of sequence {earlier}, set aside before ({why})"
+        else:
+            self._stop_on_bad_batch(sequence, location, why, err)
         sink = self._ledger
         assert sink is not None  # checked in __init__
         consumer = self._consumer
@@ -417,17 +417,21 @@ class ConsumerService:
                 sequence=sequence,
                 location=location,
                 metadata=metadata,
-                reason=f"--on-bad-batch quarantine: {why}",
+                reason=why if earlier is not None else f"--on-bad-batch quarantine: {why}",
                 dead_letter_prefix=self._dead_letter,
                 clock=self._clock,
             ),
         )
         if outcome is None:
             return False
-        self._bad_in_a_row += 1
         for stats in (self.stats, self._window):
-            stats.quarantined += 1
             stats.last_sequence = sequence
+            if earlier is None:
+                stats.quarantined += 1
+            else:
+                stats.skipped += 1
+        if earlier is None:
+            self._bad_in_a_row += 1
         logger.warning(
             "set aside sequence %s (%s), %s this run: %s",
             sequence,
@@ -451,6 +455,36 @@ class ConsumerService:
             self._reporter.moved_past(consumer.epoch)
         self._report_progress()
         return True
+
+    def _set_aside_earlier(self, location: str, sequence: int) -> tuple[int | None]:
+        """The earlier sequence ``location`` was set aside under (``None``: it was not, or
+        no ledger can tell), in a tuple."""
+        if self._ledger is None:
+            return (None,)
+        rows = self._ledger.quarantined(self._consumer.queue)
+        earlier = [row.sequence for row in rows if row.location == location]
+        return (min((n for n in earlier if n < sequence), default=None),)
+
+    def _stop_on_bad_batch(
+        self, sequence: int, location: str, why: str, err: MillpondError
+    ) -> None:
+        """Raise ``err`` under the stop policy, or when ``quarantine_limit`` batches in a row
+        were set aside; report the stop."""
+        if self._reporter is not None:
+            self._reporter.stopped_on(sequence, location, why)
+        if self._on_bad_batch is BadBatchPolicy.STOP:
+            stopped = self._reporter.report.stopped_on if self._reporter is not None else None
+            if stopped is not None:
+                logger.error(
+                    "stopped on sequence %s; to set it aside: %s", sequence, stopped.command
+                )
+            raise err
+        if self._bad_in_a_row >= self._quarantine_limit:
+            raise MillpondError(
+                f"{self._bad_in_a_row} batches in a row were set aside; stopping on sequence "
+                f"{sequence} ({location}) instead: that many look like a problem of the "
+                f"database or the configuration, not of the data. {why}"
+            ) from err
 
     def _pending_entry(self) -> ManifestEntry | None:
         """The entry ``next_batch()`` failed on, or ``None`` when the manifest cannot be read.

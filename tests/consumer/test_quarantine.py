@@ -273,6 +273,30 @@ def test_a_replay_and_the_location_coming_back_write_once(
     ) == [(0, False), (1, False), (2, True), (3, False)]
 
 
+def test_a_set_aside_location_appended_again_still_bad_is_a_duplicate_not_a_stop(
+    store: ObjectStore, database: Database
+) -> None:
+    """A producer that recovers after its append was dequeued appends the same location again
+    (the whole-system checker found it, seed 142): the object is still the bad one, and the
+    consumer, stopping on the default policy, must not stop on it a second time."""
+    writer = QueueWriter(store)
+    writer.append_arrow(numbered(0, 10))
+    _seq, location = writer.append_arrow(numbered(10, 10))
+    store.put(location, GARBAGE)
+    _stopped_on(store, database)
+    with database.sink() as sink:
+        quarantine(_config(store), sink, sequence=1, reason="garbage")
+    writer.enqueue(location)  # sequence 2: the same location again, the object still bad
+    writer.append_arrow(numbered(20, 10))
+    service = _serve(store, database)  # the default policy: stop on a bad batch
+    assert (service.stats.batches, service.stats.skipped, service.stats.quarantined) == (1, 1, 0)
+    assert _numbers(database) == [*range(10), *range(20, 30)]
+    assert database.query(
+        f'SELECT sequence, duplicate FROM "{database.progress}" ORDER BY sequence'
+    ) == [(0, False), (1, False), (2, True), (3, False)]
+    assert [(s, r) for s, r, _ in _quarantine_rows(database)] == [(1, "garbage")]
+
+
 def test_replay_refuses_what_is_not_quarantined_and_keeps_a_still_bad_batch_aside(
     store: ObjectStore, database: Database
 ) -> None:
