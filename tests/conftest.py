@@ -197,3 +197,21 @@ def any_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTar
 def shared_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> StoreTarget:
     """A fresh root on backends that several OS processes can open at once (file, seaweedfs)."""
     return _make_target(request, str(request.param), tmp_path)
+
+
+# -- order -------------------------------------------------------------------------------------
+
+# The slowest files first: `make test` hands whole files to two workers in collection order, so
+# long Spark and crash files started last leave one worker running alone at the end.
+_SLOW_FIRST = ("tests/spark/", "tests/consumer/test_service.py", "tests/system/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next(
+            (i for i, prefix in enumerate(_SLOW_FIRST) if path.startswith(prefix)),
+            len(_SLOW_FIRST),
+        )
+
+    items.sort(key=rank)  # stable: the order within each rank stays as collected
