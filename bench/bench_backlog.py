@@ -203,7 +203,7 @@ def _steps(n: int, pattern: str) -> list[int]:
 
 def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict[str, Any]:
     """Dequeue a fresh copy down to empty; returns seconds, dequeues and bytes written."""
-    from millpond.consumer import Consumer, ConsumerConfig
+    from millpond.consumer import Consumer
     from millpond.formats.manifest import decode_footer
     from millpond.queue import QueueConsumer
     from millpond.queue.index import BacklogIndex
@@ -218,16 +218,7 @@ def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict
     if pattern == "index":
         # The consumer moves what it read into its index at initialize(); draining is then
         # the head's dequeued_through going up (drained segments deleted).
-        consumer = Consumer(
-            ConsumerConfig(
-                store=store,
-                manifest_path=MANIFEST,
-                data_path_prefix="ingest",
-                gc_enabled=False,
-                backlog_index=True,
-                backlog_index_interval=3600.0,  # its mover thread stays out of the timings
-            )
-        )
+        consumer = Consumer(_index_config(store))
         consumer.initialize()
         epoch = consumer.epoch
         assert epoch is not None
@@ -259,7 +250,7 @@ def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict
 def _indexed_appends(direct: Any, measured: Any, raw: bytes, n: int) -> dict[str, Any]:
     """Appends with the backlog index on: right after the move, and just before the next."""
     from millpond.common.ulids import UlidMinter
-    from millpond.consumer import Consumer, ConsumerConfig
+    from millpond.consumer import Consumer
     from millpond.formats.manifest import append_entries
     from millpond.queue import QueueProducer
     from millpond.storage.store import open_store
@@ -268,14 +259,7 @@ def _indexed_appends(direct: Any, measured: Any, raw: bytes, n: int) -> dict[str
     plain = open_store(direct.url_for(root), direct.store_options())
     plain.put(MANIFEST, raw)
     store = open_store(measured.url_for(root), measured.store_options())
-    config = ConsumerConfig(
-        store=store,
-        manifest_path=MANIFEST,
-        data_path_prefix="ingest",
-        gc_enabled=False,
-        backlog_index=True,
-        backlog_index_interval=3600.0,  # its mover thread stays out of the timings
-    )
+    config = _index_config(store)
     consumer = Consumer(config)
     move = _timed(consumer.initialize)
     minter = UlidMinter()
@@ -447,4 +431,18 @@ def run(quick: bool) -> dict[str, Any]:
             "backlog / the same on an empty queue; drain projection = sum over the dequeues "
             "of a + b x manifest bytes, fitted to the measured dequeue costs"
         ),
+    )
+
+
+def _index_config(store: Any) -> Any:
+    """A consumer with the backlog index on, its mover thread kept out of the timings."""
+    from millpond.consumer import ConsumerConfig
+
+    return ConsumerConfig(
+        store=store,
+        manifest_path=MANIFEST,
+        data_path_prefix="ingest",
+        gc_enabled=False,
+        backlog_index=True,
+        backlog_index_interval=3600.0,
     )

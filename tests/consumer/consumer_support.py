@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
+from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.sinks import AdbcSink, open_sink
 from millpond.formats.arrow import encode_ipc
 from millpond.formats.batch import CompressionType, encode_batch
@@ -31,6 +32,13 @@ from millpond.storage.store import (
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
 FAST_RETRY = RetryPolicy(max_attempts=1000, max_elapsed=120.0, base_delay=0.001, max_delay=0.05)
+
+
+def quiet_consumer(store: ObjectStore, **overrides: Any) -> Consumer:
+    """A consumer on ``store`` with GC off and fast retries; ``overrides`` are config fields."""
+    options: dict[str, Any] = {"store": store, "gc_enabled": False, "retry": FAST_RETRY}
+    options.update(overrides)
+    return Consumer(ConsumerConfig(**options))
 
 
 def open_target(target: Any) -> ObjectStore:

@@ -6,10 +6,17 @@ import time
 from typing import Any
 
 import pytest
-from consumer_support import FAST_RETRY, MANIFEST, PREFIX, QueueWriter, open_target
+from consumer_support import (
+    FAST_RETRY,
+    MANIFEST,
+    PREFIX,
+    QueueWriter,
+    open_target,
+    quiet_consumer,
+)
 
 from millpond.common.retry import RetryPolicy
-from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer import Consumer
 from millpond.consumer._metrics import QueueSampler
 from millpond.consumer.status import queue_status
 from millpond.errors import FencedError, StorageError
@@ -54,12 +61,6 @@ def store(store_target: Any) -> ObjectStore:
     return open_target(store_target)
 
 
-def _consumer(store: ObjectStore, **overrides: Any) -> Consumer:
-    options: dict[str, Any] = {"store": store, "gc_enabled": False, "retry": FAST_RETRY}
-    options.update(overrides)
-    return Consumer(ConsumerConfig(**options))
-
-
 def _fill(writer: QueueWriter, start: int, count: int) -> None:
     for i in range(start, start + count):
         writer.append([b"%d" % i])
@@ -94,7 +95,9 @@ def _expected(first: int, last: int) -> list[tuple[int, bytes]]:
 def test_moves_the_backlog_out_of_the_manifest_and_drains_it_first(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     _fill(writer, 0, 12)
-    consumer = _consumer(store, backlog_index=True, backlog_index_threshold=5, ack_batch_size=2)
+    consumer = quiet_consumer(
+        store, backlog_index=True, backlog_index_threshold=5, ack_batch_size=2
+    )
     consumer.initialize()
     assert _queued(store) == []  # every entry it read is in the index now
     assert _indexed(store) == list(range(12))
@@ -120,7 +123,9 @@ def test_moves_the_backlog_out_of_the_manifest_and_drains_it_first(store: Object
 def test_crash_between_index_write_and_manifest_write(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     _fill(writer, 0, 20)
-    dying = _consumer(_CrashAfterIndexWrite(store), backlog_index=True, backlog_index_threshold=5)
+    dying = quiet_consumer(
+        _CrashAfterIndexWrite(store), backlog_index=True, backlog_index_threshold=5
+    )
     with pytest.raises(_Crash):
         dying.initialize()
     # The entries are in both: every reader takes each once.
@@ -130,7 +135,7 @@ def test_crash_between_index_write_and_manifest_write(store: ObjectStore) -> Non
     assert (status.queue_length, status.first_sequence, status.next_sequence) == (20, 0, 20)
     _fill(writer, 20, 3)
     # The next consumer (index switched off) finishes the move, then drains the index first.
-    successor = _consumer(store)
+    successor = quiet_consumer(store)
     successor.initialize()
     assert _queued(store) == [20, 21, 22]
     assert _drain(successor) == _expected(0, 22)
@@ -145,13 +150,13 @@ def test_takeover_drains_the_index_in_order_and_fences_the_old_consumer(
 ) -> None:
     writer = QueueWriter(store)
     _fill(writer, 0, 30)
-    old = _consumer(store, backlog_index=True, backlog_index_threshold=5, ack_batch_size=2)
+    old = quiet_consumer(store, backlog_index=True, backlog_index_threshold=5, ack_batch_size=2)
     old.initialize()
     _fill(writer, 30, 5)
     sink = _drain(old, until=9)
     assert sink == _expected(0, 9)
     assert _indexed(store)[0] >= 9  # its acks drained the index
-    new = _consumer(store, backlog_index=True, backlog_index_threshold=5)
+    new = quiet_consumer(store, backlog_index=True, backlog_index_threshold=5)
     new.initialize(last_acked_sequence=sink[-1][0])  # where the sink is
     sink += _drain(new)
     assert sink == _expected(0, 34)
@@ -172,12 +177,12 @@ def test_takeover_drains_the_index_in_order_and_fences_the_old_consumer(
 def test_a_stale_index_writer_cannot_write_after_a_claim(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     _fill(writer, 0, 8)
-    old = _consumer(store, backlog_index=True, backlog_index_threshold=5)
+    old = quiet_consumer(store, backlog_index=True, backlog_index_threshold=5)
     old.initialize()
     assert _indexed(store) == list(range(8))
     index_a = BacklogIndex(store, data_path_prefix=PREFIX, epoch=old.epoch or 0, retry=FAST_RETRY)
     index_a.claim()
-    new = _consumer(store)
+    new = quiet_consumer(store)
     new.initialize()  # bumps the epoch, then claims the head
     head = store.get(head_path(PREFIX)).data
     with pytest.raises(FencedError):
@@ -194,7 +199,7 @@ def test_a_stale_index_writer_cannot_write_after_a_claim(store: ObjectStore) -> 
     new.close()
     old.close()  # fenced: closes without a dequeue
     # The next consumer deletes the segment no head names.
-    last = _consumer(store)
+    last = quiet_consumer(store)
     last.initialize()
     assert _segments(store) == []
     last.close()
@@ -225,7 +230,7 @@ def test_a_move_whose_manifest_write_failed_is_finished_on_the_next_ack(
     writer = QueueWriter(store)
     _fill(writer, 0, 10)
     failing = _ManifestWritesFail(store)
-    consumer = _consumer(
+    consumer = quiet_consumer(
         failing,
         backlog_index=True,
         backlog_index_threshold=5,
@@ -273,7 +278,7 @@ def test_the_backlog_moves_while_nothing_is_delivered(store: ObjectStore) -> Non
     """The sink is down: the service retries one write and asks for nothing; the backlog that
     piles up meanwhile still leaves the manifest."""
     writer = QueueWriter(store)
-    consumer = _consumer(
+    consumer = quiet_consumer(
         store, backlog_index=True, backlog_index_threshold=5, backlog_index_interval=0.05
     )
     consumer.initialize()

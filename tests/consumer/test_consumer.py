@@ -8,11 +8,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from consumer_support import (
-    FAST_RETRY,
     MANIFEST,
     QueueWriter,
     RecordingStore,
     open_target,
+    quiet_consumer,
 )
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, Metadata
@@ -36,12 +36,6 @@ def store(store_target: Any) -> ObjectStore:
     return open_target(store_target)
 
 
-def _consumer(store: ObjectStore, **overrides: Any) -> Consumer:
-    options: dict[str, Any] = {"store": store, "gc_enabled": False, "retry": FAST_RETRY}
-    options.update(overrides)
-    return Consumer(ConsumerConfig(**options))
-
-
 def _drain(consumer: Consumer, *, ack: bool = True) -> list[ConsumedBatch]:
     out = []
     while (batch := consumer.next_batch()) is not None:
@@ -61,7 +55,7 @@ def test_batches_come_in_sequence_order_with_their_metadata(store: ObjectStore) 
         writer.append([f"r{i}-{j}".encode() for j in range(i + 1)], payload=b"m%d" % i)
         for i in range(10)
     ]
-    with _consumer(store, read_ahead=3) as consumer:
+    with quiet_consumer(store, read_ahead=3) as consumer:
         consumer.initialize()
         batches = _drain(consumer)
     assert [(b.sequence, b.location) for b in batches] == expected
@@ -74,7 +68,7 @@ def test_batches_come_in_sequence_order_with_their_metadata(store: ObjectStore) 
 
 def test_empty_queue_returns_none_then_sees_new_entries(store: ObjectStore) -> None:
     writer = QueueWriter(store)
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         assert consumer.next_batch() is None
         assert consumer.next_batch() is None
@@ -92,7 +86,7 @@ def test_manifest_is_reread_only_when_the_cache_is_used_up(store_target: Any) ->
     writer = QueueWriter(inner)
     for i in range(6):
         writer.append([b"x%d" % i])
-    with _consumer(store, read_ahead=2) as consumer:
+    with quiet_consumer(store, read_ahead=2) as consumer:
         consumer.initialize()
         reads_after_init = store.calls.get("get_if_changed", 0)
         for _ in range(6):
@@ -111,7 +105,7 @@ def test_read_ahead_fetches_concurrently_but_bounded(store_target: Any) -> None:
     writer = QueueWriter(inner)
     for i in range(12):
         writer.append([b"%d" % i])
-    with _consumer(store, read_ahead=4) as consumer:
+    with quiet_consumer(store, read_ahead=4) as consumer:
         consumer.initialize()
         batches = _drain(consumer)
     assert [b.entries for b in batches] == [(b"%d" % i,) for i in range(12)]
@@ -122,7 +116,7 @@ def test_acks_must_be_in_order_and_delivered(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     for i in range(3):
         writer.append([b"%d" % i])
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         first = consumer.next_batch()
         assert first is not None
@@ -139,7 +133,7 @@ def test_dequeue_every_n_acks_and_on_flush_and_close(store: ObjectStore) -> None
     writer = QueueWriter(store)
     for i in range(8):
         writer.append([b"%d" % i])
-    consumer = _consumer(store, ack_batch_size=3)
+    consumer = quiet_consumer(store, ack_batch_size=3)
     consumer.initialize()
     for expected_queue in ([1, 2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7]):
         batch = consumer.next_batch()
@@ -169,12 +163,12 @@ def test_resume_after_last_acked_sequence(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     for i in range(6):
         writer.append([b"%d" % i])
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize(last_acked_sequence=2)
         # What the sink already holds is dequeued at once.
         assert _queued(store) == [3, 4, 5]
         assert [b.sequence for b in _drain(consumer)] == [3, 4, 5]
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize(last_acked_sequence=5)
         assert consumer.next_batch() is None
 
@@ -183,14 +177,14 @@ def test_resume_point_that_does_not_fit_the_queue_is_refused(store: ObjectStore)
     writer = QueueWriter(store)
     for i in range(6):
         writer.append([b"%d" % i])
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         for _ in range(4):
             batch = consumer.next_batch()
             assert batch is not None
             consumer.ack(batch.sequence)
     assert _queued(store) == [4, 5]
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         with pytest.raises(InvalidInputError, match=r"entries 2\.\.3 were dequeued"):
             consumer.initialize(last_acked_sequence=1)
         with pytest.raises(InvalidInputError, match="sink is ahead"):
@@ -203,12 +197,12 @@ def test_a_newer_consumer_fences_the_older(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     for i in range(3):
         writer.append([b"%d" % i])
-    old = _consumer(store)
+    old = quiet_consumer(store)
     old.initialize()
     batch = old.next_batch()
     assert batch is not None
     old.ack(batch.sequence)
-    new = _consumer(store)
+    new = quiet_consumer(store)
     new.initialize()
     assert new.epoch == (old.epoch or 0) + 1
     with pytest.raises(FencedError, match="another consumer took over"):
@@ -225,10 +219,10 @@ def test_a_newer_consumer_fences_the_older(store: ObjectStore) -> None:
 def test_fenced_consumer_notices_on_its_next_manifest_read(store: ObjectStore) -> None:
     writer = QueueWriter(store)
     writer.append([b"a"])
-    old = _consumer(store)
+    old = quiet_consumer(store)
     old.initialize()
     assert old.next_batch() is not None
-    _consumer(store).initialize()
+    quiet_consumer(store).initialize()
     with pytest.raises(FencedError):
         old.next_batch()  # cache used up: the conditional re-read sees the new epoch
     old.close()
@@ -241,7 +235,7 @@ def test_missing_object_names_sequence_and_location(store: ObjectStore) -> None:
     writer.append([b"after"])
     data = store.get(location).data
     assert store.delete_many([location]) == []
-    with _consumer(store, read_ahead=3) as consumer:
+    with quiet_consumer(store, read_ahead=3) as consumer:
         consumer.initialize()
         first = consumer.next_batch()
         assert first is not None
@@ -275,7 +269,7 @@ def test_location_outside_the_prefix_is_refused(
     store.put(location, b"")  # even if an object is there, it is never read
     seq = writer.enqueue(location)
     writer.append([b"after"])
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         first = consumer.next_batch()
         assert first is not None
@@ -292,7 +286,7 @@ def test_corrupt_batch_names_its_location(store: ObjectStore) -> None:
     location = writer.upload([b"fine"])
     store.put(location, b"\x00\x01garbage-bytes-with-a-bad-footer")
     seq = writer.enqueue(location)
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         with pytest.raises(FormatError) as info:
             consumer.next_batch()
@@ -305,7 +299,7 @@ def test_corrupt_manifest_is_a_format_error(store: ObjectStore) -> None:
     writer.append([b"a"])
     raw = store.get(MANIFEST).data
     store.put(MANIFEST, raw[:3] + b"\xff" + raw[4:])  # entry_len of the first entry
-    with _consumer(store) as consumer, pytest.raises(FormatError, match=MANIFEST):
+    with quiet_consumer(store) as consumer, pytest.raises(FormatError, match=MANIFEST):
         consumer.initialize()
 
 
@@ -315,7 +309,7 @@ def test_to_arrow_unifies_drifted_schemas(store: ObjectStore) -> None:
     new = pa.table({"n": pa.array([3], pa.int64()), "extra": [True]})
     writer.append_arrow(old)
     writer.append([*encode_ipc(old), *encode_ipc(new)])
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         one, two = _drain(consumer)
     assert one.to_arrow().equals(old)
@@ -336,7 +330,7 @@ def test_backlog_reports_the_oldest_waiting_ingestion_time(store: ObjectStore) -
     writer = QueueWriter(store)
     writer.append([b"a"], ingestion_ms=1_000)
     writer.append([b"b"], ingestion_ms=2_000)
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
         assert consumer.backlog().entries == 2
         assert consumer.backlog().oldest_ingestion_ms == 1_000
@@ -347,7 +341,7 @@ def test_backlog_reports_the_oldest_waiting_ingestion_time(store: ObjectStore) -
 
 def test_large_queue_with_many_refreshes(store: ObjectStore) -> None:
     writer = QueueWriter(store)
-    with _consumer(store, read_ahead=4, ack_batch_size=7) as consumer:
+    with quiet_consumer(store, read_ahead=4, ack_batch_size=7) as consumer:
         consumer.initialize()
         seen: list[int] = []
         for round_ in range(5):
@@ -364,7 +358,7 @@ def test_consumer_is_thread_safe_for_concurrent_callers(store: ObjectStore) -> N
         writer.append([b"%d" % i])
     delivered: list[int] = []
     lock = threading.Lock()
-    with _consumer(store) as consumer:
+    with quiet_consumer(store) as consumer:
         consumer.initialize()
 
         def worker() -> None:
@@ -385,7 +379,7 @@ def test_consumer_is_thread_safe_for_concurrent_callers(store: ObjectStore) -> N
 
 
 def test_uninitialized_consumer_refuses_work(store: ObjectStore) -> None:
-    consumer = _consumer(store)
+    consumer = quiet_consumer(store)
     with pytest.raises(MillpondError, match="initialize"):
         consumer.next_batch()
     consumer.close()
