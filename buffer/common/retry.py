@@ -151,6 +151,10 @@ class Backoff:
         del older
         return 0.0
 
+    def read_ahead(self) -> None:
+        """The next attempt writes on a read already made (alongside the last write): one
+        request, not a read and a write."""
+
     def sleep(self, *, conflict: bool = False) -> bool:
         """Sleep before the next attempt; ``False`` when the budget is spent.
 
@@ -191,6 +195,12 @@ class Pacer:
     def won(self, backoff: Backoff) -> None:
         """The loop's write landed."""
 
+    def peek_lag(self) -> float | None:
+        """Seconds after a write to send a read alongside it (:mod:`millpond.queue.peek`), or
+        ``None`` for no read: only a writer that lost a race lately, whose next write is
+        likely to lose too, pays for one. Never here."""
+        return None
+
 
 class _AgingBackoff(Backoff):
     """Lost races wait less the longer the loop has waited; store failures back off."""
@@ -210,6 +220,9 @@ class _AgingBackoff(Backoff):
         if delay is not None:
             self.attempt_started = now + delay
         return delay
+
+    def read_ahead(self) -> None:
+        self.attempt_requests = 1
 
     def _conflict_delay(self, now: float, requests: int) -> float | None:
         remaining = self._deadline - now
@@ -236,6 +249,8 @@ class AgingPacer(Pacer):
     last winner."""
 
     _SMOOTHING = 0.2  # weight of a new measurement in the slot's moving average
+    # Of a slot: long enough for the write to reach the store first, short against the trip.
+    _PEEK_LAG = 0.03
 
     def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
         super().__init__(policy, clock)
@@ -266,6 +281,11 @@ class AgingPacer(Pacer):
 
     def _contended(self, now: float) -> bool:
         return now - self._last_loss < self._policy.aging_horizon * self.slot
+
+    def peek_lag(self) -> float | None:
+        if not self._contended(self._clock.monotonic()):
+            return None
+        return self._PEEK_LAG * self.slot
 
     def start(self, *, cached: bool = False) -> Backoff:
         return _AgingBackoff(self, cached=cached)

@@ -51,6 +51,7 @@ from millpond.formats.manifest import (
     with_epoch,
 )
 from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.queue.peek import Peek
 from millpond.storage.store import ObjectStore
 
 __all__ = ["Appender", "ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
@@ -257,16 +258,21 @@ class QueueProducer:
         backoff = self._pacer.start(cached=current is not None)
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
+        peeked: _Raw | None = None  # the state a read sent alongside a lost write found
         # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
         # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
             try:
                 if current is None or maybe_landed_from is not None:
-                    try:
-                        current = cas.read()
-                    except StorageError as err:
-                        cas.backoff(backoff, "manifest read", err)
-                        continue
+                    if peeked is not None:
+                        current, peeked = peeked, None
+                        backoff.read_ahead()
+                    else:
+                        try:
+                            current = cas.read()
+                        except StorageError as err:
+                            cas.backoff(backoff, "manifest read", err)
+                            continue
                     if current is not None:
                         footer = decode_footer(current.data, name=cas.path)
                         self._seen_next = max(self._seen_next, footer.next_sequence)
@@ -307,6 +313,7 @@ class QueueProducer:
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
                 _check_deadline(cas, deadline)
+                peek = self._peek(current)
                 try:
                     etag = cas.write(current, data)
                 except (ConflictError, CommitStateUnknownError) as err:
@@ -315,6 +322,8 @@ class QueueProducer:
                     maybe_landed_from = sequences.start
                     self._cached = None
                     grow = lost = True
+                    if peek is not None and current is not None and current.etag is not None:
+                        peeked = peek.moved_from(current.etag)
                     cas.backoff(backoff, "manifest append", err)
                     continue
                 except StorageError as err:
@@ -337,6 +346,15 @@ class QueueProducer:
             self._seen_next = max(self._seen_next, sequences.stop)
             self._pacer.won(backoff)
             return tuple(_filled(result))
+
+    def _peek(self, current: _Raw | None) -> Peek[_Raw] | None:
+        """Under contention, a read of the manifest sent just behind the write."""
+        if current is None or current.etag is None:
+            return None
+        lag = self._pacer.peek_lag()
+        if lag is None:
+            return None
+        return Peek(self._cas.read, lag)
 
     def _drop_present(
         self,

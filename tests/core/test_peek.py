@@ -1,0 +1,173 @@
+"""A contended writer reads the manifest alongside its write (``millpond.queue.peek``): a lost
+race then costs one round trip, and the read is used only when it cannot mislead.
+
+The dangerous orders are forced, not hoped for: the read is held until the write has been
+answered (it then shows the state that beat the write, or the write itself when that landed
+but reported failure), or answered before the rival's write (it then shows the very state the
+write was conditional on, tells nothing, and must be dropped). Every store is real (the
+``any_store_target`` servers).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from millpond.common.retry import RetryPolicy
+from millpond.errors import ConflictError, StorageError
+from millpond.queue import QueueProducer, read_manifest
+from millpond.queue.peek import Peek
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
+from tests.support import StoreTarget
+
+from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, open_target, pending
+
+AGING = RetryPolicy(strategy="aging", max_elapsed=60.0, base_delay=0.05, max_delay=1.0)
+_WAIT = 30.0  # seconds; a deadline for what the test waits on, never reached when it passes
+
+
+@pytest.fixture
+def store(any_store_target: StoreTarget) -> ObjectStore:
+    return open_target(any_store_target)
+
+
+class _HeldReads(ForwardingStore):
+    """Manifest reads made on threads other than the test's wait for ``release``; each read
+    answered sets ``answered``."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+        self.answered = threading.Event()
+        self.own_reads = 0  # made by the writer's own thread: re-reads after a lost race
+        self._main = threading.get_ident()
+
+    def get(self, path: str) -> GetResult:
+        if threading.get_ident() == self._main:
+            self.own_reads += 1
+            return self.inner.get(path)
+        if not self.release.wait(_WAIT):
+            raise AssertionError("the read alongside the write was never released")
+        got = self.inner.get(path)
+        self.answered.set()
+        return got
+
+
+def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
+    """A writer on ``store`` that has just lost a race (so it reads alongside its writes)."""
+    mine = QueueProducer(store, MANIFEST, retry=AGING, clock=FakeClock())
+    mine.append(pending(1, tag="first"))
+    rival.append(pending(1, tag="rival-first"))
+    mine.append(pending(1, tag="lost-once"))
+    assert mine.counters.get("cas_conflicts") == 1
+    return mine
+
+
+def _locations(store: ObjectStore) -> list[str]:
+    return [e.location for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+def test_a_read_answered_after_the_lost_write_replaces_the_reread(store: ObjectStore) -> None:
+    held = _HeldReads(store)
+    faulty = FaultyStore(held)
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine = _contended(faulty, rival)
+    theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
+    # The rival appends just before our write is sent, and only then is the read alongside
+    # answered: it shows the state that beat our write.
+
+    def rival_writes_then_read() -> None:
+        rival.append(theirs)
+        held.release.set()
+
+    faulty.fail_next(land=True, error=None, before=rival_writes_then_read)
+    reads, conflicts = held.own_reads, mine.counters.get("cas_conflicts")
+    sequences = mine.append(group)
+    assert mine.counters.get("cas_conflicts") == conflicts + 1
+    # The lost race was answered by the read sent alongside: no re-read after it.
+    assert held.own_reads == reads
+    assert _locations(store)[-4:] == [e.location for e in theirs + group]
+    assert sequences == (len(_locations(store)) - 2, len(_locations(store)) - 1)
+
+
+def test_a_read_answered_before_the_rival_wrote_is_dropped(store: ObjectStore) -> None:
+    held = _HeldReads(store)
+    faulty = FaultyStore(held)
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine = _contended(faulty, rival)
+    theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
+
+    def answer_then_rival_writes() -> None:
+        # The read alongside is answered first, on the state our write is conditional on;
+        # only then does the rival's append land, so our write loses.
+        held.release.set()
+        assert held.answered.wait(_WAIT)
+        rival.append(theirs)
+
+    faulty.fail_next(land=True, error=None, before=answer_then_rival_writes)
+    reads = held.own_reads
+    sequences = mine.append(group)
+    assert mine.counters.get("cas_conflicts") == 2
+    # The read alongside showed nothing new: it was dropped and the manifest read again.
+    assert held.own_reads == reads + 1
+    assert _locations(store)[-4:] == [e.location for e in theirs + group]
+    assert len(set(_locations(store))) == len(_locations(store))
+    assert sequences[-1] == len(_locations(store)) - 1
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["read-after", "read-before"])
+def test_a_write_that_landed_but_reported_a_conflict_is_not_appended_twice(
+    store: ObjectStore, read_first: bool
+) -> None:
+    # The write lands and then reports a precondition failure (a request obstore retried):
+    # a read alongside answered after it shows our own entries; one answered before it shows
+    # the state the write was conditional on and is dropped. Either way the look settles it.
+    held = _HeldReads(store)
+    faulty = FaultyStore(held)
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    mine = _contended(faulty, rival)
+    group = pending(3, tag="group")
+    if read_first:
+        # Answered on the state before our write landed: it must not count as "not landed".
+        def answer_first() -> None:
+            held.release.set()
+            assert held.answered.wait(_WAIT)
+
+        faulty.fail_next(land=True, error=ConflictError, before=answer_first)
+    else:
+        faulty.fail_next(land=True, error=ConflictError, hook=held.release.set)
+    writes = faulty.conditional_writes
+    before = len(_locations(store))
+    sequences = mine.append(group)
+    assert faulty.conditional_writes == writes + 1  # settled by the look, never written again
+    assert _locations(store)[before:] == [e.location for e in group]
+    assert sequences == tuple(range(before, before + 3))
+
+
+class _Tagged:
+    def __init__(self, etag: str | None) -> None:
+        self.etag = etag
+
+
+def test_a_peek_tells_only_a_moved_state() -> None:
+    assert Peek(lambda: _Tagged("e1"), 0.0).moved_from("e0") is not None
+    assert Peek(lambda: _Tagged("e0"), 0.0).moved_from("e0") is None
+    assert Peek(lambda: _Tagged(None), 0.0).moved_from("e0") is None
+    assert Peek(lambda: None, 0.0).moved_from("e0") is None  # no manifest
+
+
+def test_a_failed_or_late_peek_tells_nothing() -> None:
+    def failing() -> _Tagged:
+        raise StorageError("manifest: injected")
+
+    assert Peek(failing, 0.0).moved_from("e0") is None
+    gate = threading.Event()
+
+    def late() -> _Tagged:
+        gate.wait(_WAIT)
+        return _Tagged("e1")
+
+    peek = Peek(late, 0.0)
+    assert peek.moved_from("e0") is None  # not back within its wait: read again instead
+    gate.set()
