@@ -171,6 +171,13 @@ class QueueProducer:
         # Decides whether an append waits its turn first and how a lost race waits.
         self._pacer = self._cas.retry.pacer(self._cas.clock)
         self._seen_next = 0
+        # The lowest sequence at which a write of ours whose outcome is unknown could still
+        # land. A conditional write held back in the network lands whenever it arrives while
+        # the manifest is still at the state it was conditional on — after a look that saw
+        # nothing of it, even after a later write of ours that was never sent. Until one of
+        # our writes lands (which moves the manifest past every state an earlier one was
+        # conditional on), every read runs the landed-check from here on.
+        self._in_doubt_from: int | None = None
 
     @property
     def counters(self) -> Counters:
@@ -263,6 +270,8 @@ class QueueProducer:
         # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
             try:
+                if current is None and maybe_landed_from is None:
+                    maybe_landed_from = self._in_doubt_from  # any read looks for it
                 if current is None or maybe_landed_from is not None:
                     if peeked is not None:
                         current, peeked = peeked, None
@@ -320,6 +329,8 @@ class QueueProducer:
                     # Either way our write may be in the manifest (a retried request can fail
                     # its precondition on our own landed write): look before appending again.
                     maybe_landed_from = sequences.start
+                    if self._in_doubt_from is None or sequences.start < self._in_doubt_from:
+                        self._in_doubt_from = sequences.start
                     self._cached = None
                     grow = lost = True
                     if peek is not None and current is not None and current.etag is not None:
@@ -333,6 +344,8 @@ class QueueProducer:
                     cas.backoff(backoff, "manifest append", err)
                     continue
             except StorageError as err:
+                if maybe_landed_from is None and self._in_doubt_from is not None:
+                    maybe_landed_from = self._in_doubt_from  # a write of ours may still land
                 if maybe_landed_from is None and all(seq is None for seq in result):
                     raise
                 # Out of retries after a write that may have landed, or with part of the group
@@ -344,6 +357,7 @@ class QueueProducer:
                 result[index] = sequence
             self._cached = _Raw(data, etag) if etag is not None else None
             self._seen_next = max(self._seen_next, sequences.stop)
+            self._in_doubt_from = None
             self._pacer.won(backoff)
             return tuple(_filled(result))
 
