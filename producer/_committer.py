@@ -41,7 +41,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.formats.manifest import PendingEntry, empty_manifest, find_locations
+from millpond.formats.manifest import PendingEntry, decode_footer, empty_manifest, find_locations
 from millpond.producer._publisher import fail_fatal, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
@@ -353,6 +353,10 @@ class Committer:
             self._pause("manifest read", err)
             return
         self._backoff = None
+        if any(batch.recovered for batch in batches):
+            # The run before may have died with a manifest write in flight: one conditional on
+            # the state just read can still land, at its next sequence, after this look.
+            self._queue.in_doubt_from(decode_footer(raw).next_sequence)
         with state.cond:
             for group in _groups(batches):
                 if len(group) == 1 and group[0].prior_locations:

@@ -204,6 +204,9 @@ class CoordinatedAppender:
         for endpoint in self._endpoints:
             endpoint.close()
 
+    def in_doubt_from(self, sequence: int) -> None:
+        self._direct.in_doubt_from(sequence)
+
     def append(
         self,
         entries: Sequence[PendingEntry],

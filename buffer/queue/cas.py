@@ -69,6 +69,8 @@ class Appender(Protocol):
     @property
     def seen_next_sequence(self) -> int: ...
 
+    def in_doubt_from(self, sequence: int) -> None: ...
+
     def append(
         self,
         entries: Sequence[PendingEntry],
@@ -196,6 +198,14 @@ class QueueProducer:
         at or after it: a lower bound a caller can hand to the landed-check later.
         """
         return self._seen_next
+
+    def in_doubt_from(self, sequence: int) -> None:
+        """Writes of these entries made elsewhere — by a previous run of this producer that
+        died with a request in flight — may still land at or after ``sequence`` (the
+        manifest's ``next_sequence`` when the caller last looked): every read runs the
+        landed-check from there until one of this writer's writes lands."""
+        if self._in_doubt_from is None or sequence < self._in_doubt_from:
+            self._in_doubt_from = sequence
 
     def append(
         self,
@@ -329,8 +339,7 @@ class QueueProducer:
                     # Either way our write may be in the manifest (a retried request can fail
                     # its precondition on our own landed write): look before appending again.
                     maybe_landed_from = sequences.start
-                    if self._in_doubt_from is None or sequences.start < self._in_doubt_from:
-                        self._in_doubt_from = sequences.start
+                    self.in_doubt_from(sequences.start)
                     self._cached = None
                     grow = lost = True
                     if peek is not None and current is not None and current.etag is not None:

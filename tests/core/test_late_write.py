@@ -116,3 +116,35 @@ def test_a_held_write_landing_before_the_next_call_is_found_by_it(store: ObjectS
     holding.on_unsent = holding.land_held
     assert mine.append(group) == (1, 2)
     assert _locations(store)[1:] == [e.location for e in group]
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["told", "not-told"])
+def test_a_write_of_a_run_that_died_lands_after_the_next_run_looked(
+    store: ObjectStore, told: bool
+) -> None:
+    # The first run's write is held back and the run dies. The next run looks (nothing of the
+    # group is in: the manifest is still at the held write's ETag) and appends the group; its
+    # first write is never sent, and the held write lands meanwhile. Told what its look saw
+    # (``in_doubt_from``, as the producer's committer does for replayed batches), the next
+    # run finds the group; not told, it cannot know and writes it twice — which is why the
+    # committer tells it.
+    holding = _Holding(store)
+    dead = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    dead.append(pending(1, tag="first"))
+    group = pending(2, tag="group")
+    holding.hold = True
+    with pytest.raises(CommitStateUnknownError):
+        dead.append(group, deadline=FakeClock().monotonic() + 1e-9)
+    looked = read_manifest(store, MANIFEST).manifest
+    assert looked.next_sequence == 1
+    again = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    if told:
+        again.in_doubt_from(looked.next_sequence)
+    holding.unsent = 1
+    holding.on_unsent = holding.land_held
+    sequences = again.append(group)
+    if told:
+        assert sequences == (1, 2)
+        assert _locations(store)[1:] == [e.location for e in group]
+    else:
+        assert _locations(store)[1:] == [e.location for e in group + group]
