@@ -460,6 +460,10 @@ class QueueConsumer:
         # The ETag of the newest manifest state seen to carry this consumer's epoch: a
         # conditional request against it answers "still ours" with a 304.
         self._fence_etag: str | None = None
+        # The manifest's bytes as this consumer last read or wrote them: a conditional write
+        # can start from them instead of reading again (it fails if they are stale, and only
+        # then is the manifest read). Only trusted while their ETag is the newest seen.
+        self._raw: _Raw | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -470,11 +474,28 @@ class QueueConsumer:
     def counters(self) -> Counters:
         return self._cas.counters
 
+    def peek_next_sequence(self) -> int:
+        """The manifest's ``next_sequence`` (0 when there is none), without any epoch check.
+
+        What it read is where the next :meth:`initialize` starts its compare-and-swap.
+
+        Raises:
+            FormatError: the manifest's footer is corrupt.
+            StorageError: the store failed.
+        """
+        current = self._cas.read()
+        self._raw = current
+        if current is None:
+            return 0
+        return decode_footer(current.data, name=self._cas.path).next_sequence
+
     def initialize(self) -> int:
         """Increment the manifest epoch (creating an empty manifest if none exists).
 
         An ambiguous write is never taken as ours: another consumer may have written the same
         epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
+        Right after :meth:`peek_next_sequence`, the first attempt writes over what it read
+        (conditional on its ETag, so only if nothing changed since) instead of reading again.
 
         Returns:
             The new epoch, which this consumer now holds.
@@ -485,21 +506,25 @@ class QueueConsumer:
         """
         cas = self._cas
         backoff = cas.retry.start(cas.clock)
+        known, self._raw = self._raw, None
         while True:
             try:
-                current = cas.read()
+                current = known if known is not None else cas.read()
                 base = current.data if current is not None else empty_manifest()
                 epoch = decode_footer(base, name=cas.path).epoch + 1
-                etag = cas.write(current, with_epoch(base, epoch))
-            except StorageError as err:
-                cas.backoff(backoff, "epoch bump", err)
-                continue
-            except ConflictError as err:
+                data = with_epoch(base, epoch)
+                etag = cas.write(current, data)
+            except (StorageError, ConflictError) as err:
+                if known is not None and isinstance(err, ConflictError):
+                    known = None  # what was peeked is stale: read and try again at once
+                    continue
+                known = None
                 cas.backoff(backoff, "epoch bump", err)
                 continue
             self._epoch = epoch
             self._last = None
             self._fence_etag = etag
+            self._raw = _Raw(data, etag)
             logger.info("consumer holds epoch %s of %s", epoch, cas.path)
             return epoch
 
@@ -524,8 +549,15 @@ class QueueConsumer:
         self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
         self._fence_etag = got.etag
 
-    def read(self) -> ManifestSnapshot:
+    def read(self, *, reuse: bool = False) -> ManifestSnapshot:
         """Read and decode the manifest, checking the epoch.
+
+        Args:
+            reuse: decode the bytes this consumer last read or wrote (its epoch bump, a
+                dequeue) instead of reading, when nothing newer was seen since: a state of
+                the manifest that carried this consumer's epoch, possibly missing appends
+                made since (the next :meth:`read_if_changed` finds them). It proves nothing
+                about the epoch now.
 
         Raises:
             FencedError: another consumer initialized after this one.
@@ -533,6 +565,9 @@ class QueueConsumer:
             NotFoundError: the manifest is gone.
             StorageError: the store failed.
         """
+        known = self._raw
+        if reuse and known is not None and known.etag == self._fence_etag:
+            return self._accept(known.data, known.etag)
         got = self._cas.store.get(self._cas.path)
         self._cas.counters.add("manifest_reads")
         return self._accept(got.data, got.etag)
@@ -567,9 +602,13 @@ class QueueConsumer:
         cas = self._cas
         backoff = cas.retry.start(cas.clock)
         removed_before = 0
+        # The bytes this consumer last read or wrote, while nothing newer was seen: the write
+        # below is conditional on their ETag, so it lands only on that very manifest, which
+        # carries this consumer's epoch; anything else fails it and the manifest is read.
+        known = self._raw if self._raw is not None and self._raw.etag == self._fence_etag else None
         while True:
             try:
-                current = cas.read()
+                current = known if known is not None else cas.read()
             except StorageError as err:
                 cas.backoff(backoff, "manifest read", err)
                 continue
@@ -577,11 +616,18 @@ class QueueConsumer:
                 raise NotFoundError(f"{cas.path}: manifest not found")
             footer = decode_footer(current.data, name=cas.path)
             self._check_epoch(footer.epoch)
+            data, removed = b"", 0
+            if through < footer.next_sequence:
+                data, removed = remove_through(current.data, through)
+            if known is not None and removed == 0:
+                # Only a write proves the known bytes current (and the epoch this
+                # consumer's): an answer without one comes from a read.
+                known = None
+                continue
             if through >= footer.next_sequence:
                 raise InvalidInputError(
                     f"through: expected < next_sequence {footer.next_sequence}, found {through}"
                 )
-            data, removed = remove_through(current.data, through)
             if removed == 0:
                 return removed_before
             try:
@@ -590,12 +636,18 @@ class QueueConsumer:
                 # Our write may have landed (a retried request can fail its precondition on
                 # our own write); if so the re-read finds nothing left to remove.
                 removed_before = max(removed_before, removed)
+                if known is not None and isinstance(err, ConflictError):
+                    known = None  # most likely stale: read the manifest and try again at once
+                    continue
+                known = None
                 cas.backoff(backoff, "dequeue", err)
                 continue
             except StorageError as err:
+                known = None
                 cas.backoff(backoff, "dequeue", err)
                 continue
             self._fence_etag = etag
+            self._raw = _Raw(data, etag)
             return removed
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
@@ -603,6 +655,7 @@ class QueueConsumer:
         self._check_epoch(snapshot.manifest.epoch)
         self._last = snapshot
         self._fence_etag = etag
+        self._raw = _Raw(data, etag)
         return snapshot
 
     def _check_epoch(self, found: int) -> None:
