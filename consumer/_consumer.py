@@ -38,7 +38,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
@@ -221,10 +221,17 @@ class Consumer:
             self._check_open()
             preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
-            self._open_claim()
+            # The claim and the manifest are read side by side (one round trip, not two);
+            # the manifest read is where the epoch bump starts from.
+            with ThreadPoolExecutor(1, thread_name_prefix="millpond-peek") as peek:
+                peeked = peek.submit(self._queue.peek_next_sequence)
+                try:
+                    self._open_claim()
+                finally:
+                    wait([peeked])
             # Refuse a sink that is ahead of the queue before taking over: an operator's
             # mistake must not fence the consumer that is right.
-            self._check_ahead(last_acked_sequence, self._peek_next_sequence())
+            self._check_ahead(last_acked_sequence, peeked.result())
             held = self._queue.initialize()
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.
@@ -477,16 +484,35 @@ class Consumer:
             and self._clock.monotonic() - since >= self._config.dequeue_max_delay
         )
 
-    def flush(self) -> None:
+    def flush(self, *, ack_through: int | None = None) -> None:
         """Dequeue every acknowledged entry now.
 
+        Args:
+            ack_through: first acknowledge every delivered batch up to this sequence, as
+                :meth:`ack_through` does; the dequeue's own read or conditional write, made in
+                this call, is its fencing check (no separate request). ``None`` acknowledges
+                nothing.
+
         Raises:
-            FencedError: another consumer took over.
-            StorageError: the dequeue ran out of retries.
+            InvalidInputError: ``ack_through`` is not past the last acked, or was not
+                delivered.
+            FencedError: another consumer took over (nothing acked).
+            StorageError: the dequeue ran out of retries (nothing acked).
             ClosedError: the consumer was closed.
         """
         with self._lock:
             self._check_ready()
+            if ack_through is not None:
+                self._check_ack_through(ack_through)
+                index = self._index
+                if index is not None and (index.live or ack_through <= index.end):
+                    # The manifest may not be written: check the epoch on its own.
+                    self._guard(self._queue.check_fence)
+                else:
+                    # Returns only after a read in this call found this consumer's epoch, or
+                    # after a write conditional on bytes that carried it landed.
+                    self._dequeue(ack_through)
+                self._record_ack(ack_through)
             if self._acked > self._dequeued:
                 self._dequeue()
 
@@ -600,10 +626,6 @@ class Consumer:
         if claim is not None and config.gc_enabled:
             claim.check_gc_grace(grace, store_url=self._store.url)
 
-    def _peek_next_sequence(self) -> int:
-        # The epoch bump that follows starts from what this read (no second read).
-        return self._queue.peek_next_sequence()
-
     def _check_ahead(self, acked: int | None, next_sequence: int) -> None:
         if acked is not None and acked >= next_sequence:
             raise InvalidInputError(
@@ -703,8 +725,10 @@ class Consumer:
             queue=self.queue,
         )
 
-    def _dequeue(self) -> None:
-        through = self._acked
+    def _dequeue(self, through: int | None = None) -> None:
+        """Remove the acked entries (through ``through``, default the last acked)."""
+        if through is None:
+            through = self._acked
         index = self._index
         # The index first: together with the manifest it stays contiguous (module doc of
         # millpond.queue.index); an index being drained leaves the manifest alone.

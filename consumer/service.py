@@ -209,12 +209,17 @@ class ConsumerService:
                 self._reporter.start(consumer.epoch)
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
-            # The last group written is acked with the next delivery: there is none.
-            self._ack_written(stop)
             # A store that is down when the work is done is waited out like one that fails
-            # mid-run: a clean exit leaves nothing written in the queue.
+            # mid-run: a clean exit leaves nothing written in the queue. The last group
+            # written is acked with the dequeue (no delivery follows to carry it).
             if not stop.is_set():
-                self._with_retry(stop, "dequeue what was written", consumer.flush)
+                self._with_retry(
+                    stop,
+                    "dequeue what was written",
+                    lambda: consumer.flush(ack_through=self._to_ack()),
+                )
+            else:
+                self._ack_written(stop)
         except FencedError as err:
             self._close_quietly("fenced")
             self._finish_report(ServiceState.FENCED, err)
@@ -286,7 +291,7 @@ class ConsumerService:
         consumer = self._consumer
         idle_delay = self._poll_min
         while not stop.is_set():
-            group = self._take_ahead()
+            group = self._take_ahead(until_idle=until_idle)
             if group is None:
                 try:
                     # Acks what was written before and delivers the next group (the
@@ -326,10 +331,12 @@ class ConsumerService:
             if not self._write_group(group, stop):
                 return  # stopped while the database was unavailable; nothing more is acked
 
-    def _take_ahead(self) -> list[ConsumedBatch] | None:
+    def _take_ahead(self, *, until_idle: bool) -> list[ConsumedBatch] | None:
         """The group delivered while the last one was written; ``None`` when there is none,
         or when its delivery failed (the caller asks again, which meets the same error and
-        handles it, or succeeds), or when it came back empty with a write still to ack.
+        handles it, or succeeds), or when it came back empty with a write still to ack and
+        the service goes on (the ack goes with the next call; a service that stops when
+        idle acks it with its final dequeue).
 
         Raises:
             FencedError: another consumer took over (this one stops).
@@ -344,8 +351,8 @@ class ConsumerService:
         except MillpondError as err:
             logger.debug("delivering ahead failed, asking again: %s", err)
             return None
-        if not group and self._to_ack() is not None:
-            return None  # the ack of the last write goes with the next call
+        if not group and not until_idle and self._to_ack() is not None:
+            return None
         return group
 
     def _ahead_done(self) -> None:

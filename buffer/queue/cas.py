@@ -591,7 +591,9 @@ class QueueConsumer:
     def dequeue(self, through: int) -> int:
         """Remove every entry with ``sequence <= through``; returns how many went.
 
-        Writes nothing when nothing would be removed.
+        Writes nothing when nothing would be removed. Returning at all proves this consumer
+        still held the epoch during the call: its last read found the epoch, or its write,
+        conditional on bytes that carried the epoch, landed.
 
         Raises:
             InvalidInputError: ``through`` is not below ``next_sequence``.
