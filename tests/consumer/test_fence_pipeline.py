@@ -218,6 +218,15 @@ class WatchedConsumer(Consumer):
             self._log.success(started, f"delivered {[b.sequence for b in batches]}")
         return batches
 
+    def flush(self, *, ack_through: int | None = None) -> None:
+        started = self._log.tick()
+        acked_before = self.acked_sequence
+        try:
+            super().flush(ack_through=ack_through)
+        finally:
+            if self.acked_sequence != acked_before:
+                self._log.success(started, f"acked through {self.acked_sequence} (flush)")
+
     def ack(self, sequence: int) -> None:
         started = self._log.tick()
         super().ack(sequence)
@@ -403,3 +412,25 @@ class _GroupCount:
 
     def close(self) -> None:
         self.inner.close()
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_flush_with_an_ack_after_a_takeover_acks_nothing(seaweedfs_s3: Any, index: bool) -> None:
+    """The dequeue is the fencing check of ``flush(ack_through=n)``: after a newer
+    ``initialize()`` it raises and records nothing, whether the bytes it writes over are the
+    ones it last saw (no read) or the backlog index holds the entries (a check of its own)."""
+    store = _queue(seaweedfs_s3)
+    options = {"backlog_index": True, "backlog_index_threshold": 2} if index else {}
+    older = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY, **options))
+    older.initialize()
+    batches = older.next_batches(3)
+    assert batches
+    newer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    newer.initialize()
+    with pytest.raises(FencedError):
+        older.flush(ack_through=batches[-1].sequence)
+    assert older.acked_sequence is None
+    older.close()
+    # Nothing was dequeued: the newer one delivers every batch from the first.
+    assert newer.next_batches(BATCHES)[0].sequence == 0
+    newer.close()
