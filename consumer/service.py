@@ -729,7 +729,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10_000,
         help="manifest entries that trigger a move into the backlog index (default 10000)",
     )
-    parser.add_argument("--read-ahead", type=int, default=4, help="batch objects fetched ahead")
+    parser.add_argument(
+        "--read-ahead", type=int, default=4, help="batch objects fetched ahead at first (4)"
+    )
+    parser.add_argument(
+        "--read-ahead-max",
+        type=int,
+        default=64,
+        help="most batch objects fetched ahead while deliveries wait for a slow store (64)",
+    )
     parser.add_argument(
         "--max-group",
         type=int,
@@ -803,6 +811,7 @@ def run(args: argparse.Namespace) -> int:
         backlog_index=args.backlog_index,
         backlog_index_threshold=args.backlog_index_threshold,
         read_ahead=args.read_ahead,
+        read_ahead_max=args.read_ahead_max,
         gc_enabled=args.gc,
         gc_interval=args.gc_interval,
         gc_grace_period=args.gc_grace_period,
