@@ -57,6 +57,7 @@ from millpond.errors import (
     InvalidInputError,
     MillpondError,
     NotFoundError,
+    StorageError,
 )
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
@@ -459,14 +460,19 @@ class Consumer:
 
     def _record_ack(self, sequence: int) -> None:
         """Record an ack whose fencing check passed in this call; dequeue when due."""
-        self.counters.add("acks", sequence - self._acked)
-        self._acked = sequence
-        if self._ack_waiting_since is None:
-            self._ack_waiting_since = self._clock.monotonic()
+        self._note_ack(sequence)
         if self._dequeue_due():
             self._dequeue()
         if self._unfinished_move:
             self._maybe_move()  # producers are paying for those entries in the manifest
+
+    def _note_ack(self, sequence: int) -> None:
+        if sequence <= self._acked:
+            return
+        self.counters.add("acks", sequence - self._acked)
+        self._acked = sequence
+        if self._ack_waiting_since is None:
+            self._ack_waiting_since = self._clock.monotonic()
 
     def _dequeue_due(self) -> bool:
         """Whether the acked entries should leave the manifest now (see the module doc)."""
@@ -497,7 +503,8 @@ class Consumer:
             InvalidInputError: ``ack_through`` is not past the last acked, or was not
                 delivered.
             FencedError: another consumer took over (nothing acked).
-            StorageError: the dequeue ran out of retries (nothing acked).
+            StorageError: the dequeue ran out of retries (the ack is kept when a read in this
+                call found this consumer's epoch: ``acked_sequence`` tells).
             ClosedError: the consumer was closed.
         """
         with self._lock:
@@ -511,7 +518,15 @@ class Consumer:
                 else:
                     # Returns only after a read in this call found this consumer's epoch, or
                     # after a write conditional on bytes that carried it landed.
-                    self._dequeue(ack_through)
+                    confirmed = self._queue.confirmations
+                    try:
+                        self._dequeue(ack_through)
+                    except StorageError:
+                        if self._queue.confirmations != confirmed:
+                            # Checked in this call, then the writes ran out of retries: the
+                            # ack stands, as ack()'s does; the next flush dequeues again.
+                            self._note_ack(ack_through)
+                        raise
                 self._record_ack(ack_through)
             if self._acked > self._dequeued:
                 self._dequeue()

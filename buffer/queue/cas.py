@@ -464,6 +464,7 @@ class QueueConsumer:
         # can start from them instead of reading again (it fails if they are stale, and only
         # then is the manifest read). Only trusted while their ETag is the newest seen.
         self._raw: _Raw | None = None
+        self._confirmations = 0
 
     @property
     def epoch(self) -> int | None:
@@ -473,6 +474,13 @@ class QueueConsumer:
     @property
     def counters(self) -> Counters:
         return self._cas.counters
+
+    @property
+    def confirmations(self) -> int:
+        """How many times a request found the manifest still this consumer's (a read that
+        found its epoch, a 304, a conditional write that landed): a caller that sees it grow
+        during a call knows the epoch was checked in that call, even if the call failed."""
+        return self._confirmations
 
     def peek_next_sequence(self) -> int:
         """The manifest's ``next_sequence`` (0 when there is none), without any epoch check.
@@ -487,7 +495,8 @@ class QueueConsumer:
         self._raw = current
         if current is None:
             return 0
-        return decode_footer(current.data, name=self._cas.path).next_sequence
+        # Decoded whole: a corrupt manifest is refused before its epoch is bumped.
+        return decode_manifest(current.data, name=self._cas.path).next_sequence
 
     def initialize(self) -> int:
         """Increment the manifest epoch (creating an empty manifest if none exists).
@@ -545,9 +554,11 @@ class QueueConsumer:
         got = self._cas.store.get_tail(self._cas.path, FOOTER_SIZE, self._fence_etag)
         self._cas.counters.add("fence_checks")
         if got is None:
+            self._confirmations += 1
             return
         self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
         self._fence_etag = got.etag
+        self._confirmations += 1
 
     def read(self, *, reuse: bool = False) -> ManifestSnapshot:
         """Read and decode the manifest, checking the epoch.
@@ -618,6 +629,8 @@ class QueueConsumer:
                 raise NotFoundError(f"{cas.path}: manifest not found")
             footer = decode_footer(current.data, name=cas.path)
             self._check_epoch(footer.epoch)
+            if known is None:
+                self._confirmations += 1  # read in this call
             data, removed = b"", 0
             if through < footer.next_sequence:
                 data, removed = remove_through(current.data, through)
@@ -650,6 +663,7 @@ class QueueConsumer:
                 continue
             self._fence_etag = etag
             self._raw = _Raw(data, etag)
+            self._confirmations += 1
             return removed
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
@@ -658,6 +672,7 @@ class QueueConsumer:
         self._last = snapshot
         self._fence_etag = etag
         self._raw = _Raw(data, etag)
+        self._confirmations += 1
         return snapshot
 
     def _check_epoch(self, found: int) -> None:
