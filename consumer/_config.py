@@ -59,8 +59,16 @@ class ConsumerConfig:
     """Seconds between two looks at the manifest (a conditional GET) by the thread that moves
     the backlog into the index while nothing is delivered (the sink is down). Default 5."""
     read_ahead: int = 4
-    """Batch objects fetched and decoded concurrently ahead of delivery (1..256); batches are
-    still delivered strictly in sequence order. Default 4."""
+    """Batch objects fetched and decoded concurrently ahead of delivery at first, and at least
+    (1..256); batches are still delivered strictly in sequence order. Default 4."""
+    read_ahead_max: int = 64
+    """Most batch objects fetched ahead (1..256; never below ``read_ahead``): the read-ahead
+    doubles each time a delivery waits for an object already in flight (a store far away), so
+    a slow store does not cap the consumer at ``read_ahead`` objects per round trip. Default
+    64."""
+    read_ahead_bytes: int = 64 * 1024 * 1024
+    """Memory budget of the read-ahead beyond ``read_ahead``: it grows no further than this
+    many decoded bytes, as the batches delivered so far average. Default 64 MiB."""
     gc_enabled: bool = True
     """Run the garbage collector in a background thread of the consumer; it stops when the
     consumer closes or is fenced. Default ``True``."""
@@ -82,6 +90,8 @@ class ConsumerConfig:
         check_paths(self.manifest_path, self.data_path_prefix)
         _check_int("ack_batch_size", self.ack_batch_size, 1, 1 << 32)
         _check_int("read_ahead", self.read_ahead, 1, _MAX_READ_AHEAD)
+        _check_int("read_ahead_max", self.read_ahead_max, 1, _MAX_READ_AHEAD)
+        _check_int("read_ahead_bytes", self.read_ahead_bytes, 1, 1 << 40)
         if not isinstance(self.backlog_index, bool):
             raise ConfigError(
                 "backlog_index", f"expected True or False, found {self.backlog_index!r}"

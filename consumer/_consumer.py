@@ -10,16 +10,21 @@ from it. Each dequeue rewrites what is left of the manifest, so dequeuing in pro
 backlog keeps draining N entries at O(N) bytes written (a fixed step would be O(N^2)).
 
 Reading. The manifest is read once at ``initialize()`` and again only when every cached entry
-has been delivered, with a conditional GET (an unchanged manifest costs a 304). Up to
-``read_ahead`` batch objects are fetched and decoded on a thread pool while batches are handed
-out strictly in sequence order.
+has been delivered, with a conditional GET (an unchanged manifest costs a 304). Batch objects
+are fetched and decoded on a thread pool, starting in ``initialize()``, while batches are
+handed out strictly in sequence order; how many are fetched ahead grows with the store's
+latency, within a memory budget (:mod:`millpond.consumer._read_ahead`).
 
 Fencing. Every ``next_batch()``/``next_batches()`` and every ``ack()``/``ack_through()``
-first checks that the manifest still carries this consumer's epoch: a conditional GET of its
-22-byte footer, a 304 when nothing changed. Once a newer consumer's ``initialize()`` has
-returned, this one delivers and acks nothing more: its next call raises ``FencedError``. A
-caller that takes several fetched batches at once, and acks them at once, pays one check for
-each.
+checks, inside the call and before it delivers or records anything, that the manifest still
+carries this consumer's epoch: a conditional GET of its 22-byte footer (a 304 when nothing
+changed), or the conditional read of the whole manifest when the call reads it anyway. Once a
+newer consumer's ``initialize()`` has returned, this one delivers and acks nothing more: its
+next call raises ``FencedError``. A check made by an earlier call never stands in for one: a
+newer ``initialize()`` may have returned since. A caller that takes several fetched batches at
+once pays one check for them; ``next_batches(limit, ack_through=n)`` acks and delivers under
+one check (the consumer service's loop: ack the group it wrote, take the next). The check of a
+call runs while the batch objects it delivers are still being fetched.
 
 Bad entries. An entry whose location is not ``{data_path_prefix}/{ULID}.batch``, whose object
 is missing, or whose bytes are corrupt raises an error naming the sequence and location. The
@@ -33,7 +38,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
@@ -44,6 +49,7 @@ from millpond.common.ulids import parse_batch_name
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
+from millpond.consumer._read_ahead import ReadAheadWindow
 from millpond.errors import (
     ClosedError,
     FencedError,
@@ -51,10 +57,11 @@ from millpond.errors import (
     InvalidInputError,
     MillpondError,
     NotFoundError,
+    StorageError,
 )
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
-from millpond.queue import QueueConsumer, read_manifest
+from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
 from millpond.queue.index import BacklogIndex, queue_view
 from millpond.storage.checks import preflight
@@ -122,6 +129,10 @@ class Consumer:
         self._cache: deque[ManifestEntry] = deque()
         # Submitted fetches, in sequence order; the head is delivered next.
         self._inflight: deque[tuple[ManifestEntry, Future[ConsumedBatch]]] = deque()
+        self._window = self._new_window()
+        # Fetches in flight when the last delivery returned: the head of the next delivery
+        # was among them if any (a wait for it then means the window is too small).
+        self._ahead_at_return = 0
         self._next = 0
         self._acked = -1
         self._dequeued = -1
@@ -211,10 +222,17 @@ class Consumer:
             self._check_open()
             preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
-            self._open_claim()
+            # The claim and the manifest are read side by side (one round trip, not two);
+            # the manifest read is where the epoch bump starts from.
+            with ThreadPoolExecutor(1, thread_name_prefix="millpond-peek") as peek:
+                peeked = peek.submit(self._queue.peek_next_sequence)
+                try:
+                    self._open_claim()
+                finally:
+                    wait([peeked])
             # Refuse a sink that is ahead of the queue before taking over: an operator's
             # mistake must not fence the consumer that is right.
-            self._check_ahead(last_acked_sequence, self._peek_next_sequence())
+            self._check_ahead(last_acked_sequence, peeked.result())
             held = self._queue.initialize()
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.
@@ -227,7 +245,10 @@ class Consumer:
             )
             indexed = self._guard(index.claim)
             self._index = index
-            snapshot = self._guard(self._queue.read)
+            # Without an index, the manifest as the epoch bump wrote it is as good as a read
+            # (appends made since are found by the next refresh); with one, it is read after
+            # the claim (module doc of millpond.queue.index).
+            snapshot = self._guard(lambda: self._queue.read(reuse=index.head is None))
             manifest = queue_view(snapshot.manifest, index.head, indexed)
             first = self._first_available(manifest)
             if last_acked_sequence is None:
@@ -245,9 +266,8 @@ class Consumer:
             self._dequeued = first - 1
             self._next = acked + 1
             self._cache_new(manifest, after=acked)
-            self._pool = ThreadPoolExecutor(
-                self._config.read_ahead, thread_name_prefix="millpond-read"
-            )
+            self._window = self._new_window()
+            self._pool = ThreadPoolExecutor(self._window.most, thread_name_prefix="millpond-read")
             self._initialized = True
             if snapshot.manifest.entries and snapshot.manifest.entries[0].sequence <= index.end:
                 # A move that stopped before its manifest write: finish it.
@@ -272,6 +292,9 @@ class Consumer:
                 self._gc.start()
             if self._config.backlog_index:
                 self._start_mover()
+            # Fetching is not delivering: the first objects are on their way before the first
+            # next_batches() call, which checks the epoch while they arrive.
+            self._top_up()
             logger.info(
                 "consumer at epoch %s starts after sequence %s (%s entries queued)",
                 self._queue.epoch,
@@ -293,46 +316,78 @@ class Consumer:
         batches = self.next_batches(1)
         return batches[0] if batches else None
 
-    def next_batches(self, limit: int) -> list[ConsumedBatch]:
+    def next_batches(self, limit: int, *, ack_through: int | None = None) -> list[ConsumedBatch]:
         """The next batch, and up to ``limit - 1`` more that the read-ahead has already
         fetched, in sequence order; ``[]`` when the queue holds nothing new.
 
         One fencing check covers them all: a caller with a backlog (the consumer service
         writing several batches in one transaction) pays one conditional GET per group.
 
+        Args:
+            limit: most batches to return (at least one is waited for when any is queued).
+            ack_through: also acknowledge every delivered batch up to this sequence, as
+                :meth:`ack_through` does, before delivering: one check covers the ack and the
+                delivery. ``None`` acknowledges nothing.
+
         Raises:
-            FormatError, NotFoundError, FencedError, StorageError, ClosedError: as
-                :meth:`next_batch`.
+            InvalidInputError: ``ack_through`` is not past the last acked, or was not
+                delivered (nothing acked, nothing delivered).
+            FencedError: another consumer took over (nothing acked, nothing delivered).
+            StorageError: the fencing check failed (nothing acked, nothing delivered), or the
+                dequeue due after the ack ran out of retries (the ack is kept: see
+                ``acked_sequence``; nothing delivered).
+            FormatError, NotFoundError: as :meth:`next_batch`; the ack is kept.
+            ClosedError: the consumer was closed.
         """
         with self._lock:
             self._check_ready()
-            if not self._cache and not self._inflight:
-                self._refresh()  # checks the epoch too
+            if ack_through is not None:
+                self._check_ack_through(ack_through)
+            idle = not self._cache and not self._inflight
+            if idle:
+                self._refresh()  # the conditional read checks the epoch
+            else:
+                self._top_up()  # the fetches go on while the epoch is checked
+                self._guard(self._queue.check_fence)
+            if ack_through is not None:
+                self._record_ack(ack_through)
+            if idle:
                 if not self._cache and self._dequeue_overdue():
                     self._dequeue()  # idle: acked entries do not wait for more acks
                 self._maybe_move()
-            else:
-                self._guard(self._queue.check_fence)
             self._top_up()
-            batches: list[ConsumedBatch] = []
-            while self._inflight and len(batches) < max(1, limit):
-                entry, future = self._inflight[0]
-                if batches and not _ready(future):
-                    break
-                try:
-                    batch = future.result()
-                except MillpondError:
-                    if batches:
-                        break  # the ones before it are delivered; it fails on the next call
-                    self._rewind()
-                    raise
-                self._inflight.popleft()
-                self._next = entry.sequence + 1
-                self.counters.add("batches")
-                self.counters.add("entries", len(batch.entries))
-                self._top_up()
-                batches.append(batch)
+            batches = self._deliver(limit)
+            self._ahead_at_return = len(self._inflight)
             return batches
+
+    def _deliver(self, limit: int) -> list[ConsumedBatch]:
+        """Hand out the head of the read-ahead and what is fetched behind it."""
+        batches: list[ConsumedBatch] = []
+        while self._inflight and len(batches) < max(1, limit):
+            entry, future = self._inflight[0]
+            if not _ready(future):
+                if batches:
+                    break
+                if self._ahead_at_return:
+                    self._window.starved()  # in flight since the last delivery, still not here
+            try:
+                batch = future.result()
+            except MillpondError:
+                if batches:
+                    break  # the ones before it are delivered; it fails on the next call
+                self._rewind()
+                raise
+            self._inflight.popleft()
+            self._next = entry.sequence + 1
+            self.counters.add("batches")
+            self.counters.add("entries", len(batch.entries))
+            self._window.delivered(sum(map(len, batch.entries)))
+            self._top_up()
+            batches.append(batch)
+        if len(batches) < limit and self._inflight and not _ready(self._inflight[0][1]):
+            # The caller wanted more than was fetched: fetch further ahead.
+            self._window.short()
+        return batches
 
     def has_ready_batch(self) -> bool:
         """Whether :meth:`next_batch` would return a batch at once, without any IO.
@@ -381,26 +436,43 @@ class Consumer:
         """
         with self._lock:
             self._check_ready()
-            if isinstance(sequence, bool) or sequence <= self._acked:
-                raise InvalidInputError(
-                    f"sequence: expected more than the last acked {self._acked}, found {sequence!r}"
-                )
-            self._ack_through_locked(sequence)
+            self._check_ack_through(sequence)
+            self._guard(self._queue.check_fence)
+            self._record_ack(sequence)
 
-    def _ack_through_locked(self, sequence: int) -> None:
+    def _check_ack_through(self, sequence: int) -> None:
+        if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence <= self._acked:
+            raise InvalidInputError(
+                f"sequence: expected more than the last acked {self._acked}, found {sequence!r}"
+            )
+        self._check_delivered(sequence)
+
+    def _check_delivered(self, sequence: int) -> None:
         if sequence >= self._next:
             raise InvalidInputError(
                 f"sequence: expected a delivered sequence (below {self._next}), found {sequence}"
             )
+
+    def _ack_through_locked(self, sequence: int) -> None:
+        self._check_delivered(sequence)
         self._guard(self._queue.check_fence)
-        self.counters.add("acks", sequence - self._acked)
-        self._acked = sequence
-        if self._ack_waiting_since is None:
-            self._ack_waiting_since = self._clock.monotonic()
+        self._record_ack(sequence)
+
+    def _record_ack(self, sequence: int) -> None:
+        """Record an ack whose fencing check passed in this call; dequeue when due."""
+        self._note_ack(sequence)
         if self._dequeue_due():
             self._dequeue()
         if self._unfinished_move:
             self._maybe_move()  # producers are paying for those entries in the manifest
+
+    def _note_ack(self, sequence: int) -> None:
+        if sequence <= self._acked:
+            return
+        self.counters.add("acks", sequence - self._acked)
+        self._acked = sequence
+        if self._ack_waiting_since is None:
+            self._ack_waiting_since = self._clock.monotonic()
 
     def _dequeue_due(self) -> bool:
         """Whether the acked entries should leave the manifest now (see the module doc)."""
@@ -418,16 +490,44 @@ class Consumer:
             and self._clock.monotonic() - since >= self._config.dequeue_max_delay
         )
 
-    def flush(self) -> None:
+    def flush(self, *, ack_through: int | None = None) -> None:
         """Dequeue every acknowledged entry now.
 
+        Args:
+            ack_through: first acknowledge every delivered batch up to this sequence, as
+                :meth:`ack_through` does; the dequeue's own read or conditional write, made in
+                this call, is its fencing check (no separate request). ``None`` acknowledges
+                nothing.
+
         Raises:
-            FencedError: another consumer took over.
-            StorageError: the dequeue ran out of retries.
+            InvalidInputError: ``ack_through`` is not past the last acked, or was not
+                delivered.
+            FencedError: another consumer took over (nothing acked).
+            StorageError: the dequeue ran out of retries (the ack is kept when a read in this
+                call found this consumer's epoch: ``acked_sequence`` tells).
             ClosedError: the consumer was closed.
         """
         with self._lock:
             self._check_ready()
+            if ack_through is not None:
+                self._check_ack_through(ack_through)
+                index = self._index
+                if index is not None and (index.live or ack_through <= index.end):
+                    # The manifest may not be written: check the epoch on its own.
+                    self._guard(self._queue.check_fence)
+                else:
+                    # Returns only after a read in this call found this consumer's epoch, or
+                    # after a write conditional on bytes that carried it landed.
+                    confirmed = self._queue.confirmations
+                    try:
+                        self._dequeue(ack_through)
+                    except StorageError:
+                        if self._queue.confirmations != confirmed:
+                            # Checked in this call, then the writes ran out of retries: the
+                            # ack stands, as ack()'s does; the next flush dequeues again.
+                            self._note_ack(ack_through)
+                        raise
+                self._record_ack(ack_through)
             if self._acked > self._dequeued:
                 self._dequeue()
 
@@ -541,12 +641,6 @@ class Consumer:
         if claim is not None and config.gc_enabled:
             claim.check_gc_grace(grace, store_url=self._store.url)
 
-    def _peek_next_sequence(self) -> int:
-        try:
-            return read_manifest(self._store, self._config.manifest_path).manifest.next_sequence
-        except NotFoundError:
-            return 0
-
     def _check_ahead(self, acked: int | None, next_sequence: int) -> None:
         if acked is not None and acked >= next_sequence:
             raise InvalidInputError(
@@ -586,7 +680,7 @@ class Consumer:
     def _top_up(self) -> None:
         pool = self._pool
         assert pool is not None
-        while self._cache and len(self._inflight) < self._config.read_ahead:
+        while self._cache and len(self._inflight) < self._window.size:
             entry = self._cache.popleft()
             problem = self._location_problem(entry.location)
             if problem is None:
@@ -608,6 +702,7 @@ class Consumer:
             future.cancel()
             self._cache.appendleft(entry)
         self._inflight.clear()
+        self._ahead_at_return = 0
 
     def _location_problem(self, location: str) -> str | None:
         parent, _, name = location.rpartition("/")
@@ -645,8 +740,10 @@ class Consumer:
             queue=self.queue,
         )
 
-    def _dequeue(self) -> None:
-        through = self._acked
+    def _dequeue(self, through: int | None = None) -> None:
+        """Remove the acked entries (through ``through``, default the last acked)."""
+        if through is None:
+            through = self._acked
         index = self._index
         # The index first: together with the manifest it stays contiguous (module doc of
         # millpond.queue.index); an index being drained leaves the manifest alone.
@@ -699,8 +796,15 @@ class Consumer:
         self.counters.add("index_moves")
         logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
 
+    def _new_window(self) -> ReadAheadWindow:
+        config = self._config
+        return ReadAheadWindow(
+            least=config.read_ahead, most=config.read_ahead_max, max_bytes=config.read_ahead_bytes
+        )
+
     def _reset(self) -> None:
         self._shutdown()
+        self._ahead_at_return = 0
         self._cache.clear()
         self._known = -1
         self._ack_waiting_since = None

@@ -34,6 +34,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -95,7 +96,8 @@ class ServiceStats:
     rows: int = 0
     """Rows written."""
     last_sequence: int | None = None
-    """The last sequence acked."""
+    """The last sequence written into the sink (or skipped, or set aside); acked with the next
+    delivery, and at the latest when the service stops."""
     quarantined: int = 0
     """Batches set aside by ``--on-bad-batch quarantine``."""
 
@@ -159,6 +161,10 @@ class ConsumerService:
         self._clock = clock or SystemClock()
         self.stats = ServiceStats()
         self._window = ServiceStats()
+        # The next group, being delivered while the current one is written.
+        self._ahead: Future[list[ConsumedBatch]] | None = None
+        # The last sequence written into the sink (acked with the next delivery).
+        self._written_through: int | None = None
         self._started = self._window_start = self._clock.monotonic()
 
     def run(self, stop: threading.Event, *, until_idle: bool = False) -> ServiceStats:
@@ -204,9 +210,16 @@ class ConsumerService:
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
             # A store that is down when the work is done is waited out like one that fails
-            # mid-run: a clean exit leaves nothing written in the queue.
+            # mid-run: a clean exit leaves nothing written in the queue. The last group
+            # written is acked with the dequeue (no delivery follows to carry it).
             if not stop.is_set():
-                self._with_retry(stop, "dequeue what was written", consumer.flush)
+                self._with_retry(
+                    stop,
+                    "dequeue what was written",
+                    lambda: consumer.flush(ack_through=self._to_ack()),
+                )
+            else:
+                self._ack_written(stop)
         except FencedError as err:
             self._close_quietly("fenced")
             self._finish_report(ServiceState.FENCED, err)
@@ -241,6 +254,17 @@ class ConsumerService:
         Nothing is lost when the final dequeue fails: every acked batch is in the sink, and
         the next consumer resumes after the sink's last sequence and dequeues what is left.
         """
+        sequence = self._to_ack()
+        if sequence is not None and not self._consumer.fenced:
+            # The last group written waits for an ack that no delivery will carry now.
+            try:
+                self._consumer.ack_through(sequence)
+            except MillpondError as err:
+                logger.warning(
+                    "acking sequence %s failed; the next consumer dequeues what this one wrote: %s",
+                    sequence,
+                    err,
+                )
         try:
             self._consumer.close()
         except MillpondError as err:
@@ -251,26 +275,44 @@ class ConsumerService:
             )
 
     def _loop(self, stop: threading.Event, *, until_idle: bool) -> None:
+        # One thread delivers the next group (acking the one written before it, under one
+        # fencing check) while this one writes the current group into the database: the
+        # store's round trips hide behind the database's work. This thread uses the consumer
+        # only while no delivery is under way, so the two never interleave their calls.
+        with ThreadPoolExecutor(1, thread_name_prefix="millpond-deliver") as courier:
+            try:
+                self._loop_with(courier, stop, until_idle=until_idle)
+            finally:
+                self._ahead_done()
+
+    def _loop_with(
+        self, courier: ThreadPoolExecutor, stop: threading.Event, *, until_idle: bool
+    ) -> None:
         consumer = self._consumer
         idle_delay = self._poll_min
         while not stop.is_set():
-            try:
-                # With a backlog, batches the read-ahead already fetched share one transaction
-                # (fewer commits, the same exactly-once guarantee per batch) and one fencing
-                # check.
-                group = consumer.next_batches(self._max_group)
-            except StorageError as err:
-                logger.warning("reading the queue failed, retrying in %.2f s: %s", idle_delay, err)
-                if self._reporter is not None:
-                    self._reporter.error(f"reading the queue failed: {err}", retrying=True)
-                stop.wait(idle_delay)
-                idle_delay = min(idle_delay * 2, self._poll_max)
-                continue
-            except (FormatError, NotFoundError) as err:
-                # A batch object that cannot be read (or the manifest: then it raises again).
-                if not self._bad_batch(None, err, stop):
-                    return
-                continue
+            group = self._take_ahead(until_idle=until_idle)
+            if group is None:
+                try:
+                    # Acks what was written before and delivers the next group (the
+                    # read-ahead's fetched batches, several when there is a backlog) under
+                    # one fencing check.
+                    group = consumer.next_batches(self._max_group, ack_through=self._to_ack())
+                except StorageError as err:
+                    logger.warning(
+                        "reading the queue failed, retrying in %.2f s: %s", idle_delay, err
+                    )
+                    if self._reporter is not None:
+                        self._reporter.error(f"reading the queue failed: {err}", retrying=True)
+                    stop.wait(idle_delay)
+                    idle_delay = min(idle_delay * 2, self._poll_max)
+                    continue
+                except (FormatError, NotFoundError) as err:
+                    # A batch object that cannot be read (or the manifest: then it raises
+                    # again). Everything written before it is acked by now.
+                    if not self._bad_batch(None, err, stop):
+                        return
+                    continue
             if not group:
                 self._report_progress()
                 if until_idle:
@@ -280,38 +322,97 @@ class ConsumerService:
                 self._maybe_log_progress()
                 continue
             idle_delay = self._poll_min
-            if not self._write_and_ack(group, stop):
-                return  # stopped while the database was unavailable; nothing more is acked
+            self._report_progress()  # the consumer is not busy: backlog() does not wait
             self._maybe_log_progress()
+            # The group written last is acked with the next delivery, which starts now.
+            self._ahead = courier.submit(
+                consumer.next_batches, self._max_group, ack_through=self._to_ack()
+            )
+            if not self._write_group(group, stop):
+                return  # stopped while the database was unavailable; nothing more is acked
 
-    def _write_and_ack(self, group: list[ConsumedBatch], stop: threading.Event) -> bool:
-        """Write the group and ack it; ``False`` when stopped before it was written."""
-        if len(group) > 1:
-            rows_before = self._sink.rows_written
-            try:
+    def _take_ahead(self, *, until_idle: bool) -> list[ConsumedBatch] | None:
+        """The group delivered while the last one was written; ``None`` when there is none,
+        or when its delivery failed (the caller asks again, which meets the same error and
+        handles it, or succeeds), or when it came back empty with a write still to ack and
+        the service goes on (the ack goes with the next call; a service that stops when
+        idle acks it with its final dequeue).
+
+        Raises:
+            FencedError: another consumer took over (this one stops).
+        """
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        try:
+            group = ahead.result()
+        except FencedError:
+            raise
+        except MillpondError as err:
+            logger.debug("delivering ahead failed, asking again: %s", err)
+            return None
+        if not group and not until_idle and self._to_ack() is not None:
+            return None
+        return group
+
+    def _ahead_done(self) -> None:
+        """Wait until the delivery under way (if any) has finished; its outcome is kept for
+        :meth:`_take_ahead`."""
+        if self._ahead is not None:
+            wait([self._ahead])
+
+    def _to_ack(self) -> int | None:
+        """The last sequence written into the sink when the consumer has not acked it yet."""
+        written = self._written_through
+        acked = self._consumer.acked_sequence
+        if written is None or (acked is not None and acked >= written):
+            return None
+        return written
+
+    def _write_group(self, group: list[ConsumedBatch], stop: threading.Event) -> bool:
+        """Write the group in one transaction; it is acked with the next delivery. ``False``
+        when stopped before it was written.
+
+        A group that cannot be written together is written one by one, each batch acked on
+        its own, so every batch before a bad one still lands and the error names the bad one.
+        """
+        rows_before = self._sink.rows_written
+        try:
+            if len(group) > 1:
                 results = self._with_retry(
                     stop,
                     f"write sequences {group[0].sequence}..{group[-1].sequence}",
                     functools.partial(self._sink.write_many, group),
                 )
-            except (FormatError, SinkError) as err:
-                # Something in the group cannot be written: write one by one, so every batch
-                # before the bad one still lands and the error names the bad one.
-                logger.warning(
-                    "sequences %s..%s cannot be written together (%s); writing one by one",
-                    group[0].sequence,
-                    group[-1].sequence,
-                    err,
-                )
             else:
-                if results is None:
-                    return False
-                if not self._ack(group[-1], stop):
-                    return False
-                for batch, written in zip(group, results, strict=True):
-                    self._count(batch, written, 0)
-                self._count_rows(self._sink.rows_written - rows_before)
-                return True
+                one = self._with_retry(
+                    stop,
+                    f"write sequence {group[0].sequence}",
+                    functools.partial(self._sink.write, group[0]),
+                )
+                results = None if one is None else [one]
+        except (FormatError, SinkError) as err:  # permanent: transient ones are retried
+            # What follows acks on its own and may set batches aside: the delivery under
+            # way finishes first (its group is kept and written next).
+            self._ahead_done()
+            if len(group) == 1:
+                return self._bad_batch(group[0], err, stop)
+            logger.warning(
+                "sequences %s..%s cannot be written together (%s); writing one by one",
+                group[0].sequence,
+                group[-1].sequence,
+                err,
+            )
+            return self._write_one_by_one(group, stop)
+        if results is None:
+            return False
+        self._written_through = group[-1].sequence
+        for batch, written in zip(group, results, strict=True):
+            self._count(batch, written, 0)
+        self._count_rows(self._sink.rows_written - rows_before)
+        return True
+
+    def _write_one_by_one(self, group: list[ConsumedBatch], stop: threading.Event) -> bool:
         for batch in group:
             rows_before = self._sink.rows_written
             try:
@@ -330,6 +431,18 @@ class ConsumerService:
                 return False
             self._count(batch, one, self._sink.rows_written - rows_before)
         return True
+
+    def _ack_written(self, stop: threading.Event) -> None:
+        """Ack what was written and not acked yet (the last group), retrying while the store
+        is down and ``stop`` is not set."""
+        sequence = self._to_ack()
+        if sequence is None:
+            return
+        self._with_retry(
+            stop,
+            f"ack sequence {sequence}",
+            functools.partial(self._consumer.ack_through, sequence),
+        )
 
     def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
         """Ack a written batch and every delivered one before it (one fencing check), retrying
@@ -358,12 +471,10 @@ class ConsumerService:
                 stats.skipped += 1
         if written:
             self._bad_in_a_row = 0
-        self._report_progress()
 
     def _count_rows(self, rows: int) -> None:
         self.stats.rows += rows
         self._window.rows += rows
-        self._report_progress()
 
     # -- bad batches -----------------------------------------------------------------------
 
@@ -618,7 +729,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10_000,
         help="manifest entries that trigger a move into the backlog index (default 10000)",
     )
-    parser.add_argument("--read-ahead", type=int, default=4, help="batch objects fetched ahead")
+    parser.add_argument(
+        "--read-ahead", type=int, default=4, help="batch objects fetched ahead at first (4)"
+    )
+    parser.add_argument(
+        "--read-ahead-max",
+        type=int,
+        default=64,
+        help="most batch objects fetched ahead while deliveries wait for a slow store (64)",
+    )
     parser.add_argument(
         "--max-group",
         type=int,
@@ -692,6 +811,7 @@ def run(args: argparse.Namespace) -> int:
         backlog_index=args.backlog_index,
         backlog_index_threshold=args.backlog_index_threshold,
         read_ahead=args.read_ahead,
+        read_ahead_max=args.read_ahead_max,
         gc_enabled=args.gc,
         gc_interval=args.gc_interval,
         gc_grace_period=args.gc_grace_period,

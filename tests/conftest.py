@@ -203,7 +203,12 @@ def shared_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> Store
 
 # The slowest files first: `make test` hands whole files to two workers in collection order, so
 # long Spark and crash files started last leave one worker running alone at the end.
-_SLOW_FIRST = ("tests/spark/", "tests/consumer/test_service.py", "tests/system/")
+_SLOW_FIRST = (
+    "tests/spark/",
+    "tests/consumer/test_service.py",
+    "tests/consumer/test_fence_pipeline.py",
+    "tests/system/",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

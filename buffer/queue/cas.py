@@ -501,6 +501,11 @@ class QueueConsumer:
         # The ETag of the newest manifest state seen to carry this consumer's epoch: a
         # conditional request against it answers "still ours" with a 304.
         self._fence_etag: str | None = None
+        # The manifest's bytes as this consumer last read or wrote them: a conditional write
+        # can start from them instead of reading again (it fails if they are stale, and only
+        # then is the manifest read). Only trusted while their ETag is the newest seen.
+        self._raw: _Raw | None = None
+        self._confirmations = 0
 
     @property
     def epoch(self) -> int | None:
@@ -511,11 +516,36 @@ class QueueConsumer:
     def counters(self) -> Counters:
         return self._cas.counters
 
+    @property
+    def confirmations(self) -> int:
+        """How many times a request found the manifest still this consumer's (a read that
+        found its epoch, a 304, a conditional write that landed): a caller that sees it grow
+        during a call knows the epoch was checked in that call, even if the call failed."""
+        return self._confirmations
+
+    def peek_next_sequence(self) -> int:
+        """The manifest's ``next_sequence`` (0 when there is none), without any epoch check.
+
+        What it read is where the next :meth:`initialize` starts its compare-and-swap.
+
+        Raises:
+            FormatError: the manifest's footer is corrupt.
+            StorageError: the store failed.
+        """
+        current = self._cas.read()
+        self._raw = current
+        if current is None:
+            return 0
+        # Decoded whole: a corrupt manifest is refused before its epoch is bumped.
+        return decode_manifest(current.data, name=self._cas.path).next_sequence
+
     def initialize(self) -> int:
         """Increment the manifest epoch (creating an empty manifest if none exists).
 
         An ambiguous write is never taken as ours: another consumer may have written the same
         epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
+        Right after :meth:`peek_next_sequence`, the first attempt writes over what it read
+        (conditional on its ETag, so only if nothing changed since) instead of reading again.
 
         Returns:
             The new epoch, which this consumer now holds.
@@ -526,21 +556,25 @@ class QueueConsumer:
         """
         cas = self._cas
         backoff = cas.retry.start(cas.clock)
+        known, self._raw = self._raw, None
         while True:
             try:
-                current = cas.read()
+                current = known if known is not None else cas.read()
                 base = current.data if current is not None else empty_manifest()
                 epoch = decode_footer(base, name=cas.path).epoch + 1
-                etag = cas.write(current, with_epoch(base, epoch))
-            except StorageError as err:
-                cas.backoff(backoff, "epoch bump", err)
-                continue
-            except ConflictError as err:
+                data = with_epoch(base, epoch)
+                etag = cas.write(current, data)
+            except (StorageError, ConflictError) as err:
+                if known is not None and isinstance(err, ConflictError):
+                    known = None  # what was peeked is stale: read and try again at once
+                    continue
+                known = None
                 cas.backoff(backoff, "epoch bump", err)
                 continue
             self._epoch = epoch
             self._last = None
             self._fence_etag = etag
+            self._raw = _Raw(data, etag)
             logger.info("consumer holds epoch %s of %s", epoch, cas.path)
             return epoch
 
@@ -561,12 +595,21 @@ class QueueConsumer:
         got = self._cas.store.get_tail(self._cas.path, FOOTER_SIZE, self._fence_etag)
         self._cas.counters.add("fence_checks")
         if got is None:
+            self._confirmations += 1
             return
         self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
         self._fence_etag = got.etag
+        self._confirmations += 1
 
-    def read(self) -> ManifestSnapshot:
+    def read(self, *, reuse: bool = False) -> ManifestSnapshot:
         """Read and decode the manifest, checking the epoch.
+
+        Args:
+            reuse: decode the bytes this consumer last read or wrote (its epoch bump, a
+                dequeue) instead of reading, when nothing newer was seen since: a state of
+                the manifest that carried this consumer's epoch, possibly missing appends
+                made since (the next :meth:`read_if_changed` finds them). It proves nothing
+                about the epoch now.
 
         Raises:
             FencedError: another consumer initialized after this one.
@@ -574,6 +617,9 @@ class QueueConsumer:
             NotFoundError: the manifest is gone.
             StorageError: the store failed.
         """
+        known = self._raw
+        if reuse and known is not None and known.etag == self._fence_etag:
+            return self._accept(known.data, known.etag)
         got = self._cas.store.get(self._cas.path)
         self._cas.counters.add("manifest_reads")
         return self._accept(got.data, got.etag)
@@ -597,7 +643,9 @@ class QueueConsumer:
     def dequeue(self, through: int) -> int:
         """Remove every entry with ``sequence <= through``; returns how many went.
 
-        Writes nothing when nothing would be removed.
+        Writes nothing when nothing would be removed. Returning at all proves this consumer
+        still held the epoch during the call: its last read found the epoch, or its write,
+        conditional on bytes that carried the epoch, landed.
 
         Raises:
             InvalidInputError: ``through`` is not below ``next_sequence``.
@@ -608,9 +656,13 @@ class QueueConsumer:
         cas = self._cas
         backoff = cas.retry.start(cas.clock)
         removed_before = 0
+        # The bytes this consumer last read or wrote, while nothing newer was seen: the write
+        # below is conditional on their ETag, so it lands only on that very manifest, which
+        # carries this consumer's epoch; anything else fails it and the manifest is read.
+        known = self._raw if self._raw is not None and self._raw.etag == self._fence_etag else None
         while True:
             try:
-                current = cas.read()
+                current = known if known is not None else cas.read()
             except StorageError as err:
                 cas.backoff(backoff, "manifest read", err)
                 continue
@@ -618,11 +670,20 @@ class QueueConsumer:
                 raise NotFoundError(f"{cas.path}: manifest not found")
             footer = decode_footer(current.data, name=cas.path)
             self._check_epoch(footer.epoch)
+            if known is None:
+                self._confirmations += 1  # read in this call
+            data, removed = b"", 0
+            if through < footer.next_sequence:
+                data, removed = remove_through(current.data, through)
+            if known is not None and removed == 0:
+                # Only a write proves the known bytes current (and the epoch this
+                # consumer's): an answer without one comes from a read.
+                known = None
+                continue
             if through >= footer.next_sequence:
                 raise InvalidInputError(
                     f"through: expected < next_sequence {footer.next_sequence}, found {through}"
                 )
-            data, removed = remove_through(current.data, through)
             if removed == 0:
                 return removed_before
             try:
@@ -631,12 +692,19 @@ class QueueConsumer:
                 # Our write may have landed (a retried request can fail its precondition on
                 # our own write); if so the re-read finds nothing left to remove.
                 removed_before = max(removed_before, removed)
+                if known is not None and isinstance(err, ConflictError):
+                    known = None  # most likely stale: read the manifest and try again at once
+                    continue
+                known = None
                 cas.backoff(backoff, "dequeue", err)
                 continue
             except StorageError as err:
+                known = None
                 cas.backoff(backoff, "dequeue", err)
                 continue
             self._fence_etag = etag
+            self._raw = _Raw(data, etag)
+            self._confirmations += 1
             return removed
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
@@ -644,6 +712,8 @@ class QueueConsumer:
         self._check_epoch(snapshot.manifest.epoch)
         self._last = snapshot
         self._fence_etag = etag
+        self._raw = _Raw(data, etag)
+        self._confirmations += 1
         return snapshot
 
     def _check_epoch(self, found: int) -> None:

@@ -105,11 +105,40 @@ def test_read_ahead_fetches_concurrently_but_bounded(store_target: Any) -> None:
     writer = QueueWriter(inner)
     for i in range(12):
         writer.append([b"%d" % i])
-    with quiet_consumer(store, read_ahead=4) as consumer:
+    with quiet_consumer(store, read_ahead=4, read_ahead_max=4) as consumer:
         consumer.initialize()
         batches = _drain(consumer)
     assert [b.entries for b in batches] == [(b"%d" % i,) for i in range(12)]
     assert 2 <= store.max_active_gets <= 4
+
+
+def test_read_ahead_grows_while_deliveries_wait_for_the_store(store_target: Any) -> None:
+    inner = open_target(store_target)
+    store = RecordingStore(inner, get_delay=0.05)
+    writer = QueueWriter(inner)
+    for i in range(40):
+        writer.append([b"%d" % i])
+    with quiet_consumer(store, read_ahead=2, read_ahead_max=8) as consumer:
+        consumer.initialize()
+        batches = _drain(consumer)
+    assert [b.entries for b in batches] == [(b"%d" % i,) for i in range(40)]
+    # The caller takes each batch at once: every delivery waits for the store, so the window
+    # doubles past read_ahead, but never past read_ahead_max.
+    assert 4 < store.max_active_gets <= 8
+
+
+def test_read_ahead_grows_no_further_than_its_memory_budget(store_target: Any) -> None:
+    inner = open_target(store_target)
+    store = RecordingStore(inner, get_delay=0.05)
+    writer = QueueWriter(inner)
+    for _ in range(20):
+        writer.append([b"x" * 1000])
+    # 2.5 batches of 1,000 bytes fit in the budget: the window stays at read_ahead.
+    with quiet_consumer(store, read_ahead=2, read_ahead_max=8, read_ahead_bytes=2500) as consumer:
+        consumer.initialize()
+        batches = _drain(consumer)
+    assert len(batches) == 20
+    assert store.max_active_gets == 2
 
 
 def test_acks_must_be_in_order_and_delivered(store: ObjectStore) -> None:

@@ -361,13 +361,22 @@ class _RecordingConsumer(Consumer):
         self._role = role
 
     # next_batch() goes through next_batches(), and the service delivers with next_batches()
-    # and acks with ack_through(): each path is noted once.
-    def next_batches(self, limit: int) -> list[ConsumedBatch]:
+    # (acking what it wrote before with the same call) and acks with ack_through(): each path
+    # is noted once.
+    def next_batches(self, limit: int, *, ack_through: int | None = None) -> list[ConsumedBatch]:
+        acked_before = self.acked_sequence
         try:
-            batches = super().next_batches(limit)
+            batches = super().next_batches(limit, ack_through=ack_through)
         except FencedError:
             self._role.fenced = True
             raise
+        except MillpondError:
+            # A delivery that failed after the ack was recorded still acked.
+            if self.acked_sequence != acked_before:
+                self._role.record("acked", self.acked_sequence)
+            raise
+        if ack_through is not None:
+            self._role.record("acked", ack_through)
         for batch in batches:
             self._role.record("delivered", batch.sequence)
         return batches
