@@ -34,7 +34,9 @@ def store(any_store_target: StoreTarget) -> ObjectStore:
 
 class _HeldReads(ForwardingStore):
     """Manifest reads made on threads other than the test's wait for ``release``; each read
-    answered sets ``answered``."""
+    answered sets ``answered``. ``rearm()`` answers every read held so far and holds the
+    later ones afresh, so a read left over from an earlier append cannot stand in for the
+    one the test is about."""
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
@@ -42,16 +44,32 @@ class _HeldReads(ForwardingStore):
         self.answered = threading.Event()
         self.own_reads = 0  # made by the writer's own thread: re-reads after a lost race
         self._main = threading.get_ident()
+        self._held = 0
+        self._idle = threading.Condition()
 
     def get(self, path: str) -> GetResult:
         if threading.get_ident() == self._main:
             self.own_reads += 1
             return self.inner.get(path)
-        if not self.release.wait(_WAIT):
-            raise AssertionError("the read alongside the write was never released")
-        got = self.inner.get(path)
-        self.answered.set()
-        return got
+        release, answered = self.release, self.answered  # this read's gate
+        with self._idle:
+            self._held += 1
+        try:
+            if not release.wait(_WAIT):
+                raise AssertionError("the read alongside the write was never released")
+            got = self.inner.get(path)
+            answered.set()
+            return got
+        finally:
+            with self._idle:
+                self._held -= 1
+                self._idle.notify_all()
+
+    def rearm(self) -> None:
+        self.release.set()
+        with self._idle:
+            assert self._idle.wait_for(lambda: self._held == 0, _WAIT)
+        self.release, self.answered = threading.Event(), threading.Event()
 
 
 def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
@@ -61,6 +79,8 @@ def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
     rival.append(pending(1, tag="rival-first"))
     mine.append(pending(1, tag="lost-once"))
     assert mine.counters.get("cas_conflicts") == 1
+    if isinstance(store, FaultyStore) and isinstance(store.inner, _HeldReads):
+        store.inner.rearm()  # the read sent alongside the winning write above is answered
     return mine
 
 
