@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
-from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.sinks import AdbcSink, open_sink
 from millpond.formats.arrow import encode_ipc
 from millpond.formats.batch import CompressionType, encode_batch
@@ -209,3 +209,27 @@ class Database:
             return int(self.query(f'SELECT count(*) FROM "{self.table}"')[0][0])
         except Exception:  # the table does not exist yet
             return 0
+
+
+class ForwardingSink:
+    """Passes a sink's calls to ``inner``; subclass it to watch or hold chosen calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def rows_written(self) -> int:
+        return int(self.inner.rows_written)
+
+    def last_sequence(self, queue: str) -> int | None:
+        result: int | None = self.inner.last_sequence(queue)
+        return result
+
+    def write(self, batch: ConsumedBatch) -> bool:
+        return bool(self.write_many([batch])[0])
+
+    def write_many(self, batches: Sequence[ConsumedBatch]) -> list[bool]:
+        return list(self.inner.write_many(batches))
+
+    def close(self) -> None:
+        self.inner.close()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
-from consumer_support import FAST_RETRY, Database, QueueWriter, numbered
+from consumer_support import FAST_RETRY, Database, ForwardingSink, QueueWriter, numbered
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
@@ -119,7 +119,7 @@ class SteppedStore(ForwardingStore):
         return self.steps.step(lambda: self.inner.delete_many(wanted))  # type: ignore[no-any-return]
 
 
-class SteppedSink:
+class SteppedSink(ForwardingSink):
     """The older consumer's sink: the start and the end of each write are steps.
 
     With ``serial``, the ``w``-th write waits until the consumer has finished ``w + 1``
@@ -130,21 +130,10 @@ class SteppedSink:
     """
 
     def __init__(self, inner: Any, steps: Steps, serial: Log | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.steps = steps
         self._serial = serial
         self._writes = 0
-
-    @property
-    def rows_written(self) -> int:
-        return int(self.inner.rows_written)
-
-    def last_sequence(self, queue: str) -> int | None:
-        result: int | None = self.inner.last_sequence(queue)
-        return result
-
-    def write(self, batch: ConsumedBatch) -> bool:
-        return bool(self.write_many([batch])[0])
 
     def write_many(self, batches: Sequence[ConsumedBatch]) -> list[bool]:
         self._writes += 1
@@ -152,9 +141,6 @@ class SteppedSink:
             self._serial.wait_for_deliveries(self._writes + 1)
         self.steps.step(lambda: None)
         return list(self.steps.step(lambda: self.inner.write_many(batches)))
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class Log:
@@ -390,28 +376,14 @@ class _FenceCount(ForwardingStore):
         return self.inner.get_tail(path, length, etag)
 
 
-class _GroupCount:
+class _GroupCount(ForwardingSink):
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.groups = 0
-
-    @property
-    def rows_written(self) -> int:
-        return int(self.inner.rows_written)
-
-    def last_sequence(self, queue: str) -> int | None:
-        result: int | None = self.inner.last_sequence(queue)
-        return result
-
-    def write(self, batch: ConsumedBatch) -> bool:
-        return bool(self.write_many([batch])[0])
 
     def write_many(self, batches: Sequence[ConsumedBatch]) -> list[bool]:
         self.groups += 1
         return list(self.inner.write_many(batches))
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.mark.parametrize("index", [False, True])

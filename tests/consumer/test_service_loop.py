@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from consumer_support import FAST_RETRY, MANIFEST, Database, QueueWriter, numbered
+from consumer_support import FAST_RETRY, MANIFEST, Database, ForwardingSink, QueueWriter, numbered
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
@@ -31,31 +31,16 @@ def _consumer(store: ObjectStore, **overrides: Any) -> Consumer:
     return Consumer(ConsumerConfig(**options))
 
 
-class CountingSink:
+class CountingSink(ForwardingSink):
     """Wraps a real sink and records how batches were grouped into transactions."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.transactions: list[list[int]] = []
-
-    @property
-    def rows_written(self) -> int:
-        return int(self.inner.rows_written)
-
-    def last_sequence(self, queue: str) -> int | None:
-        result: int | None = self.inner.last_sequence(queue)
-        return result
-
-    def write(self, batch: ConsumedBatch) -> bool:
-        self.transactions.append([batch.sequence])
-        return bool(self.inner.write(batch))
 
     def write_many(self, batches: Sequence[ConsumedBatch]) -> list[bool]:
         self.transactions.append([b.sequence for b in batches])
         return list(self.inner.write_many(batches))
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_a_backlog_is_written_in_groups_and_drained(store: ObjectStore, database: Database) -> None:
