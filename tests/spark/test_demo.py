@@ -47,10 +47,17 @@ def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     assert report["objects_left"] == 0
     assert report["requests"]["spark"]["put"] == report["batches_enqueued"] + 2  # + CAS, receipt
     assert "[3/4] consumer wrote 30,000 rows" in run.stderr  # progress was shown
-    # Task progress as Spark made it: some tasks done while others were still to come.
-    done = [int(n) for n in re.findall(r"(\d+)/4 tasks done", run.stderr)]
-    assert done == sorted(done), run.stderr
-    assert any(0 < n < 4 for n in done), run.stderr
+    # Task progress as Spark made it: it changed while the job ran (tasks started, or some
+    # were done while others were still to come), and never went back. How far it got
+    # between two samples depends on the machine: on a busy one all four tasks can finish
+    # between samples, so no particular count is required.
+    states = [
+        (int(done), int(running))
+        for done, running in re.findall(r"(\d+)/4 tasks done, (\d+) running", run.stderr)
+    ]
+    assert [done for done, _ in states] == sorted(done for done, _ in states), run.stderr
+    assert len(set(states)) >= 2, run.stderr
+    assert any(done < 4 and (done > 0 or running > 0) for done, running in states), run.stderr
     assert "enqueued in one append at sequences 0.." in run.stderr
     assert "(0 CAS conflicts)" in run.stderr
     # The JVM kept quiet: none of its start-up lines or logs in the demo's output.
