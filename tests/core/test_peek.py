@@ -45,6 +45,7 @@ class _HeldReads(ForwardingStore):
         self.own_reads = 0  # made by the writer's own thread: re-reads after a lost race
         self._main = threading.get_ident()
         self._held = 0
+        self._entered = 0
         self._idle = threading.Condition()
 
     def get(self, path: str) -> GetResult:
@@ -54,6 +55,8 @@ class _HeldReads(ForwardingStore):
         release, answered = self.release, self.answered  # this read's gate
         with self._idle:
             self._held += 1
+            self._entered += 1
+            self._idle.notify_all()
         try:
             if not release.wait(_WAIT):
                 raise AssertionError("the read alongside the write was never released")
@@ -65,7 +68,11 @@ class _HeldReads(ForwardingStore):
                 self._held -= 1
                 self._idle.notify_all()
 
-    def rearm(self) -> None:
+    def rearm(self, sent: int) -> None:
+        """Once ``sent`` side reads have arrived (a read's thread may still be on its way
+        when the write it follows has returned), answer them all and hold later ones."""
+        with self._idle:
+            assert self._idle.wait_for(lambda: self._entered >= sent, _WAIT)
         self.release.set()
         with self._idle:
             assert self._idle.wait_for(lambda: self._held == 0, _WAIT)
@@ -80,7 +87,9 @@ def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
     mine.append(pending(1, tag="lost-once"))
     assert mine.counters.get("cas_conflicts") == 1
     if isinstance(store, FaultyStore) and isinstance(store.inner, _HeldReads):
-        store.inner.rearm()  # the read sent alongside the winning write above is answered
+        # The retry above won, and a read was sent alongside it (the writer was contended
+        # by then): answer it, so that it cannot stand in for the read the test is about.
+        store.inner.rearm(sent=1)
     return mine
 
 
