@@ -38,8 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         metavar="ROUNDS",
-        help="back-to-back rounds after which the coordinator leaves the manifest alone for a "
-        "moment, so the consumer's dequeue and epoch bump get in (default 3)",
+        help="while another writer (the consumer, a producer appending directly) has written "
+        "lately: back-to-back rounds after which the coordinator leaves the manifest alone for a "
+        "moment, so its writes get in (default 3)",
+    )
+    parser.add_argument(
+        "--quiet-yield-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="while nobody else has written lately: seconds of back-to-back rounds between two "
+        "such moments, so a consumer arriving gets in (default 1)",
+    )
+    parser.add_argument(
+        "--busy-seconds",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long after another writer's write the coordinator counts as shared (default 10)",
     )
     parser.add_argument(
         "--yield-slots",
@@ -76,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         retry=RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET, strategy=args.strategy),
         yield_every=args.yield_every,
         yield_slots=args.yield_slots,
+        quiet_yield_interval=args.quiet_yield_interval,
+        busy_seconds=args.busy_seconds,
     )
     server = CoordinatorServer(coordinator, args.bind, args.port)
     stopped = threading.Event()

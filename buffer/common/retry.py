@@ -151,6 +151,18 @@ class Backoff:
         del older
         return 0.0
 
+    def again(self) -> bool:
+        """Count an attempt that goes at once; ``False`` when the time budget is spent.
+
+        For a lost race that must not wait (another writer's write landed; reading and writing
+        again at once is the only way in past a writer that pauses only for a moment). Bounded
+        by ``max_elapsed``, not ``max_attempts``: each such attempt takes a round trip or two.
+        """
+        if self._clock.monotonic() >= self._deadline:
+            return False
+        self.attempt += 1
+        return True
+
     def read_ahead(self) -> None:
         """The next attempt writes on a read already made (alongside the last write): one
         request, not a read and a write."""

@@ -153,6 +153,15 @@ class _CasLoop:
             ) from err
         logger.debug("%s on %s: attempt %s after %s", what, self.path, backoff.attempt, err)
 
+    def again(self, backoff: Backoff, what: str, err: ConflictError) -> None:
+        """A lost race the loop retries at once (:meth:`Backoff.again`), within its time."""
+        self.counters.add("cas_conflicts")
+        self.counters.add("cas_retries")
+        if not backoff.again():
+            raise StorageError(
+                f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
+            ) from err
+
 
 class QueueProducer:
     """Appends batch locations to the manifest (the RFC's queue producer)."""
@@ -564,10 +573,14 @@ class QueueConsumer:
                 epoch = decode_footer(base, name=cas.path).epoch + 1
                 data = with_epoch(base, epoch)
                 etag = cas.write(current, data)
-            except (StorageError, ConflictError) as err:
-                if known is not None and isinstance(err, ConflictError):
-                    known = None  # what was peeked is stale: read and try again at once
-                    continue
+            except ConflictError as err:
+                # Someone else's write landed: read and bump again at once. A coordinator
+                # appending back to back leaves the manifest alone only for a moment now and
+                # then; a consumer that slept after each lost race would rarely be reading then.
+                cas.again(backoff, "epoch bump", err)
+                known = None
+                continue
+            except StorageError as err:
                 known = None
                 cas.backoff(backoff, "epoch bump", err)
                 continue
@@ -692,8 +705,11 @@ class QueueConsumer:
                 # Our write may have landed (a retried request can fail its precondition on
                 # our own write); if so the re-read finds nothing left to remove.
                 removed_before = max(removed_before, removed)
-                if known is not None and isinstance(err, ConflictError):
-                    known = None  # most likely stale: read the manifest and try again at once
+                if isinstance(err, ConflictError):
+                    # Most likely someone else's write: read and try again at once (as in
+                    # initialize, a sleeping consumer would miss a coordinator's pauses).
+                    cas.again(backoff, "dequeue", err)
+                    known = None
                     continue
                 known = None
                 cas.backoff(backoff, "dequeue", err)

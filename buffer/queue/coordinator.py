@@ -30,8 +30,14 @@ rounds on the cached ETag read nothing, so only this memory sees them).
 Fencing. Rounds carry the footer's epoch forward unchanged (``append_entries``), like any
 producer. A writer on its cached ETag wins every race against one that must read first, so
 back-to-back rounds would starve the consumer's dequeue and epoch bump (a read, then a write):
-after ``yield_every`` back-to-back rounds the coordinator waits ``yield_slots`` store requests'
-time, long enough for a read and a write of someone else to land.
+now and then the coordinator leaves the manifest alone for ``yield_slots`` store requests'
+time, long enough for a read and a write of someone else to land. How often depends on
+whether anyone else writes. While another writer has landed a write within ``busy_seconds``
+(a round lost its compare-and-swap), it pauses after every ``yield_every`` back-to-back rounds;
+while nobody has, once every ``quiet_yield_interval`` seconds of back-to-back rounds — enough
+for a consumer arriving to get its first write in (it retries a lost race at once), and after
+that write the coordinator is in the busy mode. Every pause delays the requests waiting behind
+it, so pausing only when someone needs it keeps their latency down.
 
 Several coordinators may serve one queue: they contend like producers do, each with its own
 clients' entries.
@@ -122,6 +128,8 @@ class AppendCoordinator:
         clock: Clock | None = None,
         yield_every: int = 3,
         yield_slots: float = 1.5,
+        quiet_yield_interval: float = 1.0,
+        busy_seconds: float = 10.0,
         max_round_entries: int = _MAX_ROUND_ENTRIES,
         max_pending_entries: int = _MAX_PENDING_ENTRIES,
     ) -> None:
@@ -138,8 +146,13 @@ class AppendCoordinator:
                 up; a round never outlives its requests' budget anyway).
             clock: time source.
             yield_every: back-to-back rounds after which the coordinator leaves the manifest
-                alone for ``yield_slots`` store requests' time (fencing and dequeues get in).
+                alone for ``yield_slots`` store requests' time (fencing and dequeues get in),
+                while another writer has written within ``busy_seconds``.
             yield_slots: see ``yield_every``.
+            quiet_yield_interval: seconds of back-to-back rounds between two such pauses while
+                nobody else has written within ``busy_seconds``.
+            busy_seconds: how long after another writer's write landed the coordinator
+                pauses every ``yield_every`` rounds.
             max_round_entries: entries in one round at most; the rest wait for the next.
             max_pending_entries: entries waiting at most; requests beyond are refused.
 
@@ -170,6 +183,8 @@ class AppendCoordinator:
         )
         self._yield_every = yield_every
         self._yield_slots = yield_slots
+        self._quiet_yield_interval = quiet_yield_interval
+        self._busy_seconds = busy_seconds
         self._max_round = max_round_entries
         self._max_pending = max_pending_entries
         self._lock = threading.Condition()
@@ -184,6 +199,8 @@ class AppendCoordinator:
         """Seconds one store request takes, as measured on uncontended rounds."""
         self._back_to_back = 0
         self._last_round_end = float("-inf")
+        self._manifest_free_at = float("-inf")  # when the last pause (or idle gap) began
+        self._foreign_write_at = float("-inf")  # when a round last lost to another writer
         self._round: list[_Ticket] = []
         self._recent: dict[str, int] = {}
         self._recent_at: deque[tuple[float, str]] = deque()
@@ -357,15 +374,22 @@ class AppendCoordinator:
             return round_
 
     def _pace(self) -> None:
-        """After ``yield_every`` back-to-back rounds, leave the manifest alone for a while."""
+        """Now and then leave the manifest alone for a while (module docstring, Fencing)."""
         gap = self._yield_slots * self.slot
-        idle = self._clock.monotonic() - self._last_round_end
-        if idle >= gap:
+        now = self._clock.monotonic()
+        idle = now - self._last_round_end
+        if idle >= gap:  # the manifest was left alone anyway
             self._back_to_back = 0
+            self._manifest_free_at = self._last_round_end
             return
-        if self._back_to_back < self._yield_every:
+        if now - self._foreign_write_at < self._busy_seconds:
+            due = self._back_to_back >= self._yield_every
+        else:
+            due = now - self._manifest_free_at >= self._quiet_yield_interval
+        if not due:
             return
         self._back_to_back = 0
+        self._manifest_free_at = now
         self.counters.add("yields")
         self._clock.sleep(gap - idle)
 
@@ -424,6 +448,8 @@ class AppendCoordinator:
         except MillpondError as err:
             logger.exception("round of %s entries failed", len(todo))
             outcomes = [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
+        if self.counters.get("cas_conflicts") > before.get("cas_conflicts", 0):
+            self._foreign_write_at = self._clock.monotonic()  # someone else wrote meanwhile
         self.counters.add("rounds")
         self._back_to_back += 1
         self._last_round_end = self._clock.monotonic()
