@@ -27,6 +27,7 @@ __all__ = [
     "ManifestEntry",
     "Metadata",
     "PendingEntry",
+    "Resume",
     "append_entries",
     "decode_footer",
     "decode_manifest",
@@ -37,6 +38,7 @@ __all__ = [
     "first_sequence",
     "locations_from",
     "remove_through",
+    "resume_after",
     "with_epoch",
 ]
 
@@ -277,38 +279,81 @@ def remove_through(raw: bytes, through: int) -> tuple[bytes, int]:
     return raw[cut : len(raw) - FOOTER_SIZE] + new_footer.encode(), removed
 
 
-def find_locations(raw: bytes, locations: set[str], *, from_sequence: int = 0) -> dict[str, int]:
+@dataclass(frozen=True)
+class Resume:
+    """Where a later state of a manifest goes on from an earlier one it kept whole.
+
+    A writer that lost a race looks only at what the winners appended after the state its
+    write was conditional on; when nothing was dequeued in between, the later state begins
+    with the earlier one's entries byte for byte, and a walk can start where they end instead
+    of at the first entry (a lost race then costs what the winners wrote, not the backlog).
+    """
+
+    offset: int
+    """Byte offset in the later state where the earlier state's entries end."""
+    entries: int
+    """Entries before ``offset``."""
+    next_sequence: int
+    """The earlier state's ``next_sequence``: every entry from ``offset`` on is at or above it."""
+
+
+def resume_after(earlier: bytes, later: bytes) -> Resume | None:
+    """The :class:`Resume` of ``later`` after ``earlier``, or ``None`` when ``later`` does not
+    begin with every entry of ``earlier`` (something was dequeued, or it is another manifest).
+
+    Equal leading bytes are enough: framing is parsed from the first byte on, so the same
+    bytes frame the same entries and end on an entry boundary at the earlier body's end.
+
+    Raises:
+        FormatError: ``earlier`` has no valid footer.
+    """
+    footer = decode_footer(earlier)
+    body = len(earlier) - FOOTER_SIZE
+    if len(later) < body + FOOTER_SIZE or not later.startswith(memoryview(earlier)[:body]):
+        return None  # (startswith compares in place; slicing bytes would copy both)
+    return Resume(body, footer.entry_count, footer.next_sequence)
+
+
+def find_locations(
+    raw: bytes, locations: set[str], *, from_sequence: int = 0, resume: Resume | None = None
+) -> dict[str, int]:
     """Map each of ``locations`` found at ``sequence >= from_sequence`` to its sequence.
 
     Used after an ambiguous write to learn whether our own append already landed; only the
-    location field of candidate entries is decoded.
+    location field of candidate entries is decoded. ``resume`` (:func:`resume_after`) skips
+    the entries of an earlier state when they all lie below ``from_sequence``.
 
     Raises:
         FormatError: the entry framing is inconsistent.
     """
     return {
         location: sequence
-        for sequence, location in _locations(raw, from_sequence)
+        for sequence, location in _locations(raw, from_sequence, resume)
         if location in locations
     }
 
 
-def locations_from(raw: bytes, from_sequence: int) -> list[str]:
+def locations_from(raw: bytes, from_sequence: int, *, resume: Resume | None = None) -> list[str]:
     """The locations of the entries at ``sequence >= from_sequence``, in queue order.
 
     Only the location field is decoded (what a writer that lost a race reads of the winners).
+    ``resume`` as in :func:`find_locations`.
 
     Raises:
         FormatError: the entry framing is inconsistent.
     """
-    return [location for _sequence, location in _locations(raw, from_sequence)]
+    return [location for _sequence, location in _locations(raw, from_sequence, resume)]
 
 
-def _locations(raw: bytes, from_sequence: int) -> Iterator[tuple[int, str]]:
+def _locations(
+    raw: bytes, from_sequence: int, resume: Resume | None = None
+) -> Iterator[tuple[int, str]]:
     """``(sequence, location)`` of each entry at ``sequence >= from_sequence``."""
     footer = decode_footer(raw)
     view = memoryview(raw)
-    for start, _end, sequence in _entry_spans(raw, footer, name="manifest"):
+    if resume is not None and resume.next_sequence > from_sequence:
+        resume = None  # entries before the resume point may be wanted
+    for start, _end, sequence in _entry_spans(raw, footer, name="manifest", resume=resume):
         if sequence < from_sequence:
             continue
         location_len = _ENTRY_HEAD.unpack_from(view, start)[2]
@@ -368,12 +413,13 @@ def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manif
 
 
 def _entry_spans(
-    raw: bytes | memoryview, footer: Footer, *, name: str
+    raw: bytes | memoryview, footer: Footer, *, name: str, resume: Resume | None = None
 ) -> Iterator[tuple[int, int, int]]:
-    """Yield ``(start, end, sequence)`` of each entry, validating the framing only."""
+    """Yield ``(start, end, sequence)`` of each entry, validating the framing only; with
+    ``resume``, of the entries from its offset on."""
     body_end = len(raw) - FOOTER_SIZE
-    offset = 0
-    count = 0
+    offset = resume.offset if resume is not None else 0
+    count = resume.entries if resume is not None else 0
     while offset < body_end:
         if body_end - offset < _LEN_SIZE + _MIN_ENTRY_LEN:
             raise FormatError(

@@ -40,6 +40,7 @@ from millpond.formats.manifest import (
     FOOTER_SIZE,
     Manifest,
     PendingEntry,
+    Resume,
     append_entries,
     decode_footer,
     decode_manifest,
@@ -48,6 +49,7 @@ from millpond.formats.manifest import (
     find_locations,
     locations_from,
     remove_through,
+    resume_after,
     with_epoch,
 )
 from millpond.queue.landed import LandingStatus, resolve_landing
@@ -285,6 +287,7 @@ class QueueProducer:
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
         peeked: _Raw | None = None  # the state a read sent alongside a lost write found
+        written_on: _Raw | None = None  # the state the last write that may have landed was on
         # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
         # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
@@ -313,8 +316,15 @@ class QueueProducer:
                                 self._cached = current
                                 return tuple(_filled(result))
                     if maybe_landed_from is not None and current is not None:
+                        # Only what was appended after the state written on is looked at,
+                        # when nothing was dequeued since (not the whole backlog).
+                        resume = (
+                            resume_after(written_on.data, current.data)
+                            if written_on is not None
+                            else None
+                        )
                         todo = self._settle_landed(
-                            current, entries, todo, result, maybe_landed_from
+                            current, entries, todo, result, maybe_landed_from, resume
                         )
                         lost_from, maybe_landed_from = maybe_landed_from, None
                         if not todo:
@@ -322,7 +332,14 @@ class QueueProducer:
                             return tuple(_filled(result))
                         if lost:
                             pause = backoff.before_write(
-                                partial(_older_than_winners, current.data, lost_from, entries, todo)
+                                partial(
+                                    _older_than_winners,
+                                    current.data,
+                                    lost_from,
+                                    entries,
+                                    todo,
+                                    resume,
+                                )
                             )
                             if pause > 0:
                                 cas.clock.sleep(pause)
@@ -349,6 +366,7 @@ class QueueProducer:
                     # its precondition on our own landed write): look before appending again.
                     maybe_landed_from = sequences.start
                     self.in_doubt_from(sequences.start)
+                    written_on = current
                     self._cached = None
                     grow = lost = True
                     if peek is not None and current is not None and current.etag is not None:
@@ -422,6 +440,7 @@ class QueueProducer:
         todo: list[int],
         result: list[int | None],
         from_sequence: int,
+        resume: Resume | None = None,
     ) -> list[int]:
         """Record which of ``todo`` landed; return the indices still to append."""
         landing = resolve_landing(
@@ -429,6 +448,7 @@ class QueueProducer:
             [entries[i].location for i in todo],
             from_sequence=from_sequence,
             name=self._cas.path,
+            resume=resume,
         )
         if landing.status is LandingStatus.UNKNOWN:
             logger.warning(
@@ -454,7 +474,11 @@ class QueueProducer:
 
 
 def _older_than_winners(
-    data: bytes, from_sequence: int, entries: Sequence[PendingEntry], todo: Sequence[int]
+    data: bytes,
+    from_sequence: int,
+    entries: Sequence[PendingEntry],
+    todo: Sequence[int],
+    resume: Resume | None = None,
 ) -> bool | None:
     """Whether the oldest of ``todo`` was minted before every batch appended from
     ``from_sequence`` on (the race's winners); ``None`` when batch names do not tell.
@@ -466,7 +490,8 @@ def _older_than_winners(
     if mine is None:
         return None
     ours = {entries[i].location for i in todo}
-    theirs = _oldest(loc for loc in locations_from(data, from_sequence) if loc not in ours)
+    winners = locations_from(data, from_sequence, resume=resume)
+    theirs = _oldest(loc for loc in winners if loc not in ours)
     return True if theirs is None else mine < theirs
 
 

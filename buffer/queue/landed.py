@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from millpond.errors import MillpondError
-from millpond.formats.manifest import decode_footer, find_locations, first_sequence
+from millpond.formats.manifest import Resume, decode_footer, find_locations, first_sequence
 
 __all__ = ["Landing", "LandingStatus", "resolve_landing"]
 
@@ -64,7 +64,12 @@ class Landing:
 
 
 def resolve_landing(
-    raw: bytes, locations: Sequence[str], *, from_sequence: int = 0, name: str = "manifest"
+    raw: bytes,
+    locations: Sequence[str],
+    *,
+    from_sequence: int = 0,
+    name: str = "manifest",
+    resume: Resume | None = None,
 ) -> Landing:
     """Decide which of ``locations`` (one group, in append order) are in the queue.
 
@@ -74,6 +79,8 @@ def resolve_landing(
         from_sequence: the lowest sequence any attempt to append the group could have taken
             (``next_sequence`` when the first attempt was made; 0 when unknown).
         name: the manifest's path, for messages.
+        resume: where ``raw`` goes on from the state the attempt was conditional on
+            (:func:`~millpond.formats.manifest.resume_after`): only what follows is searched.
 
     Raises:
         MillpondError: the locations are in the manifest in a way one append of this group
@@ -82,7 +89,7 @@ def resolve_landing(
     """
     footer = decode_footer(raw, name=name)
     head = first_sequence(raw, footer, name=name)
-    found = find_locations(raw, set(locations), from_sequence=from_sequence)
+    found = find_locations(raw, set(locations), from_sequence=from_sequence, resume=resume)
     if not found:
         dequeued_since = head > from_sequence
         status = LandingStatus.UNKNOWN if dequeued_since else LandingStatus.NOT_LANDED
