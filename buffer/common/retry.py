@@ -68,10 +68,13 @@ class RetryPolicy:
     aging_horizon: float = 16.0
     """``"aging"``: slots; a loop that has waited this long retries a lost race at once, and a
     writer that lost a race within this long counts as contended. Default 16."""
-    conflict_spread: float = 0.3
+    conflict_spread: float = 0.15
     """``"aging"``: slots; after a lost race to batches older than its own, the longest a
     loop that has just started waits before writing again (none when it lost to younger
-    ones), so the writers with older batches get their writes in first. Default 0.3."""
+    ones), so the writers with older batches get their writes in first. Default 0.15:
+    at 50 ms a request, 0.3 cost a fifth of the contended appends per second (0.78x a lone
+    writer at N = 8, against 0.89x); 0.1 let the p99 append latency reach 12x the median in
+    one of six runs."""
     contended_yield: float = 1.5
     """``"aging"``: slots; how long a writer that has seen contention lately waits before its
     next append, so a loser that is reading gets its write in first. Default 1.5."""
