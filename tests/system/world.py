@@ -497,11 +497,19 @@ class World:
         for producer in [*self.producers, self.producer_b]:
             if producer.store is not None:
                 producer.store.disarm()
-            if not producer.alive:
-                producer.crash()
-                producer.start()
-            if not producer.flush(until_done=True):
-                self.violations.append(f"heal: {producer.source} could not publish")
+            # A background thread may have taken a fault just before it was disarmed and die of
+            # it during the heal (seen: a crash after a read, 3 runs in 30 of seed 448): a
+            # process that died is restarted, once; one that lives and cannot publish is a
+            # violation.
+            for restarts_left in (1, 0):
+                if not producer.alive:
+                    producer.crash()
+                    producer.start()
+                if producer.flush(until_done=True):
+                    break
+                if producer.alive or not restarts_left:
+                    self.violations.append(f"heal: {producer.source} could not publish")
+                    break
             producer.close()
         for _ in range(5):
             if self.stream.pending is None:
