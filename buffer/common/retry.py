@@ -72,7 +72,7 @@ class RetryPolicy:
     """``"aging"``: slots; after a lost race to batches older than its own, the longest a
     loop that has just started waits before writing again (none when it lost to younger
     ones), so the writers with older batches get their writes in first. Default 0.15:
-    at 50 ms a request, 0.3 cost a fifth of the contended appends per second (0.78x a lone
+    at 50 ms a request, 0.3 cost an eighth of the contended appends per second (0.78x a lone
     writer at N = 8, against 0.89x); 0.1 let the p99 append latency reach 12x the median in
     one of six runs."""
     contended_yield: float = 1.5
