@@ -14,6 +14,7 @@ Sections:
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,19 @@ from tests.support import StoreTarget, unique_root
 # ---------------------------------------------------------------------------------------------
 # 1. Local services
 # ---------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Take SIGINT back when the run started with it ignored.
+
+    A shell without job control starts a background command (``make test &``) with SIGINT
+    ignored, and every process a test starts would inherit that: a test that stops a service
+    or ``millpond status --watch`` with SIGINT, as Ctrl-C does, would then wait on a process
+    that cannot hear it. A handler, unlike an ignored signal, is not inherited across exec.
+    """
+    del config
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
