@@ -62,6 +62,10 @@ POSTGRES_CODES: dict[str, tuple[str, bool]] = {
     "55006": ("object_in_use", T),
     "25006": ("read_only_sql_transaction", T),  # a standby: the primary is being failed over
     "57014": ("query_canceled", T),  # statement_timeout, pg_cancel_backend
+    # Every CREATE the sink sends says IF NOT EXISTS, which turns an existing relation into a
+    # notice: duplicate_table comes only from another session creating it at the same moment
+    # (seen in CI: two consumers' first writes racing), and the retry finds it created.
+    "42P07": ("duplicate_table (concurrent CREATE ... IF NOT EXISTS)", T),
 }
 """Exact SQLSTATEs whose class differs from their class's default."""
 
