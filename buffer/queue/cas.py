@@ -145,24 +145,23 @@ class _CasLoop:
             raise StorageError(f"{self.path}: the store returned no ETag; cannot compare-and-swap")
         return self.store.put_if_match(self.path, data, current.etag)
 
-    def backoff(self, backoff: Backoff, what: str, err: Exception) -> None:
-        if isinstance(err, ConflictError):
+    def backoff(
+        self, backoff: Backoff, what: str, err: Exception, *, at_once: bool = False
+    ) -> None:
+        """Count the failed attempt and wait before the next, or raise when the budget is spent.
+
+        ``at_once``: a lost race retried without waiting (:meth:`Backoff.again`, bounded by
+        time only), for a loop that must be reading when a busy writer pauses for a moment.
+        """
+        conflict = isinstance(err, ConflictError)
+        if conflict:
             self.counters.add("cas_conflicts")
         self.counters.add("cas_retries")
-        if not backoff.sleep(conflict=isinstance(err, ConflictError)):
+        if not (backoff.again() if at_once else backoff.sleep(conflict=conflict)):
             raise StorageError(
                 f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
             ) from err
         logger.debug("%s on %s: attempt %s after %s", what, self.path, backoff.attempt, err)
-
-    def again(self, backoff: Backoff, what: str, err: ConflictError) -> None:
-        """A lost race the loop retries at once (:meth:`Backoff.again`), within its time."""
-        self.counters.add("cas_conflicts")
-        self.counters.add("cas_retries")
-        if not backoff.again():
-            raise StorageError(
-                f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
-            ) from err
 
 
 class QueueProducer:
@@ -602,7 +601,7 @@ class QueueConsumer:
                 # Someone else's write landed: read and bump again at once. A coordinator
                 # appending back to back leaves the manifest alone only for a moment now and
                 # then; a consumer that slept after each lost race would rarely be reading then.
-                cas.again(backoff, "epoch bump", err)
+                cas.backoff(backoff, "epoch bump", err, at_once=True)
                 known = None
                 continue
             except StorageError as err:
@@ -733,7 +732,7 @@ class QueueConsumer:
                 if isinstance(err, ConflictError):
                     # Most likely someone else's write: read and try again at once (as in
                     # initialize, a sleeping consumer would miss a coordinator's pauses).
-                    cas.again(backoff, "dequeue", err)
+                    cas.backoff(backoff, "dequeue", err, at_once=True)
                     known = None
                     continue
                 known = None

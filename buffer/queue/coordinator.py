@@ -378,9 +378,9 @@ class AppendCoordinator:
         gap = self._yield_slots * self.slot
         now = self._clock.monotonic()
         idle = now - self._last_round_end
-        if idle >= gap:  # the manifest was left alone anyway
+        if idle >= gap:  # the manifest was left alone anyway, until now
             self._back_to_back = 0
-            self._manifest_free_at = self._last_round_end
+            self._manifest_free_at = now
             return
         if now - self._foreign_write_at < self._busy_seconds:
             due = self._back_to_back >= self._yield_every
