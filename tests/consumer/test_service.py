@@ -19,6 +19,7 @@ from millpond.formats.manifest import Manifest
 from millpond.queue import read_manifest
 from millpond.queue.index import queue_view, read_indexed
 from millpond.storage.store import ObjectStore
+from tests.conftest import SHARED_STORE_KINDS
 from tests.invariants import assert_exactly_once
 
 ROWS_PER_BATCH = 500
@@ -129,8 +130,25 @@ def _check_exactly_once(database: Database, total_rows: int, batches: int) -> No
     assert commit_times == sorted(commit_times)
 
 
+# Every store, every database and both queue layouts, and every pair of them, in four runs
+# instead of all eight combinations (each run is 12-17 s of SIGKILLs).
+_SIGKILL_RUNS = [
+    pytest.param(store, database, index, id=f"{store}-{database}-{layout}")
+    for store, database, index, layout in [
+        (SHARED_STORE_KINDS[0], "sqlite", False, "manifest"),
+        (SHARED_STORE_KINDS[0], "postgres", True, "backlog-index"),
+        (SHARED_STORE_KINDS[1], "sqlite", True, "backlog-index"),
+        (SHARED_STORE_KINDS[1], "postgres", False, "manifest"),
+    ]
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backlog_index", [False, True], ids=["manifest", "backlog-index"])
+@pytest.mark.parametrize(
+    ("shared_store_target", "database", "backlog_index"),
+    _SIGKILL_RUNS,
+    indirect=["shared_store_target", "database"],
+)
 def test_exactly_once_through_repeated_sigkills(
     shared_store_target: Any,
     database: Database,
