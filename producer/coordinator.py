@@ -1,7 +1,7 @@
 """Appending through ``millpond coordinator``, and directly whenever it cannot help.
 
 :class:`CoordinatedAppender` has the contract of :meth:`QueueProducer.append
-<millpond.queue.cas.QueueProducer.append>`: it returns once every entry is provably in the
+<millpond.queue.append.QueueProducer.append>`: it returns once every entry is provably in the
 queue, and raises ``CommitStateUnknownError`` saying what is known when it cannot tell. It sends
 the entries to the first coordinator that answers (:mod:`millpond.queue.coordinator`, which
 appends many writers' entries in one compare-and-swap per round) and falls back to the
@@ -43,7 +43,7 @@ from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
 from millpond.errors import CommitStateUnknownError, ConfigError, FormatError, StorageError
 from millpond.formats.manifest import PendingEntry
-from millpond.queue.cas import QueueProducer
+from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import (
     APPENDED,
     DEFAULT_BUDGET,

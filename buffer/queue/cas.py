@@ -1,62 +1,36 @@
-"""The queue manifest in object storage: the RFC's queue producer and queue consumer.
+"""Compare-and-swap on the queue manifest: what the RFC's queue producer and consumer share.
 
 Every write is a compare-and-swap: the first a create-if-absent, every later one a put
 conditional on the ETag that was read. A lost race re-reads and retries with capped, jittered
-exponential backoff (``RetryPolicy``). Producers append a group of entries in one CAS and carry
-the epoch forward unchanged; the consumer bumps the epoch in ``initialize()`` and checks it on
-every read and dequeue, so an older consumer gets ``FencedError``.
-
-Ambiguous writes. A write that failed on the wire, or a precondition failure on a request
-obstore retried, may mean our own write landed. Before appending again, the producer looks for
-its locations among the entries at or after the sequence it tried to write
-(:mod:`millpond.queue.landed`): what is there, or provably dequeued, is settled; only the rest
-is appended. If the write landed and the consumer dequeued all of it before the re-read, the
-producer cannot tell and appends the same locations again; the sink, which records each batch
-location with its rows, skips a location it has already written.
+exponential backoff (``RetryPolicy``). Producers (:mod:`millpond.queue.append`) append a group
+of entries in one CAS and carry the epoch forward unchanged; the consumer
+(:mod:`millpond.queue.dequeue`) bumps the epoch in ``initialize()`` and checks it on every read
+and dequeue, so an older consumer gets ``FencedError``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
 from millpond.common.retry import Backoff, RetryPolicy
-from millpond.common.ulids import parse_batch_name
 from millpond.errors import (
-    CommitStateUnknownError,
     ConflictError,
-    FencedError,
-    InvalidInputError,
-    MillpondError,
     NotFoundError,
     StorageError,
 )
 from millpond.formats.manifest import (
-    FOOTER_SIZE,
     Manifest,
     PendingEntry,
-    Resume,
-    append_entries,
-    decode_footer,
     decode_manifest,
-    decode_tail,
-    empty_manifest,
-    find_locations,
-    locations_from,
-    remove_through,
-    resume_after,
-    with_epoch,
 )
-from millpond.queue.landed import LandingStatus, resolve_landing
-from millpond.queue.peek import Peek
 from millpond.storage.store import ObjectStore
 
-__all__ = ["Appender", "ManifestSnapshot", "QueueConsumer", "QueueProducer", "read_manifest"]
+__all__ = ["Appender", "CasLoop", "ManifestSnapshot", "RawManifest", "read_manifest"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +65,7 @@ class ManifestSnapshot:
 
 
 @dataclass(slots=True)
-class _Raw:
+class RawManifest:
     data: bytes
     etag: str | None
 
@@ -108,7 +82,7 @@ def read_manifest(store: ObjectStore, path: str) -> ManifestSnapshot:
     return ManifestSnapshot(decode_manifest(got.data, name=path), got.etag, len(got.data))
 
 
-class _CasLoop:
+class CasLoop:
     """Shared machinery: read, transform, conditional write, back off on a lost race."""
 
     def __init__(
@@ -128,15 +102,15 @@ class _CasLoop:
             "manifest_reads", "manifest_writes", "cas_conflicts", "cas_retries", "fence_checks"
         )
 
-    def read(self) -> _Raw | None:
+    def read(self) -> RawManifest | None:
         self.counters.add("manifest_reads")
         try:
             got = self.store.get(self.path)
         except NotFoundError:
             return None
-        return _Raw(got.data, got.etag)
+        return RawManifest(got.data, got.etag)
 
-    def write(self, current: _Raw | None, data: bytes) -> str | None:
+    def write(self, current: RawManifest | None, data: bytes) -> str | None:
         """One CAS attempt. Raises ConflictError, CommitStateUnknownError, StorageError."""
         self.counters.add("manifest_writes")
         if current is None:
@@ -162,607 +136,3 @@ class _CasLoop:
                 f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
             ) from err
         logger.debug("%s on %s: attempt %s after %s", what, self.path, backoff.attempt, err)
-
-
-class QueueProducer:
-    """Appends batch locations to the manifest (the RFC's queue producer)."""
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        manifest_path: str = "ingest/manifest",
-        *,
-        retry: RetryPolicy | None = None,
-        clock: Clock | None = None,
-        counters: Counters | None = None,
-    ) -> None:
-        self._cas = _CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
-        # The manifest as we last wrote it: tried first, so an uncontended append costs one
-        # request instead of a read plus a write.
-        self._cached: _Raw | None = None
-        # Decides whether an append waits its turn first and how a lost race waits.
-        self._pacer = self._cas.retry.pacer(self._cas.clock)
-        self._seen_next = 0
-        # The lowest sequence at which a write of ours whose outcome is unknown could still
-        # land. A conditional write held back in the network lands whenever it arrives while
-        # the manifest is still at the state it was conditional on — after a look that saw
-        # nothing of it, even after a later write of ours that was never sent. Until one of
-        # our writes lands (which moves the manifest past every state an earlier one was
-        # conditional on), every read runs the landed-check from here on.
-        self._in_doubt_from: int | None = None
-
-    @property
-    def counters(self) -> Counters:
-        return self._cas.counters
-
-    @property
-    def path(self) -> str:
-        """The manifest's path."""
-        return self._cas.path
-
-    @property
-    def seen_next_sequence(self) -> int:
-        """The highest ``next_sequence`` this writer has read or written (0 before any).
-
-        ``next_sequence`` never goes back, so whatever this writer appends from now on lands
-        at or after it: a lower bound a caller can hand to the landed-check later.
-        """
-        return self._seen_next
-
-    def in_doubt_from(self, sequence: int) -> None:
-        """Writes of these entries made elsewhere — by a previous run of this producer that
-        died with a request in flight — may still land at or after ``sequence`` (the
-        manifest's ``next_sequence`` when the caller last looked): every read runs the
-        landed-check from there until one of this writer's writes lands."""
-        if self._in_doubt_from is None or sequence < self._in_doubt_from:
-            self._in_doubt_from = sequence
-
-    def append(
-        self,
-        entries: Sequence[PendingEntry],
-        *,
-        maybe_landed_from: int | None = None,
-        deadline: float | None = None,
-        present_from: int | None = None,
-        more: Callable[[], Sequence[PendingEntry]] | None = None,
-    ) -> tuple[int, ...]:
-        """Append ``entries`` in one CAS; returns the sequence each entry was given.
-
-        Returns only when every entry is provably in the queue (in the manifest, or already
-        dequeued by the consumer), in the order given. After a write whose outcome is unknown
-        it looks before writing again (:func:`~millpond.queue.landed.resolve_landing`): a group
-        that landed is not appended twice, and when only a prefix landed (an earlier, delayed
-        request of ours) only the rest is appended — so the sequences are contiguous except in
-        that case. A group that may have landed and been dequeued whole is appended again under
-        the same locations, which the sink recognises.
-
-        Args:
-            entries: the group, in order.
-            maybe_landed_from: an earlier attempt to append this very group (by this writer, or
-                a coordinator acting for it) may have landed at or after this sequence and can
-                no longer land later: look for it first, and append only what is missing.
-            deadline: a time on the queue's clock after which no write is sent (what is known
-                is then raised, as when the retry budget runs out). A coordinator promises its
-                clients this way that it never writes their entries after they stopped waiting.
-            present_from: entries may already be in the queue at or after this sequence,
-                appended by another writer for the same producer (a coordinator's client that
-                stopped waiting appends its own entries directly). Whenever the manifest is read
-                from the store, an entry found there from this sequence on is taken as in the
-                queue (its sequence is returned) and is not written again. Entries are only
-                ever written on a manifest state this writer read or wrote itself, so no
-                location found in that state is appended twice.
-
-            more: after a lost race, or a pause to let other writers go first, called
-                before the next write for entries that became ready meanwhile; they join the
-                group (after it, in the order returned) and the result covers them too. A
-                writer that waited takes everything it has ready into its next attempt, so
-                what became ready meanwhile does not wait for another turn.
-
-        Raises:
-            InvalidInputError: an entry that does not fit the wire format (nothing written).
-            FormatError: the stored manifest is corrupt.
-            MillpondError: the manifest holds the group's locations in a way one append of
-                them cannot explain (something else wrote them).
-            CommitStateUnknownError: the retry budget ran out after a write that may have
-                landed: ``sequences`` holds what is known per entry, ``maybe_landed_from`` where
-                the rest may be. A caller that appends the same entries again (as the producer
-                does) gets them settled by the same look; one that gives up must not claim they
-                are absent.
-            StorageError: the retry budget ran out before any write could have landed.
-        """
-        if not entries:
-            raise InvalidInputError("entries: expected at least one entry, found none")
-        entries = list(entries)
-        locations = {entry.location for entry in entries}
-        if len(locations) != len(entries):
-            raise InvalidInputError("entries: expected distinct locations, found duplicates")
-        cas = self._cas
-        # Under a fair strategy a writer that just won lets the others go first.
-        # What became ready while this writer let the others go first joins its first write.
-        grow = self._pacer.take_turn()
-        lost = False  # a write of this loop has lost a race or failed
-        current = self._cached
-        backoff = self._pacer.start(cached=current is not None)
-        result: list[int | None] = [None] * len(entries)
-        todo = list(range(len(entries)))  # indices not yet known to be in the queue
-        peeked: _Raw | None = None  # the state a read sent alongside a lost write found
-        written_on: _Raw | None = None  # the state the last write that may have landed was on
-        # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
-        # write may have (or given by the caller, for an attempt made elsewhere).
-        while True:
-            try:
-                if current is None and maybe_landed_from is None:
-                    maybe_landed_from = self._in_doubt_from  # any read looks for it
-                if current is None or maybe_landed_from is not None:
-                    if peeked is not None:
-                        current, peeked = peeked, None
-                        backoff.read_ahead()
-                    else:
-                        try:
-                            current = cas.read()
-                        except StorageError as err:
-                            cas.backoff(backoff, "manifest read", err)
-                            continue
-                    if current is not None:
-                        footer = decode_footer(current.data, name=cas.path)
-                        self._seen_next = max(self._seen_next, footer.next_sequence)
-                        if present_from is not None:
-                            low = present_from
-                            if maybe_landed_from is not None:
-                                low = min(low, maybe_landed_from)
-                            todo = self._drop_present(current, entries, todo, result, low)
-                            if not todo:
-                                self._cached = current
-                                return tuple(_filled(result))
-                    if maybe_landed_from is not None and current is not None:
-                        # Only what was appended after the state written on is looked at,
-                        # when nothing was dequeued since (not the whole backlog).
-                        resume = (
-                            resume_after(written_on.data, current.data)
-                            if written_on is not None
-                            else None
-                        )
-                        todo = self._settle_landed(
-                            current, entries, todo, result, maybe_landed_from, resume
-                        )
-                        lost_from, maybe_landed_from = maybe_landed_from, None
-                        if not todo:
-                            self._cached = current
-                            return tuple(_filled(result))
-                        if lost:
-                            pause = backoff.before_write(
-                                partial(
-                                    _older_than_winners,
-                                    current.data,
-                                    lost_from,
-                                    entries,
-                                    todo,
-                                    resume,
-                                )
-                            )
-                            if pause > 0:
-                                cas.clock.sleep(pause)
-                if grow and more is not None:
-                    extra = list(more())
-                    if any(e.location in locations for e in extra) or len(
-                        {e.location for e in extra}
-                    ) != len(extra):
-                        raise InvalidInputError(
-                            "more: expected locations not in the group yet, found duplicates"
-                        )
-                    locations.update(e.location for e in extra)
-                    todo.extend(range(len(entries), len(entries) + len(extra)))
-                    entries.extend(extra)
-                    result.extend([None] * len(extra))
-                base = current.data if current is not None else empty_manifest()
-                data, sequences = append_entries(base, [entries[i] for i in todo])
-                _check_deadline(cas, deadline)
-                peek = self._peek(current)
-                try:
-                    etag = cas.write(current, data)
-                except (ConflictError, CommitStateUnknownError) as err:
-                    # Either way our write may be in the manifest (a retried request can fail
-                    # its precondition on our own landed write): look before appending again.
-                    maybe_landed_from = sequences.start
-                    self.in_doubt_from(sequences.start)
-                    written_on = current
-                    self._cached = None
-                    grow = lost = True
-                    if peek is not None and current is not None and current.etag is not None:
-                        peeked = peek.moved_from(current.etag)
-                    cas.backoff(backoff, "manifest append", err)
-                    continue
-                except StorageError as err:
-                    self._cached = None
-                    current = None
-                    grow = lost = True
-                    cas.backoff(backoff, "manifest append", err)
-                    continue
-            except StorageError as err:
-                if maybe_landed_from is None and self._in_doubt_from is not None:
-                    maybe_landed_from = self._in_doubt_from  # a write of ours may still land
-                if maybe_landed_from is None and all(seq is None for seq in result):
-                    raise
-                # Out of retries after a write that may have landed, or with part of the group
-                # known to be in: say what is known.
-                raise CommitStateUnknownError(
-                    str(err), sequences=tuple(result), maybe_landed_from=maybe_landed_from
-                ) from err
-            for index, sequence in zip(todo, sequences, strict=True):
-                result[index] = sequence
-            self._cached = _Raw(data, etag) if etag is not None else None
-            self._seen_next = max(self._seen_next, sequences.stop)
-            self._in_doubt_from = None
-            self._pacer.won(backoff)
-            return tuple(_filled(result))
-
-    def _peek(self, current: _Raw | None) -> Peek[_Raw] | None:
-        """Under contention, a read of the manifest sent just behind the write."""
-        if current is None or current.etag is None:
-            return None
-        lag = self._pacer.peek_lag()
-        if lag is None:
-            return None
-        return Peek(self._cas.read, lag)
-
-    def _drop_present(
-        self,
-        current: _Raw,
-        entries: Sequence[PendingEntry],
-        todo: list[int],
-        result: list[int | None],
-        from_sequence: int,
-    ) -> list[int]:
-        """Record which of ``todo`` are in ``current`` already; return the others."""
-        found = find_locations(
-            current.data, {entries[i].location for i in todo}, from_sequence=from_sequence
-        )
-        if not found:
-            return todo
-        logger.info(
-            "append to %s: %s of %s entries are in the manifest already (appended by their "
-            "producer); not writing them again",
-            self._cas.path,
-            len(found),
-            len(todo),
-        )
-        for index in todo:
-            sequence = found.get(entries[index].location)
-            if sequence is not None:
-                result[index] = sequence
-        return [index for index in todo if entries[index].location not in found]
-
-    def _settle_landed(
-        self,
-        current: _Raw,
-        entries: Sequence[PendingEntry],
-        todo: list[int],
-        result: list[int | None],
-        from_sequence: int,
-        resume: Resume | None = None,
-    ) -> list[int]:
-        """Record which of ``todo`` landed; return the indices still to append."""
-        landing = resolve_landing(
-            current.data,
-            [entries[i].location for i in todo],
-            from_sequence=from_sequence,
-            name=self._cas.path,
-            resume=resume,
-        )
-        if landing.status is LandingStatus.UNKNOWN:
-            logger.warning(
-                "append to %s: none of %s entries is in the manifest, but entries from sequence "
-                "%s on were dequeued since; appending the same locations again (the sink skips "
-                "a location it has written)",
-                self._cas.path,
-                len(todo),
-                from_sequence,
-            )
-        elif landing.status in (LandingStatus.LANDED, LandingStatus.PARTIAL):
-            logger.info(
-                "append to %s had landed already for %s of %s entries (%s since dequeued)",
-                self._cas.path,
-                len(todo) - len(landing.missing),
-                len(todo),
-                len(landing.dequeued),
-            )
-        for position, sequence in enumerate(landing.sequences):
-            if sequence is not None:
-                result[todo[position]] = sequence
-        return [todo[position] for position in landing.missing]
-
-
-def _older_than_winners(
-    data: bytes,
-    from_sequence: int,
-    entries: Sequence[PendingEntry],
-    todo: Sequence[int],
-    resume: Resume | None = None,
-) -> bool | None:
-    """Whether the oldest of ``todo`` was minted before every batch appended from
-    ``from_sequence`` on (the race's winners); ``None`` when batch names do not tell.
-
-    Batch names carry their mint time (ULIDs): a writer that lost to younger batches than its
-    own has waited longest and should write at once, one that lost to older ones lets them go.
-    """
-    mine = _oldest(entries[i].location for i in todo)
-    if mine is None:
-        return None
-    ours = {entries[i].location for i in todo}
-    winners = locations_from(data, from_sequence, resume=resume)
-    theirs = _oldest(loc for loc in winners if loc not in ours)
-    return True if theirs is None else mine < theirs
-
-
-def _oldest(locations: Iterable[str]) -> str | None:
-    """The oldest batch name's ULID (ULIDs sort by their mint time, then at random)."""
-    ulids = [
-        ulid
-        for location in locations
-        if (ulid := parse_batch_name(location.rsplit("/", 1)[-1])) is not None
-    ]
-    return min(ulids) if ulids else None
-
-
-def _check_deadline(cas: _CasLoop, deadline: float | None) -> None:
-    """Raise ``StorageError`` once ``deadline`` (on the queue's clock) has passed."""
-    if deadline is not None and cas.clock.monotonic() >= deadline:
-        raise StorageError(f"{cas.path}: append deadline passed before the write")
-
-
-def _filled(result: list[int | None]) -> list[int]:
-    out = [sequence for sequence in result if sequence is not None]
-    assert len(out) == len(result)
-    return out
-
-
-class QueueConsumer:
-    """Reads and dequeues the manifest under epoch fencing (the RFC's queue consumer)."""
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        manifest_path: str = "ingest/manifest",
-        *,
-        retry: RetryPolicy | None = None,
-        clock: Clock | None = None,
-        counters: Counters | None = None,
-    ) -> None:
-        self._cas = _CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
-        self._epoch: int | None = None
-        self._last: ManifestSnapshot | None = None
-        # The ETag of the newest manifest state seen to carry this consumer's epoch: a
-        # conditional request against it answers "still ours" with a 304.
-        self._fence_etag: str | None = None
-        # The manifest's bytes as this consumer last read or wrote them: a conditional write
-        # can start from them instead of reading again (it fails if they are stale, and only
-        # then is the manifest read). Only trusted while their ETag is the newest seen.
-        self._raw: _Raw | None = None
-        self._confirmations = 0
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch this consumer holds, or ``None`` before ``initialize()``."""
-        return self._epoch
-
-    @property
-    def counters(self) -> Counters:
-        return self._cas.counters
-
-    @property
-    def confirmations(self) -> int:
-        """How many times a request found the manifest still this consumer's (a read that
-        found its epoch, a 304, a conditional write that landed): a caller that sees it grow
-        during a call knows the epoch was checked in that call, even if the call failed."""
-        return self._confirmations
-
-    def peek_next_sequence(self) -> int:
-        """The manifest's ``next_sequence`` (0 when there is none), without any epoch check.
-
-        What it read is where the next :meth:`initialize` starts its compare-and-swap.
-
-        Raises:
-            FormatError: the manifest's footer is corrupt.
-            StorageError: the store failed.
-        """
-        current = self._cas.read()
-        self._raw = current
-        if current is None:
-            return 0
-        # Decoded whole: a corrupt manifest is refused before its epoch is bumped.
-        return decode_manifest(current.data, name=self._cas.path).next_sequence
-
-    def initialize(self) -> int:
-        """Increment the manifest epoch (creating an empty manifest if none exists).
-
-        An ambiguous write is never taken as ours: another consumer may have written the same
-        epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
-        Right after :meth:`peek_next_sequence`, the first attempt writes over what it read
-        (conditional on its ETag, so only if nothing changed since) instead of reading again.
-
-        Returns:
-            The new epoch, which this consumer now holds.
-
-        Raises:
-            FormatError: the stored manifest is corrupt.
-            StorageError: the retry budget ran out.
-        """
-        cas = self._cas
-        backoff = cas.retry.start(cas.clock)
-        known, self._raw = self._raw, None
-        while True:
-            try:
-                current = known if known is not None else cas.read()
-                base = current.data if current is not None else empty_manifest()
-                epoch = decode_footer(base, name=cas.path).epoch + 1
-                data = with_epoch(base, epoch)
-                etag = cas.write(current, data)
-            except ConflictError as err:
-                # Someone else's write landed: read and bump again at once. A coordinator
-                # appending back to back leaves the manifest alone only for a moment now and
-                # then; a consumer that slept after each lost race would rarely be reading then.
-                cas.backoff(backoff, "epoch bump", err, at_once=True)
-                known = None
-                continue
-            except StorageError as err:
-                known = None
-                cas.backoff(backoff, "epoch bump", err)
-                continue
-            self._epoch = epoch
-            self._last = None
-            self._fence_etag = etag
-            self._raw = _Raw(data, etag)
-            logger.info("consumer holds epoch %s of %s", epoch, cas.path)
-            return epoch
-
-    def check_fence(self) -> None:
-        """Raise ``FencedError`` if another consumer has initialized since; one request.
-
-        A conditional GET of the manifest's last 22 bytes (its footer): a 304 when nothing
-        changed since this consumer last saw its own epoch there, else the footer alone.
-
-        Raises:
-            FencedError: another consumer initialized after this one.
-            FormatError: the manifest's footer is corrupt.
-            NotFoundError: the manifest is gone.
-            StorageError: the store failed.
-        """
-        if self._epoch is None:
-            raise MillpondError("consumer is not initialized: call initialize() first")
-        got = self._cas.store.get_tail(self._cas.path, FOOTER_SIZE, self._fence_etag)
-        self._cas.counters.add("fence_checks")
-        if got is None:
-            self._confirmations += 1
-            return
-        self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
-        self._fence_etag = got.etag
-        self._confirmations += 1
-
-    def read(self, *, reuse: bool = False) -> ManifestSnapshot:
-        """Read and decode the manifest, checking the epoch.
-
-        Args:
-            reuse: decode the bytes this consumer last read or wrote (its epoch bump, a
-                dequeue) instead of reading, when nothing newer was seen since: a state of
-                the manifest that carried this consumer's epoch, possibly missing appends
-                made since (the next :meth:`read_if_changed` finds them). It proves nothing
-                about the epoch now.
-
-        Raises:
-            FencedError: another consumer initialized after this one.
-            FormatError: the manifest is corrupt.
-            NotFoundError: the manifest is gone.
-            StorageError: the store failed.
-        """
-        known = self._raw
-        if reuse and known is not None and known.etag == self._fence_etag:
-            return self._accept(known.data, known.etag)
-        got = self._cas.store.get(self._cas.path)
-        self._cas.counters.add("manifest_reads")
-        return self._accept(got.data, got.etag)
-
-    def read_if_changed(self) -> ManifestSnapshot | None:
-        """Like :meth:`read`, but ``None`` when the manifest is unchanged since the last read.
-
-        An unchanged manifest carries the epoch that was checked when it was read, so the
-        conditional GET keeps the fencing guarantee.
-
-        Raises:
-            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read`.
-        """
-        etag = self._last.etag if self._last is not None else None
-        got = self._cas.store.get_if_changed(self._cas.path, etag)
-        self._cas.counters.add("manifest_reads")
-        if got is None:
-            return None
-        return self._accept(got.data, got.etag)
-
-    def dequeue(self, through: int) -> int:
-        """Remove every entry with ``sequence <= through``; returns how many went.
-
-        Writes nothing when nothing would be removed. Returning at all proves this consumer
-        still held the epoch during the call: its last read found the epoch, or its write,
-        conditional on bytes that carried the epoch, landed.
-
-        Raises:
-            InvalidInputError: ``through`` is not below ``next_sequence``.
-            FencedError: another consumer initialized after this one.
-            FormatError: the manifest is corrupt.
-            StorageError: the retry budget ran out.
-        """
-        cas = self._cas
-        backoff = cas.retry.start(cas.clock)
-        removed_before = 0
-        # The bytes this consumer last read or wrote, while nothing newer was seen: the write
-        # below is conditional on their ETag, so it lands only on that very manifest, which
-        # carries this consumer's epoch; anything else fails it and the manifest is read.
-        known = self._raw if self._raw is not None and self._raw.etag == self._fence_etag else None
-        while True:
-            try:
-                current = known if known is not None else cas.read()
-            except StorageError as err:
-                cas.backoff(backoff, "manifest read", err)
-                continue
-            if current is None:
-                raise NotFoundError(f"{cas.path}: manifest not found")
-            footer = decode_footer(current.data, name=cas.path)
-            self._check_epoch(footer.epoch)
-            if known is None:
-                self._confirmations += 1  # read in this call
-            data, removed = b"", 0
-            if through < footer.next_sequence:
-                data, removed = remove_through(current.data, through)
-            if known is not None and removed == 0:
-                # Only a write proves the known bytes current (and the epoch this
-                # consumer's): an answer without one comes from a read.
-                known = None
-                continue
-            if through >= footer.next_sequence:
-                raise InvalidInputError(
-                    f"through: expected < next_sequence {footer.next_sequence}, found {through}"
-                )
-            if removed == 0:
-                return removed_before
-            try:
-                etag = cas.write(current, data)
-            except (CommitStateUnknownError, ConflictError) as err:
-                # Our write may have landed (a retried request can fail its precondition on
-                # our own write); if so the re-read finds nothing left to remove.
-                removed_before = max(removed_before, removed)
-                if isinstance(err, ConflictError):
-                    # Most likely someone else's write: read and try again at once (as in
-                    # initialize, a sleeping consumer would miss a coordinator's pauses).
-                    cas.backoff(backoff, "dequeue", err, at_once=True)
-                    known = None
-                    continue
-                known = None
-                cas.backoff(backoff, "dequeue", err)
-                continue
-            except StorageError as err:
-                known = None
-                cas.backoff(backoff, "dequeue", err)
-                continue
-            self._fence_etag = etag
-            self._raw = _Raw(data, etag)
-            self._confirmations += 1
-            return removed
-
-    def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
-        snapshot = ManifestSnapshot(decode_manifest(data, name=self._cas.path), etag, len(data))
-        self._check_epoch(snapshot.manifest.epoch)
-        self._last = snapshot
-        self._fence_etag = etag
-        self._raw = _Raw(data, etag)
-        self._confirmations += 1
-        return snapshot
-
-    def _check_epoch(self, found: int) -> None:
-        if self._epoch is None:
-            raise MillpondError("consumer is not initialized: call initialize() first")
-        if found != self._epoch:
-            raise FencedError(
-                f"{self._cas.path}: fenced: this consumer holds epoch {self._epoch}, the "
-                f"manifest has epoch {found}; another consumer took over",
-                expected_epoch=self._epoch,
-                found_epoch=found,
-            )

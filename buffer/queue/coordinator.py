@@ -63,7 +63,7 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import PendingEntry
-from millpond.queue.cas import QueueProducer
+from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator_http import (
     APPENDED,
     DEFAULT_BUDGET,

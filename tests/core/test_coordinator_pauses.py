@@ -16,8 +16,9 @@ from __future__ import annotations
 import uuid
 
 from millpond.common.retry import RetryPolicy
-from millpond.queue.cas import QueueConsumer, QueueProducer
+from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import AppendCoordinator
+from millpond.queue.dequeue import QueueConsumer
 from millpond.storage.obstore_store import ObstoreStore
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
 from tests.core._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, pending
