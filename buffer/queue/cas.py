@@ -66,6 +66,8 @@ class ManifestSnapshot:
 
 @dataclass(slots=True)
 class RawManifest:
+    """The manifest's bytes as read or written, with the ETag they were read or written at."""
+
     data: bytes
     etag: str | None
 
