@@ -90,10 +90,13 @@ def encode_batch(
             )
         parts.append(_U32.pack(size))
         parts.append(record)
-    block = b"".join(parts)
+    footer = _FOOTER.pack(int(compression), len(records), BATCH_VERSION)
     if compression is CompressionType.ZSTD:
-        block = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(block)
-    return block + _FOOTER.pack(int(compression), len(records), BATCH_VERSION)
+        block = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(parts))
+        return block + footer
+    # One copy of the payload, not two: ``block + footer`` would copy the whole block again.
+    parts.append(footer)
+    return b"".join(parts)
 
 
 def decode_batch(raw: bytes | memoryview, *, name: str = "batch") -> list[bytes]:
