@@ -43,6 +43,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import crc32c as _crc32c
 
@@ -134,8 +135,7 @@ class FileHeader:
     version: int = WAL_VERSION
 
 
-@dataclass(frozen=True, slots=True)
-class RecordHead:
+class RecordHead(NamedTuple):
     """The framing of one record: its type, sequence and total size on disk."""
 
     type: int

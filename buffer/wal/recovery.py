@@ -69,8 +69,7 @@ class WalRef(NamedTuple):
     size: int
 
 
-@dataclass(frozen=True, slots=True)
-class WalRecord:
+class WalRecord(NamedTuple):
     """A record found on replay (DATA entries stay on disk; read them with ``Wal.read_data``)."""
 
     seq: int
