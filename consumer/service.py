@@ -1,4 +1,5 @@
-"""``millpond consume STORE_URL --sink URL``: the long-running consumer service.
+"""The long-running consumer service behind ``millpond consume`` (its command line:
+:mod:`millpond.consumer.command`).
 
 It resumes after the sequence the sink recorded last, writes every batch into the database in
 one transaction with its sequence and location, acks it, and goes on until SIGTERM or SIGINT;
@@ -29,7 +30,6 @@ doing where ``millpond status`` reads it from any other process (:mod:`millpond.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import threading
@@ -39,25 +39,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
-from millpond.cli.common import (
-    add_store_arguments,
-    parse_options,
-    require_queue_unless_create,
-    serving_metrics,
-)
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.signals import stop_on_signals
-from millpond.consumer import _metrics
 from millpond.consumer._batch import ConsumedBatch
-from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer
 from millpond.consumer._report import ServiceReporter, ServiceState
 from millpond.consumer.quarantine import (
     default_dead_letter_prefix,
-    quarantine_command,
     set_aside,
 )
-from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError, open_sink
+from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError
 from millpond.errors import (
     ConfigError,
     FencedError,
@@ -69,7 +59,7 @@ from millpond.errors import (
 from millpond.formats.manifest import ManifestEntry
 from millpond.queue import read_manifest
 
-__all__ = ["BadBatchPolicy", "ConsumerService", "ServiceStats", "add_arguments", "run"]
+__all__ = ["BadBatchPolicy", "ConsumerService", "ServiceStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -685,192 +675,3 @@ class ConsumerService:
         if not final:
             self._window_start = now
             self._window = ServiceStats()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser, output=False)
-    parser.add_argument(
-        "--create",
-        action="store_true",
-        help="start an empty queue when there is none at STORE_URL (else refuse: a typo)",
-    )
-    parser.add_argument(
-        "--sink", required=True, metavar="URL", help="sqlite:///path.db or postgresql://..."
-    )
-    parser.add_argument("--table", default="millpond_rows", help="target table [schema.]name")
-    parser.add_argument(
-        "--entry-format",
-        choices=("auto", "arrow", "opaque"),
-        default="auto",
-        help="Arrow IPC entries become rows with their columns; opaque entries one row each",
-    )
-    parser.add_argument(
-        "--sequence-column",
-        default="_millpond_sequence",
-        help="column holding each Arrow row's batch sequence ('' for none)",
-    )
-    parser.add_argument("--progress-table", default="millpond_progress")
-    parser.add_argument(
-        "--ack-batch-size",
-        type=int,
-        default=100,
-        help="fewest acks per dequeue (with a backlog, also 10%% of what is queued behind)",
-    )
-    parser.add_argument(
-        "--backlog-index",
-        action="store_true",
-        help="move a long backlog out of the manifest into the consumer's own index, so "
-        "appends stay cheap; only with millpond's GC (an RFC peer's GC would delete indexed "
-        "batch objects)",
-    )
-    parser.add_argument(
-        "--backlog-index-threshold",
-        type=int,
-        default=10_000,
-        help="manifest entries that trigger a move into the backlog index (default 10000)",
-    )
-    parser.add_argument(
-        "--read-ahead", type=int, default=4, help="batch objects fetched ahead at first (4)"
-    )
-    parser.add_argument(
-        "--read-ahead-max",
-        type=int,
-        default=64,
-        help="most batch objects fetched ahead while deliveries wait for a slow store (64)",
-    )
-    parser.add_argument(
-        "--max-group",
-        type=int,
-        default=16,
-        help="most batches written in one transaction when there is a backlog (default 16)",
-    )
-    parser.add_argument(
-        "--poll-interval", type=float, default=1.0, help="longest pause between idle polls (s)"
-    )
-    parser.add_argument(
-        "--progress-interval", type=float, default=10.0, help="seconds between progress lines"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument(
-        "--exit-when-idle",
-        action="store_true",
-        help="stop once the queue is drained (for a scheduled job) instead of polling",
-    )
-    parser.add_argument(
-        "--gc",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the garbage collector in this process (default on)",
-    )
-    parser.add_argument("--gc-interval", type=float, default=300.0, help="seconds (default 300)")
-    parser.add_argument(
-        "--gc-grace-period", type=float, default=600.0, help="seconds (default 600)"
-    )
-    _metrics.add_arguments(parser)
-    parser.add_argument(
-        "--on-bad-batch",
-        choices=("stop", "quarantine"),
-        default="stop",
-        help="a batch that cannot be decoded or that the database refuses for good: stop on "
-        "it (default) or set it aside in the dead-letter prefix, counting each",
-    )
-    parser.add_argument(
-        "--dead-letter-prefix",
-        default=None,
-        help="where set-aside batches are copied (default {data-prefix}-dead-letter)",
-    )
-    parser.add_argument(
-        "--quarantine-limit",
-        type=int,
-        default=10,
-        help="with --on-bad-batch quarantine, stop after this many in a row (default 10)",
-    )
-    parser.add_argument(
-        "--report-interval",
-        type=float,
-        default=5.0,
-        help="seconds between reports for millpond status (default 5; 0: at start and stop)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the service until SIGTERM or SIGINT.
-
-    Raises:
-        FencedError: another consumer took over (the CLI exits 3).
-        MillpondError: bad data, a bad configuration or a refusing database (exit 1).
-    """
-    if not args.quiet:
-        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
-    config = ConsumerConfig(
-        store=args.store,
-        store_options=parse_options(args.store_option),
-        manifest_path=args.manifest_path,
-        data_path_prefix=args.data_prefix,
-        ack_batch_size=args.ack_batch_size,
-        backlog_index=args.backlog_index,
-        backlog_index_threshold=args.backlog_index_threshold,
-        read_ahead=args.read_ahead,
-        read_ahead_max=args.read_ahead_max,
-        gc_enabled=args.gc,
-        gc_interval=args.gc_interval,
-        gc_grace_period=args.gc_grace_period,
-    )
-    if args.poll_interval <= 0:
-        raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")
-    if args.report_interval < 0:
-        raise ConfigError("report-interval", f"expected >= 0 seconds, found {args.report_interval}")
-    stop = threading.Event()
-    with (
-        stop_on_signals(stop, what="finishing the current batch"),
-        open_sink(
-            args.sink,
-            table=args.table,
-            entry_format=args.entry_format,
-            sequence_column=args.sequence_column or None,
-            progress_table=args.progress_table,
-        ) as sink,
-    ):
-        require_queue_unless_create(args)  # every option is checked first: a typo is usage
-        consumer = Consumer(config)
-        description = sink.description
-
-        def command(sequence: int) -> str:
-            return quarantine_command(
-                consumer.store.url,
-                sequence,
-                sink=description,
-                table=args.table,
-                progress_table=args.progress_table,
-                manifest_path=args.manifest_path,
-                data_prefix=args.data_prefix,
-                dead_letter_prefix=args.dead_letter_prefix,
-            )
-
-        reporter = ServiceReporter(
-            consumer.store,
-            data_path_prefix=config.data_path_prefix,
-            queue=consumer.queue,
-            interval=args.report_interval,
-            quarantine_command=command,
-        )
-        timed = _metrics.TimedSink(sink)
-        metrics = _metrics.ConsumerMetrics(consumer, timed, interval=args.metrics_interval)
-        service = ConsumerService(
-            consumer,
-            timed,
-            poll_max=args.poll_interval,
-            max_group=args.max_group,
-            progress_interval=args.progress_interval,
-            on_bad_batch=args.on_bad_batch,
-            dead_letter_prefix=args.dead_letter_prefix,
-            quarantine_limit=args.quarantine_limit,
-            reporter=reporter,
-            ledger=sink,
-        )
-        with (
-            serving_metrics(args, [metrics.collector()]) as server,
-            metrics.sampling(enabled=server is not None),
-        ):
-            service.run(stop, until_idle=args.exit_when_idle)
-    return 0

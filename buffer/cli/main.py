@@ -35,7 +35,7 @@ _COMMANDS = {
         "millpond.consumer.doctor",
         "check that a store (and a database) can hold a queue, with a fix for each problem",
     ),
-    "consume": ("millpond.consumer.service", "run the consumer service into a database"),
+    "consume": ("millpond.consumer.command", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),
     "quarantine": (
         "millpond.consumer.quarantine",
