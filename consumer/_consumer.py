@@ -36,30 +36,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters, LatencySummary
-from millpond.common.ulids import parse_batch_name
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
-from millpond.consumer._read_ahead import ReadAheadWindow
+from millpond.consumer._read_ahead import ReadAhead
 from millpond.errors import (
     ClosedError,
     FencedError,
-    FormatError,
     InvalidInputError,
     MillpondError,
-    NotFoundError,
     StorageError,
 )
-from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
@@ -123,16 +118,15 @@ class Consumer:
             counters=self.counters,  # manifest reads, writes and conflicts count here too
         )
         self._lock = threading.RLock()
-        self._pool: ThreadPoolExecutor | None = None
         self._gc: BackgroundCollector | None = None
-        # Entries read from the manifest, not yet submitted for fetching.
-        self._cache: deque[ManifestEntry] = deque()
-        # Submitted fetches, in sequence order; the head is delivered next.
-        self._inflight: deque[tuple[ManifestEntry, Future[ConsumedBatch]]] = deque()
-        self._window = self._new_window()
-        # Fetches in flight when the last delivery returned: the head of the next delivery
-        # was among them if any (a wait for it then means the window is too small).
-        self._ahead_at_return = 0
+        # Entries read from the manifest and not yet delivered, fetched ahead.
+        self._ahead = ReadAhead(
+            self._store,
+            config,
+            queue=self.queue,
+            counters=self.counters,
+            fetch_latency=self.fetch_latency,
+        )
         self._next = 0
         self._acked = -1
         self._dequeued = -1
@@ -266,8 +260,7 @@ class Consumer:
             self._dequeued = first - 1
             self._next = acked + 1
             self._cache_new(manifest, after=acked)
-            self._window = self._new_window()
-            self._pool = ThreadPoolExecutor(self._window.most, thread_name_prefix="millpond-read")
+            self._ahead.start()
             self._initialized = True
             if snapshot.manifest.entries and snapshot.manifest.entries[0].sequence <= index.end:
                 # A move that stopped before its manifest write: finish it.
@@ -294,12 +287,12 @@ class Consumer:
                 self._start_mover()
             # Fetching is not delivering: the first objects are on their way before the first
             # next_batches() call, which checks the epoch while they arrive.
-            self._top_up()
+            self._ahead.top_up()
             logger.info(
                 "consumer at epoch %s starts after sequence %s (%s entries queued)",
                 self._queue.epoch,
                 acked,
-                len(self._cache),
+                self._ahead.waiting,
             )
 
     def next_batch(self) -> ConsumedBatch | None:
@@ -343,51 +336,24 @@ class Consumer:
             self._check_ready()
             if ack_through is not None:
                 self._check_ack_through(ack_through)
-            idle = not self._cache and not self._inflight
+            ahead = self._ahead
+            idle = ahead.empty
             if idle:
                 self._refresh()  # the conditional read checks the epoch
             else:
-                self._top_up()  # the fetches go on while the epoch is checked
+                ahead.top_up()  # the fetches go on while the epoch is checked
                 self._guard(self._queue.check_fence)
             if ack_through is not None:
                 self._record_ack(ack_through)
             if idle:
-                if not self._cache and self._dequeue_overdue():
+                if not ahead.waiting and self._dequeue_overdue():
                     self._dequeue()  # idle: acked entries do not wait for more acks
                 self._maybe_move()
-            self._top_up()
-            batches = self._deliver(limit)
-            self._ahead_at_return = len(self._inflight)
+            ahead.top_up()
+            batches = ahead.deliver(limit)
+            if batches:
+                self._next = batches[-1].sequence + 1
             return batches
-
-    def _deliver(self, limit: int) -> list[ConsumedBatch]:
-        """Hand out the head of the read-ahead and what is fetched behind it."""
-        batches: list[ConsumedBatch] = []
-        while self._inflight and len(batches) < max(1, limit):
-            entry, future = self._inflight[0]
-            if not _ready(future):
-                if batches:
-                    break
-                if self._ahead_at_return:
-                    self._window.starved()  # in flight since the last delivery, still not here
-            try:
-                batch = future.result()
-            except MillpondError:
-                if batches:
-                    break  # the ones before it are delivered; it fails on the next call
-                self._rewind()
-                raise
-            self._inflight.popleft()
-            self._next = entry.sequence + 1
-            self.counters.add("batches")
-            self.counters.add("entries", len(batch.entries))
-            self._window.delivered(sum(map(len, batch.entries)))
-            self._top_up()
-            batches.append(batch)
-        if len(batches) < limit and self._inflight and not _ready(self._inflight[0][1]):
-            # The caller wanted more than was fetched: fetch further ahead.
-            self._window.short()
-        return batches
 
     def has_ready_batch(self) -> bool:
         """Whether :meth:`next_batch` would return a batch at once, without any IO.
@@ -397,10 +363,9 @@ class Consumer:
         transaction without waiting for more.
         """
         with self._lock:
-            if self._closed or self._fenced is not None or not self._inflight:
+            if self._closed or self._fenced is not None:
                 return False
-            future = self._inflight[0][1]
-            return future.done() and not future.cancelled() and future.exception() is None
+            return self._ahead.has_ready()
 
     def ack(self, sequence: int) -> None:
         """Confirm that the batch ``sequence`` is processed. Acks must come in order.
@@ -554,26 +519,18 @@ class Consumer:
         """The entry :meth:`next_batch` delivers next (the one it failed on, after a failure),
         or ``None`` when none is read yet; from the manifest or the backlog index."""
         with self._lock:
-            if self._inflight:
-                return self._inflight[0][0]
-            return self._cache[0] if self._cache else None
+            return self._ahead.head()
 
     def backlog(self) -> Backlog:
         """Undelivered entries as of the last manifest read (for lag reporting)."""
         with self._lock:
-            head: ManifestEntry | None = None
-            if self._inflight:
-                head = self._inflight[0][0]
-            elif self._cache:
-                head = self._cache[0]
+            head = self._ahead.head()
             oldest = (
                 min(item.ingestion_time_ms for item in head.metadata)
                 if head is not None and head.metadata
                 else None
             )
-            return Backlog(
-                entries=len(self._inflight) + len(self._cache), oldest_ingestion_ms=oldest
-            )
+            return Backlog(entries=len(self._ahead), oldest_ingestion_ms=oldest)
 
     def __enter__(self) -> Self:
         return self
@@ -673,72 +630,9 @@ class Consumer:
     def _cache_new(self, manifest: Manifest, *, after: int) -> None:
         """Cache the manifest's entries past ``after`` that were never cached before."""
         fresh = [e for e in manifest.entries if e.sequence > after]
-        self._cache.extend(fresh)
+        self._ahead.add(fresh)
         if fresh:
             self._known = fresh[-1].sequence
-
-    def _top_up(self) -> None:
-        pool = self._pool
-        assert pool is not None
-        while self._cache and len(self._inflight) < self._window.size:
-            entry = self._cache.popleft()
-            problem = self._location_problem(entry.location)
-            if problem is None:
-                future = pool.submit(self._fetch, entry)
-            else:
-                future = Future()
-                future.set_exception(
-                    FormatError(
-                        f"{self._config.manifest_path}: sequence {entry.sequence}: location "
-                        f"{entry.location!r} {problem}",
-                        field="location",
-                    )
-                )
-            self._inflight.append((entry, future))
-
-    def _rewind(self) -> None:
-        """Put every submitted entry back in front of the cache, to be fetched again."""
-        for entry, future in reversed(self._inflight):
-            future.cancel()
-            self._cache.appendleft(entry)
-        self._inflight.clear()
-        self._ahead_at_return = 0
-
-    def _location_problem(self, location: str) -> str | None:
-        parent, _, name = location.rpartition("/")
-        if parent != self._prefix:
-            return f"is outside the data prefix {self._prefix!r}"
-        if parse_batch_name(name) is None:
-            return "is not named {ULID}.batch"
-        return None
-
-    def _fetch(self, entry: ManifestEntry) -> ConsumedBatch:
-        with self.fetch_latency.time():
-            return self._fetch_untimed(entry)
-
-    def _fetch_untimed(self, entry: ManifestEntry) -> ConsumedBatch:
-        location = entry.location
-        try:
-            got = self._store.get(location)
-        except NotFoundError as err:
-            raise NotFoundError(
-                f"{self._config.manifest_path}: sequence {entry.sequence}: batch object "
-                f"{location} is missing"
-            ) from err
-        try:
-            records = decode_batch(got.data, name=location)
-        except FormatError as err:
-            raise FormatError(
-                f"sequence {entry.sequence}: {err}", field=err.field, offset=err.offset
-            ) from err
-        self.counters.add("bytes", len(got.data))
-        return ConsumedBatch(
-            entries=tuple(records),
-            sequence=entry.sequence,
-            location=location,
-            metadata=entry.metadata,
-            queue=self.queue,
-        )
 
     def _dequeue(self, through: int | None = None) -> None:
         """Remove the acked entries (through ``through``, default the last acked)."""
@@ -796,16 +690,9 @@ class Consumer:
         self.counters.add("index_moves")
         logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
 
-    def _new_window(self) -> ReadAheadWindow:
-        config = self._config
-        return ReadAheadWindow(
-            least=config.read_ahead, most=config.read_ahead_max, max_bytes=config.read_ahead_bytes
-        )
-
     def _reset(self) -> None:
         self._shutdown()
-        self._ahead_at_return = 0
-        self._cache.clear()
+        self._ahead.reset()
         self._known = -1
         self._ack_waiting_since = None
         self._unfinished_move = False
@@ -841,14 +728,4 @@ class Consumer:
         if self._gc is not None:
             self._gc.stop()
             self._gc = None
-        for _entry, future in self._inflight:
-            future.cancel()
-        self._inflight.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-
-def _ready(future: Future[ConsumedBatch]) -> bool:
-    """Whether a fetch finished (successfully or not) without waiting for it."""
-    return future.done() and not future.cancelled()
+        self._ahead.close()

@@ -1,5 +1,6 @@
-"""How many batch objects the consumer fetches ahead of delivery: a window that grows with the
-store's latency, within a memory budget.
+"""The consumer's read-ahead (:class:`ReadAhead`): batch objects fetched and decoded on a thread
+pool ahead of delivery, handed out strictly in sequence order; and how many
+(:class:`ReadAheadWindow`): a window that grows with the store's latency, within a memory budget.
 
 A fixed read-ahead caps the consumer at ``read_ahead`` objects per store round trip: 4 objects
 per 50 ms GET is 80 objects/s, however fast the database is. The window therefore starts at
@@ -23,7 +24,19 @@ caller asked for explicitly).
 
 from __future__ import annotations
 
-__all__ = ["ReadAheadWindow"]
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.ulids import parse_batch_name
+from millpond.consumer._batch import ConsumedBatch
+from millpond.consumer._config import ConsumerConfig
+from millpond.errors import FormatError, MillpondError, NotFoundError
+from millpond.formats.batch import decode_batch
+from millpond.formats.manifest import ManifestEntry
+from millpond.storage.store import ObjectStore
+
+__all__ = ["ReadAhead", "ReadAheadWindow"]
 
 # Weight of the newest batch in the running average of batch sizes: a few batches move it, one
 # odd batch does not.
@@ -77,3 +90,196 @@ class ReadAheadWindow:
             self._batch_bytes = float(decoded_bytes)
         else:
             self._batch_bytes += _SIZE_WEIGHT * (decoded_bytes - self._batch_bytes)
+
+
+class ReadAhead:
+    """The entries read from the manifest and not yet delivered, in sequence order: those
+    waiting to be fetched, and the fetches in flight ahead of delivery (at most the window's
+    size), on a thread pool.
+
+    Not thread-safe: the consumer calls it under its lock.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        config: ConsumerConfig,
+        *,
+        queue: str,
+        counters: Counters,
+        fetch_latency: LatencySummary,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._prefix = config.data_path_prefix.strip("/")
+        self._queue = queue
+        self._counters = counters
+        self._fetch_latency = fetch_latency
+        self._pool: ThreadPoolExecutor | None = None
+        # Entries read from the manifest, not yet submitted for fetching.
+        self._waiting: deque[ManifestEntry] = deque()
+        # Submitted fetches, in sequence order; the head is delivered next.
+        self._inflight: deque[tuple[ManifestEntry, Future[ConsumedBatch]]] = deque()
+        self._window = self._new_window()
+        # Fetches in flight when the last delivery returned: the head of the next delivery
+        # was among them if any (a wait for it then means the window is too small).
+        self._ahead_at_return = 0
+
+    def start(self) -> None:
+        """A fresh window and the fetch threads (after :meth:`reset`)."""
+        self._window = self._new_window()
+        self._pool = ThreadPoolExecutor(self._window.most, thread_name_prefix="millpond-read")
+
+    def add(self, entries: list[ManifestEntry]) -> None:
+        """Entries newly read from the manifest, after every one held already."""
+        self._waiting.extend(entries)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing is waiting or in flight."""
+        return not self._waiting and not self._inflight
+
+    @property
+    def waiting(self) -> int:
+        """Entries not yet submitted for fetching."""
+        return len(self._waiting)
+
+    def __len__(self) -> int:
+        return len(self._inflight) + len(self._waiting)
+
+    def head(self) -> ManifestEntry | None:
+        """The entry delivered next, or ``None``."""
+        if self._inflight:
+            return self._inflight[0][0]
+        return self._waiting[0] if self._waiting else None
+
+    def top_up(self) -> None:
+        """Submit waiting entries until the window is full."""
+        pool = self._pool
+        assert pool is not None
+        while self._waiting and len(self._inflight) < self._window.size:
+            entry = self._waiting.popleft()
+            problem = self._location_problem(entry.location)
+            if problem is None:
+                future = pool.submit(self._fetch, entry)
+            else:
+                future = Future()
+                future.set_exception(
+                    FormatError(
+                        f"{self._config.manifest_path}: sequence {entry.sequence}: location "
+                        f"{entry.location!r} {problem}",
+                        field="location",
+                    )
+                )
+            self._inflight.append((entry, future))
+
+    def deliver(self, limit: int) -> list[ConsumedBatch]:
+        """The head of the read-ahead and what is fetched behind it, up to ``limit``.
+
+        Raises:
+            MillpondError: fetching the head failed; every submitted entry is put back to be
+                fetched again, and the next call starts with the same entry.
+        """
+        batches: list[ConsumedBatch] = []
+        while self._inflight and len(batches) < max(1, limit):
+            _entry, future = self._inflight[0]
+            if not _ready(future):
+                if batches:
+                    break
+                if self._ahead_at_return:
+                    self._window.starved()  # in flight since the last delivery, still not here
+            try:
+                batch = future.result()
+            except MillpondError:
+                if batches:
+                    break  # the ones before it are delivered; it fails on the next call
+                self._rewind()
+                raise
+            self._inflight.popleft()
+            self._counters.add("batches")
+            self._counters.add("entries", len(batch.entries))
+            self._window.delivered(sum(map(len, batch.entries)))
+            self.top_up()
+            batches.append(batch)
+        if len(batches) < limit and self._inflight and not _ready(self._inflight[0][1]):
+            # The caller wanted more than was fetched: fetch further ahead.
+            self._window.short()
+        self._ahead_at_return = len(self._inflight)
+        return batches
+
+    def has_ready(self) -> bool:
+        """Whether the head is fetched and decoded (delivering it needs no IO)."""
+        if not self._inflight:
+            return False
+        future = self._inflight[0][1]
+        return future.done() and not future.cancelled() and future.exception() is None
+
+    def reset(self) -> None:
+        """Forget every entry and stop the fetch threads."""
+        self.close()
+        self._waiting.clear()
+        self._ahead_at_return = 0
+
+    def close(self) -> None:
+        """Cancel the fetches in flight and stop the fetch threads."""
+        for _entry, future in self._inflight:
+            future.cancel()
+        self._inflight.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _new_window(self) -> ReadAheadWindow:
+        config = self._config
+        return ReadAheadWindow(
+            least=config.read_ahead, most=config.read_ahead_max, max_bytes=config.read_ahead_bytes
+        )
+
+    def _rewind(self) -> None:
+        """Put every submitted entry back in front of the waiting ones, to be fetched again."""
+        for entry, future in reversed(self._inflight):
+            future.cancel()
+            self._waiting.appendleft(entry)
+        self._inflight.clear()
+        self._ahead_at_return = 0
+
+    def _location_problem(self, location: str) -> str | None:
+        parent, _, name = location.rpartition("/")
+        if parent != self._prefix:
+            return f"is outside the data prefix {self._prefix!r}"
+        if parse_batch_name(name) is None:
+            return "is not named {ULID}.batch"
+        return None
+
+    def _fetch(self, entry: ManifestEntry) -> ConsumedBatch:
+        with self._fetch_latency.time():
+            return self._fetch_untimed(entry)
+
+    def _fetch_untimed(self, entry: ManifestEntry) -> ConsumedBatch:
+        location = entry.location
+        try:
+            got = self._store.get(location)
+        except NotFoundError as err:
+            raise NotFoundError(
+                f"{self._config.manifest_path}: sequence {entry.sequence}: batch object "
+                f"{location} is missing"
+            ) from err
+        try:
+            records = decode_batch(got.data, name=location)
+        except FormatError as err:
+            raise FormatError(
+                f"sequence {entry.sequence}: {err}", field=err.field, offset=err.offset
+            ) from err
+        self._counters.add("bytes", len(got.data))
+        return ConsumedBatch(
+            entries=tuple(records),
+            sequence=entry.sequence,
+            location=location,
+            metadata=entry.metadata,
+            queue=self._queue,
+        )
+
+
+def _ready(future: Future[ConsumedBatch]) -> bool:
+    """Whether a fetch finished (successfully or not) without waiting for it."""
+    return future.done() and not future.cancelled()
