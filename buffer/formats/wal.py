@@ -91,6 +91,7 @@ _U32 = struct.Struct("<I")
 _LEN = _U32
 # type u8, flags u8, reserved u16, seq u64 -- the fixed part every record has after entry_len
 _HEAD = struct.Struct("<BBHQ")
+_RECORD_HEAD = struct.Struct("<IBBHQ")  # entry_len and _HEAD: HEAD_SIZE bytes
 _DATA_HEAD = struct.Struct("<qII")  # ingestion_time_ms, metadata_len, entry_count
 # entry_len, type, flags, reserved, seq, then the DATA head: everything before the metadata
 _DATA_PREFIX = struct.Struct("<IBBHQqII")
@@ -333,7 +334,8 @@ def decode_record_head(
             field="entry_len",
             offset=offset,
         )
-    (entry_len,) = _LEN.unpack_from(raw, offset)
+    # The whole fixed head at once; its fields are trusted only once the CRC matched.
+    entry_len, record_type, flags, reserved, seq = _RECORD_HEAD.unpack_from(raw, offset)
     size = _LEN.size + entry_len + 4
     if entry_len < _HEAD.size or offset + size > end:
         raise FormatError(
@@ -344,13 +346,12 @@ def decode_record_head(
         )
     crc_at = offset + size - 4
     (stored,) = _U32.unpack_from(raw, crc_at)
-    if crc32c(memoryview(raw)[offset:crc_at]) != stored:
+    if _crc32c.crc32c(memoryview(raw)[offset:crc_at]) != stored:
         raise FormatError(
             f"{name}: crc32c at byte {crc_at}: does not match the record at byte {offset}",
             field="crc32c",
             offset=crc_at,
         )
-    record_type, flags, reserved, seq = _HEAD.unpack_from(raw, offset + _LEN.size)
     if record_type not in _KNOWN_TYPES or flags != 0 or reserved != 0:
         raise FormatError(
             f"{name}: type at byte {offset + 4}: expected one of "
@@ -359,7 +360,7 @@ def decode_record_head(
             field="type",
             offset=offset + 4,
         )
-    return RecordHead(type=record_type, seq=seq, size=size)
+    return RecordHead(record_type, seq, size)
 
 
 _KNOWN_TYPES = frozenset(int(t) for t in RecordType)
@@ -398,27 +399,30 @@ def _body(raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead) ->
 
 def _data_layout(
     raw: bytes | memoryview | mmap.mmap, offset: int, head: RecordHead, name: str
-) -> tuple[memoryview, int, int, bytes, tuple[int, ...], int]:
-    """``(body, body offset, ingestion_time_ms, metadata, entry lengths, entries offset)``."""
-    body = _body(raw, offset, head)
+) -> tuple[int, bytes, tuple[int, ...], int]:
+    """``(ingestion_time_ms, metadata, entry lengths, offset of the first entry in raw)``.
+
+    Reads ``raw`` at absolute offsets (no view of the body): replay calls this once per record.
+    """
     where = offset + HEAD_SIZE
-    if len(body) < _DATA_HEAD.size:
+    body_size = head.size - RECORD_OVERHEAD
+    if body_size < _DATA_HEAD.size:
         raise _body_error(name, where, "DATA body too short")
-    ingestion_time_ms, metadata_len, count = _DATA_HEAD.unpack_from(body, 0)
+    ingestion_time_ms, metadata_len, count = _DATA_HEAD.unpack_from(raw, where)
     pos = _DATA_HEAD.size
-    if pos + metadata_len + 4 * count > len(body):
+    if pos + metadata_len + 4 * count > body_size:
         raise _body_error(
             name, where + 8, f"metadata_len {metadata_len} and entry_count {count} do not fit"
         )
-    metadata = bytes(body[pos : pos + metadata_len])
+    metadata = bytes(raw[where + pos : where + pos + metadata_len])
     pos += metadata_len
-    lengths = struct.unpack_from(f"<{count}I", body, pos)
+    lengths = struct.unpack_from(f"<{count}I", raw, where + pos)
     pos += 4 * count
-    if pos + sum(lengths) != len(body):
+    if pos + sum(lengths) != body_size:
         raise _body_error(
-            name, where + pos, f"entry lengths sum to {sum(lengths)}, {len(body) - pos} bytes left"
+            name, where + pos, f"entry lengths sum to {sum(lengths)}, {body_size - pos} bytes left"
         )
-    return body, where, ingestion_time_ms, metadata, lengths, pos
+    return ingestion_time_ms, metadata, lengths, where + pos
 
 
 def decode_data(
@@ -429,10 +433,11 @@ def decode_data(
     Raises:
         FormatError: the body's own lengths are inconsistent.
     """
-    body, _, ingestion_time_ms, metadata, lengths, pos = _data_layout(raw, offset, head, name)
+    ingestion_time_ms, metadata, lengths, pos = _data_layout(raw, offset, head, name)
+    view = memoryview(raw)
     entries = []
     for size in lengths:
-        entries.append(bytes(body[pos : pos + size]))
+        entries.append(bytes(view[pos : pos + size]))
         pos += size
     return DataBody(ingestion_time_ms, metadata, tuple(entries))
 
@@ -445,10 +450,11 @@ def decode_data_views(
     Raises:
         FormatError: the body's own lengths are inconsistent.
     """
-    body, _, _, _, lengths, pos = _data_layout(raw, offset, head, name)
+    _, _, lengths, pos = _data_layout(raw, offset, head, name)
+    view = memoryview(raw)
     views = []
     for size in lengths:
-        views.append(body[pos : pos + size])
+        views.append(view[pos : pos + size])
         pos += size
     return views
 
@@ -461,7 +467,7 @@ def decode_data_summary(
     Raises:
         FormatError: the body's own lengths are inconsistent.
     """
-    _, _, ingestion_time_ms, metadata, lengths, _ = _data_layout(raw, offset, head, name)
+    ingestion_time_ms, metadata, lengths, _ = _data_layout(raw, offset, head, name)
     return ingestion_time_ms, metadata, len(lengths), sum(lengths)
 
 

@@ -35,6 +35,7 @@ from millpond.formats.wal import (
 __all__ = ["BadRegion", "DataSummary", "FileScan", "ScannedRecord", "scan_file"]
 
 _MARKERS = record_type_markers()
+_TYPES = {int(t): t for t in RecordType}  # a dict lookup is cheaper than RecordType(n)
 
 
 class DataSummary(NamedTuple):
@@ -167,7 +168,7 @@ def _read_record(raw: bytes | mmap.mmap, pos: int, name: str) -> ScannedRecord |
         if err.field == "type":
             raise
         return None
-    record_type = RecordType(head.type)
+    record_type = _TYPES[head.type]
     try:
         if record_type is RecordType.DATA:
             summary = DataSummary(*decode_data_summary(raw, pos, head, name=name))
