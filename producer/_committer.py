@@ -197,9 +197,16 @@ class Committer:
         self._extend_group(group, self._state.batches)
         return group
 
-    def _extend_group(self, group: list[Batch], candidates: Iterable[Batch]) -> list[Batch]:
-        """Take the uploaded batches of ``candidates`` into ``group`` until one is not ready;
-        returns those taken (holding ``state.cond``)."""
+    def _extend_group(
+        self,
+        group: list[Batch],
+        candidates: Iterable[Batch],
+        *,
+        uploaded_since: float | None = None,
+    ) -> list[Batch]:
+        """Take the uploaded batches of ``candidates`` into ``group`` until one is not ready
+        (or, with ``uploaded_since``, was uploaded before it); returns those taken (holding
+        ``state.cond``)."""
         taken: list[Batch] = []
         for batch in candidates:
             if (
@@ -207,6 +214,10 @@ class Committer:
                 or len(group) == _MAX_GROUP
                 or batch.settle_until is not None
                 or self._needs_refresh(batch)
+                or (
+                    uploaded_since is not None
+                    and (batch.uploaded_at is None or batch.uploaded_at < uploaded_since)
+                )
             ):
                 break
             batch.state = BatchState.APPENDING
@@ -214,9 +225,10 @@ class Committer:
             taken.append(batch)
         return taken
 
-    def _more(self, group: list[Batch]) -> Callable[[], list[PendingEntry]]:
+    def _more(self, group: list[Batch], oldest: float) -> Callable[[], list[PendingEntry]]:
         """What a lost race adds to the append: the batches uploaded meanwhile right behind
-        ``group`` (which grows with them, so the result and every error still line up)."""
+        ``group`` (which grows with them, so the result and every error still line up), none
+        uploaded before ``oldest`` (the append's deadline was set by it)."""
 
         def more() -> list[PendingEntry]:
             state = self._state
@@ -224,7 +236,9 @@ class Committer:
                 if not group or group[-1] not in state.batches:
                     return []
                 behind = state.batches.index(group[-1]) + 1
-                taken = self._extend_group(group, itertools.islice(state.batches, behind, None))
+                taken = self._extend_group(
+                    group, itertools.islice(state.batches, behind, None), uploaded_since=oldest
+                )
             return [batch.pending_entry() for batch in taken]
 
         return more
@@ -260,9 +274,14 @@ class Committer:
     def _append(self, group: list[Batch]) -> None:
         self._last_append = self._clock.monotonic()
         state = self._state
+        # No write of the group is sent once its oldest object may be near the GC's reach
+        # (a producer paused or retrying that long): it is written again first (_refresh).
+        oldest = min(b.uploaded_at if b.uploaded_at is not None else 0.0 for b in group)
         try:
             sequences = self._queue.append(
-                [batch.pending_entry() for batch in group], more=self._more(group)
+                [batch.pending_entry() for batch in group],
+                more=self._more(group, oldest),
+                deadline=oldest + self._session.reupload_after,
             )
         except CommitStateUnknownError as err:
             self._after_unknown_append(group, err)

@@ -212,10 +212,15 @@ class CoordinatedAppender:
         entries: Sequence[PendingEntry],
         *,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, ...]:
         """Append ``entries`` in order; the contract of ``QueueProducer.append``.
 
         ``more`` is used by the direct appends only: a coordinator round loses no race.
+        ``deadline`` (on this appender's clock): no write of these entries is sent after it,
+        by this producer or by a coordinator on its behalf. A request to a coordinator whose
+        promise (``budget`` plus ``grace``) would outlast it is not made: the entries go
+        directly.
 
         Raises:
             InvalidInputError, FormatError, MillpondError: as ``QueueProducer.append``.
@@ -225,9 +230,13 @@ class CoordinatedAppender:
         """
         lower = self.seen_next_sequence
         body: bytes | None = None
+        options = self._options
         for endpoint in self._endpoints:
-            if self._clock.monotonic() < endpoint.down_until:
+            now = self._clock.monotonic()
+            if now < endpoint.down_until:
                 continue
+            if deadline is not None and now + options.budget + options.grace >= deadline:
+                break  # a coordinator could write them after the deadline
             if body is None:
                 body = encode_entries(entries)
             outcome = self._through(endpoint, body, lower)
@@ -235,7 +244,11 @@ class CoordinatedAppender:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
                 self.counters.add("coordinator_lost")
                 return self._direct.append(
-                    entries, maybe_landed_from=lower, present_from=lower, more=more
+                    entries,
+                    maybe_landed_from=lower,
+                    present_from=lower,
+                    more=more,
+                    deadline=deadline,
                 )
             if outcome.status == APPENDED and (
                 len(outcome.sequences) != len(entries) or None in outcome.sequences
@@ -252,11 +265,11 @@ class CoordinatedAppender:
                 logger.info("coordinator %s refused an append: %s", endpoint.url, outcome.reason)
                 continue
             self.counters.add("coordinator_unknown")
-            return self._after_unknown(entries, outcome, lower)
+            return self._after_unknown(entries, outcome, lower, deadline)
         self.counters.add("direct_appends")
         # A refused request was never written; were a coordinator's write still in flight, it
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
-        return self._direct.append(entries, present_from=lower, more=more)
+        return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
 
     def _through(self, endpoint: _Endpoint, body: bytes, lower: int) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
@@ -299,7 +312,11 @@ class CoordinatedAppender:
         return None
 
     def _after_unknown(
-        self, entries: Sequence[PendingEntry], outcome: Outcome, lower: int
+        self,
+        entries: Sequence[PendingEntry],
+        outcome: Outcome,
+        lower: int,
+        deadline: float | None,
     ) -> tuple[int, ...]:
         known: list[int | None] = list(outcome.sequences) or [None] * len(entries)
         if len(known) != len(entries):
@@ -317,7 +334,10 @@ class CoordinatedAppender:
         )
         try:
             found = self._direct.append(
-                [entries[i] for i in rest], maybe_landed_from=start, present_from=lower
+                [entries[i] for i in rest],
+                maybe_landed_from=start,
+                present_from=lower,
+                deadline=deadline,
             )
         except CommitStateUnknownError as err:
             inner = err.sequences or (None,) * len(rest)

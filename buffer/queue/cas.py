@@ -52,6 +52,7 @@ class Appender(Protocol):
         entries: Sequence[PendingEntry],
         *,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, ...]: ...
 
 
