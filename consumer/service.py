@@ -489,6 +489,23 @@ class ConsumerService:
                 raise err  # not a batch: the manifest itself
             sequence, location, metadata = entry.sequence, entry.location, entry.metadata
         why = f"{type(err).__name__}: {err}"
+        if batch is None and isinstance(err, NotFoundError):
+            recorded = self._with_retry(
+                stop,
+                f"look up sequence {sequence}'s location in the sink",
+                functools.partial(self._skip_recorded, location, sequence),
+            )
+            if recorded is None:
+                return False
+            if recorded[0] is not None:
+                logger.warning(
+                    "sequence %s (%s) is a duplicate of sequence %s, recorded before; its "
+                    "object is gone (collected after that one was consumed): moving past it",
+                    sequence,
+                    location,
+                    recorded[0],
+                )
+                return self._moved_past(None, sequence, stop, skipped=True)
         looked = self._with_retry(
             stop,
             f"look up sequence {sequence}'s location in the quarantine",
@@ -525,21 +542,29 @@ class ConsumerService:
         )
         if outcome is None:
             return False
-        for stats in (self.stats, self._window):
-            stats.last_sequence = sequence
-            if earlier is None:
-                stats.quarantined += 1
-            else:
-                stats.skipped += 1
         if earlier is None:
             self._bad_in_a_row += 1
         logger.warning(
             "set aside sequence %s (%s), %s this run: %s",
             sequence,
             location,
-            self.stats.quarantined,
+            self.stats.quarantined + (earlier is None),
             why,
         )
+        return self._moved_past(batch, sequence, stop, skipped=earlier is not None)
+
+    def _moved_past(
+        self, batch: ConsumedBatch | None, sequence: int, stop: threading.Event, *, skipped: bool
+    ) -> bool:
+        """Count ``sequence`` as skipped or quarantined and go on after it; ``False`` when
+        stopped meanwhile."""
+        consumer = self._consumer
+        for stats in (self.stats, self._window):
+            stats.last_sequence = sequence
+            if skipped:
+                stats.skipped += 1
+            else:
+                stats.quarantined += 1
         if batch is not None:
             if not self._ack(batch, stop):
                 return False
@@ -556,6 +581,16 @@ class ConsumerService:
             self._reporter.moved_past(consumer.epoch)
         self._report_progress()
         return True
+
+    def _skip_recorded(self, location: str, sequence: int) -> tuple[int | None]:
+        """The earlier sequence ``location`` is recorded under in the sink, after recording
+        ``sequence`` as its duplicate (``None``: it is not, or no ledger can tell), in a
+        tuple."""
+        if self._ledger is None:
+            return (None,)
+        return (
+            self._ledger.skip_recorded(self._consumer.queue, sequence=sequence, location=location),
+        )
 
     def _set_aside_earlier(self, location: str, sequence: int) -> tuple[int | None]:
         """The earlier sequence ``location`` was set aside under (``None``: it was not, or

@@ -156,6 +156,43 @@ class QuarantineLedger:
 
         return self._transaction(work)
 
+    def skip_recorded(self, queue: str, *, sequence: int, location: str) -> int | None:
+        """Record ``sequence`` as a duplicate when ``location`` is recorded under an earlier
+        sequence (written or set aside), in one transaction; returns that earlier sequence, or
+        ``None`` when the location was never recorded (then nothing is written).
+
+        For an entry whose batch object is gone: a location appended again after its first
+        entry was consumed (a producer or a Spark commit recovering) outlives its object once
+        the garbage collector removed it. Its rows are in the table already; without this the
+        consumer would stop on the missing object for good.
+
+        Raises:
+            SinkError: the table belongs to another queue, or the database failed.
+        """
+        table = str(self._table)
+        now_ms = time.time_ns() // 1_000_000
+
+        def work(cur: Any) -> int | None:
+            self._own(cur, queue)
+            p = self._param
+            earlier = self._fetch(
+                cur,
+                f"SELECT min(sequence) FROM {self._progress.sql} WHERE target_table = {p(1)} "
+                f"AND location = {p(2)} AND sequence < {p(3)}",
+                (table, location, sequence),
+            )
+            if not earlier or earlier[0][0] is None:
+                return None
+            cur.execute(
+                f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
+                f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, TRUE, {p(4)}) "
+                "ON CONFLICT DO NOTHING",
+                (table, sequence, location, now_ms),
+            )
+            return int(earlier[0][0])
+
+        return self._transaction(work)
+
     def quarantined(self, queue: str, *, sequence: int | None = None) -> list[QuarantineRow]:
         """The quarantined batches of this table (replayed ones too), in sequence order.
 

@@ -297,6 +297,36 @@ def test_a_set_aside_location_appended_again_still_bad_is_a_duplicate_not_a_stop
     assert [(s, r) for s, r, _ in _quarantine_rows(database)] == [(1, "garbage")]
 
 
+def test_a_written_location_appended_again_after_its_object_was_collected_is_skipped(
+    store: ObjectStore, database: Database
+) -> None:
+    """A location appended again after its first entry was consumed (a Spark commit or a
+    producer recovering), whose object the garbage collector removed meanwhile: its rows are
+    in the table, so the consumer records the duplicate and goes on, whatever the policy. It
+    stopped on the missing object for good before (the whole-system checker, seeds 10064,
+    11588 and 11801 of a 2,000-schedule soak)."""
+    writer = QueueWriter(store)
+    writer.append_arrow(numbered(0, 10))
+    _seq, location = writer.append_arrow(numbered(10, 10))
+    _serve(store, database)
+    store.delete_many([location])  # consumed, then collected
+    writer.enqueue(location)  # sequence 2: the same location again
+    writer.append_arrow(numbered(20, 10))
+    service = _serve(store, database)  # the default policy: stop on a bad batch
+    assert (service.stats.batches, service.stats.skipped, service.stats.quarantined) == (1, 1, 0)
+    assert _numbers(database) == list(range(30))
+    assert database.query(
+        f'SELECT sequence, duplicate FROM "{database.progress}" ORDER BY sequence'
+    ) == [(0, False), (1, False), (2, True), (3, False)]
+    assert _quarantine_rows(database) == []
+    # A missing object whose location was never recorded is still a stop, recording nothing.
+    _seq, lost = writer.append_arrow(numbered(30, 10))
+    store.delete_many([lost])
+    with pytest.raises(NotFoundError, match=f"sequence 4: batch object {lost} is missing"):
+        _serve(store, database)
+    assert _numbers(database) == list(range(30))
+
+
 def test_replay_refuses_what_is_not_quarantined_and_keeps_a_still_bad_batch_aside(
     store: ObjectStore, database: Database
 ) -> None:
