@@ -146,12 +146,7 @@ class QuarantineLedger:
                 self._check_location(row, location)
                 return SetAside.ALREADY_QUARANTINED
             # The sequence is free but the location is not: recorded elsewhere already.
-            cur.execute(
-                f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
-                f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, TRUE, {p(4)}) "
-                "ON CONFLICT DO NOTHING",
-                (table, sequence, location, now_ms),
-            )
+            self._record_duplicate(cur, sequence, location, now_ms)
             return SetAside.DUPLICATE
 
         return self._transaction(work)
@@ -183,15 +178,20 @@ class QuarantineLedger:
             )
             if not earlier or earlier[0][0] is None:
                 return None
-            cur.execute(
-                f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
-                f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, TRUE, {p(4)}) "
-                "ON CONFLICT DO NOTHING",
-                (table, sequence, location, now_ms),
-            )
+            self._record_duplicate(cur, sequence, location, now_ms)
             return int(earlier[0][0])
 
         return self._transaction(work)
+
+    def _record_duplicate(self, cur: Any, sequence: int, location: str, now_ms: int) -> None:
+        """A progress row marking ``sequence`` a duplicate of ``location``'s recorded one."""
+        p = self._param
+        cur.execute(
+            f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
+            f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, TRUE, {p(4)}) "
+            "ON CONFLICT DO NOTHING",
+            (str(self._table), sequence, location, now_ms),
+        )
 
     def quarantined(self, queue: str, *, sequence: int | None = None) -> list[QuarantineRow]:
         """The quarantined batches of this table (replayed ones too), in sequence order.
