@@ -163,9 +163,11 @@ def commit_job(
             **(extra_payload or {}),
         )
         entries.extend(upload.pending_entry(payload) for upload in message.uploads)
+    limit = gc_grace_period / 2
     fresh = fresh_copies(
-        store, entries, data_path_prefix=data_path_prefix, limit=gc_grace_period / 2, clock=clock
+        store, entries, data_path_prefix=data_path_prefix, limit=limit, clock=clock
     )
+    deadline = append_deadline(fresh, limit=limit, clock=clock)
     with _appender(
         store, manifest_path, retry=retry, clock=clock, coordinator=coordinator
     ) as queue:
@@ -187,7 +189,7 @@ def commit_job(
             sequences, status = (), "empty"
         else:
             try:
-                sequences = queue.append(fresh)
+                sequences = queue.append(fresh, deadline=deadline)
             except CommitStateUnknownError as err:
                 raise CommitStateUnknownError(
                     f"job {job_id}: the append of {len(fresh)} batches may or may not have landed "
@@ -274,6 +276,22 @@ def fresh_copies(
         PendingEntry(copies[i], entry.metadata) if i in copies else entry
         for i, entry in enumerate(entries)
     )
+
+
+def append_deadline(entries: Sequence[PendingEntry], *, limit: float, clock: Clock) -> float:
+    """When (on ``clock``'s monotonic time) the append of ``entries`` must have been sent: once
+    the oldest is ``limit`` seconds old, as :func:`fresh_copies` judges it.
+
+    Nothing but the append protects a job's uploads from the collector (no hold, unlike a
+    keyed commit): a driver paused between the copies and the write must not send it then.
+    """
+    now_ms = clock.now_ms()
+    ages = [
+        (now_ms - ulid_time_ms(ulid)) / 1000
+        for entry in entries
+        if (ulid := parse_batch_name(entry.location.rsplit("/", 1)[-1])) is not None
+    ]
+    return clock.monotonic() + limit - max([0.0, *ages])
 
 
 def stream_state_path(data_path_prefix: str, stream_id: str) -> str:

@@ -22,7 +22,7 @@ from millpond.producer.spark.commit import (
 )
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
@@ -248,6 +248,41 @@ def test_a_job_older_than_the_grace_period_checks_its_uploads(store: CrashingSto
             manifest_path=MANIFEST,
             gc_grace_period=600,
             clock=LaterClock(400),
+        )
+    with pytest.raises(NotFoundError):
+        store.get(MANIFEST)
+
+
+def test_a_job_commit_paused_past_half_the_grace_period_sends_no_append(
+    store: CrashingStore,
+) -> None:
+    """A driver paused between checking its uploads' age and the write (here: while it reads
+    the manifest) must not append them then: the collector may have taken them meanwhile."""
+
+    class PausedClock(SystemClock):
+        offset = 0.0
+
+        def monotonic(self) -> float:
+            return super().monotonic() + self.offset
+
+    clock = PausedClock()
+
+    class PausingStore(CrashingStore):
+        def get(self, path: str) -> GetResult:
+            if path == MANIFEST:
+                clock.offset += 301  # half the grace period, and a second
+            return super().get(path)
+
+    paused = PausingStore(store.inner)
+    with pytest.raises(StorageError, match="deadline passed before the write"):
+        commit_job(
+            paused,
+            [_message(store, 0)],
+            job_id="j",
+            manifest_path=MANIFEST,
+            gc_grace_period=600,
+            retry=FAST,
+            clock=clock,
         )
     with pytest.raises(NotFoundError):
         store.get(MANIFEST)
