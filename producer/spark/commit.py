@@ -241,8 +241,7 @@ def fresh_copies(
     old = [
         i
         for i, entry in enumerate(entries)
-        if (ulid := parse_batch_name(entry.location.rsplit("/", 1)[-1])) is None
-        or now_ms - ulid_time_ms(ulid) > limit * 1000
+        if (age := _upload_age(entry, now_ms)) is None or age > limit
     ]
     if not old:
         return tuple(entries)
@@ -286,12 +285,14 @@ def append_deadline(entries: Sequence[PendingEntry], *, limit: float, clock: Clo
     keyed commit): a driver paused between the copies and the write must not send it then.
     """
     now_ms = clock.now_ms()
-    ages = [
-        (now_ms - ulid_time_ms(ulid)) / 1000
-        for entry in entries
-        if (ulid := parse_batch_name(entry.location.rsplit("/", 1)[-1])) is not None
-    ]
+    ages = [age for entry in entries if (age := _upload_age(entry, now_ms)) is not None]
     return clock.monotonic() + limit - max([0.0, *ages])
+
+
+def _upload_age(entry: PendingEntry, now_ms: int) -> float | None:
+    """Seconds since the upload named by ``entry`` was minted (``None``: not a ULID name)."""
+    ulid = parse_batch_name(entry.location.rsplit("/", 1)[-1])
+    return None if ulid is None else (now_ms - ulid_time_ms(ulid)) / 1000
 
 
 def stream_state_path(data_path_prefix: str, stream_id: str) -> str:

@@ -74,18 +74,18 @@ class _Store(ForwardingStore):
             assert self.release_read.wait(timeout=60)
         return self.inner.get(path)
 
-    def put(self, path: str, data: bytes) -> str | None:
+    def _writing(self, path: str, data: bytes) -> None:
         if path == MANIFEST:
             self._manifest_write(data)
         elif path.endswith(".batch"):
             self.log.append(("put", (path,)))
+
+    def put(self, path: str, data: bytes) -> str | None:
+        self._writing(path, data)
         return self.inner.put(path, data)
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
-        if path == MANIFEST:
-            self._manifest_write(data)
-        elif path.endswith(".batch"):
-            self.log.append(("put", (path,)))
+        self._writing(path, data)
         return self.inner.put_if_absent(path, data)
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
