@@ -7,17 +7,37 @@ its own root in the bucket, so tests never see each other's queues.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.spark.class_archive import spark_java_options
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _spark_class_archive() -> Iterator[None]:
+    """Every Spark JVM this session starts, in this process or another, maps the suite's class
+    archive (``class_archive.py``): drivers through ``SPARK_SUBMIT_OPTS``, the standalone
+    cluster's master and workers through ``SPARK_DAEMON_JAVA_OPTS``."""
+    saved = {name: os.environ.get(name) for name in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS")}
+    with spark_java_options() as options:
+        for name, value in saved.items():
+            os.environ[name] = f"{value} {options}".strip() if value else options
+        yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
+def spark(_spark_class_archive: None) -> Iterator[SparkSession]:
     """The suite's Spark session, with the millpond data source registered.
 
     ``local[2,4]``: two cores, and up to 4 attempts per task (local mode ignores
