@@ -45,7 +45,12 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import PendingEntry
 from millpond.producer.coordinator import CoordinatedAppender
-from millpond.producer.spark.commit_state import CommitOutcome, commit_with_state, state_path
+from millpond.producer.spark.commit_state import (
+    CommitOutcome,
+    HoldTooLate,
+    commit_with_state,
+    state_path,
+)
 from millpond.producer.spark.summary import log_summary
 from millpond.producer.spark.upload import TaskCommitMessage, UploadStats
 from millpond.queue import QueueProducer
@@ -67,6 +72,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _COPY_THREADS = 16
+# Holds given up because the driver was held up past the uploads' deadline, before one attempt
+# fails: each copies the uploads again first, so another needs another such pause.
+_HOLD_RETRIES = 3
 
 MicroBatchOutcome = CommitOutcome
 """How :func:`commit_micro_batch` resolved one micro-batch (see ``CommitOutcome``)."""
@@ -164,10 +172,6 @@ def commit_job(
         )
         entries.extend(upload.pending_entry(payload) for upload in message.uploads)
     limit = gc_grace_period / 2
-    fresh = fresh_copies(
-        store, entries, data_path_prefix=data_path_prefix, limit=limit, clock=clock
-    )
-    deadline = append_deadline(fresh, limit=limit, clock=clock)
     with _appender(
         store, manifest_path, retry=retry, clock=clock, coordinator=coordinator
     ) as queue:
@@ -178,7 +182,9 @@ def commit_job(
                 path=write_state_path(data_path_prefix, write_id),
                 key=f"write:{write_id}",
                 batch_id=0,
-                fresh=fresh,
+                entries=entries,
+                limit=limit,
+                data_path_prefix=data_path_prefix,
                 manifest_path=manifest_path,
                 retry=retry,
                 clock=clock,
@@ -188,8 +194,13 @@ def commit_job(
         elif not entries:
             sequences, status = (), "empty"
         else:
+            fresh = fresh_copies(
+                store, entries, data_path_prefix=data_path_prefix, limit=limit, clock=clock
+            )
             try:
-                sequences = queue.append(fresh, deadline=deadline)
+                sequences = queue.append(
+                    fresh, deadline=append_deadline(fresh, limit=limit, clock=clock)
+                )
             except CommitStateUnknownError as err:
                 raise CommitStateUnknownError(
                     f"job {job_id}: the append of {len(fresh)} batches may or may not have landed "
@@ -329,9 +340,6 @@ def commit_micro_batch(
         StorageError: the store failed past the retry budget.
     """
     clock = clock or SystemClock()
-    fresh = fresh_copies(
-        store, entries, data_path_prefix=data_path_prefix, limit=gc_grace_period / 2, clock=clock
-    )
     with _appender(
         store, manifest_path, retry=retry, clock=clock, counters=counters, coordinator=coordinator
     ) as queue:
@@ -341,7 +349,9 @@ def commit_micro_batch(
             path=stream_state_path(data_path_prefix, stream_id),
             key=f"stream:{stream_id}",
             batch_id=batch_id,
-            fresh=fresh,
+            entries=entries,
+            limit=gc_grace_period / 2,
+            data_path_prefix=data_path_prefix,
             manifest_path=manifest_path,
             retry=retry,
             clock=clock,
@@ -380,16 +390,28 @@ def _commit_keyed(
     path: str,
     key: str,
     batch_id: int,
-    fresh: tuple[PendingEntry, ...],
+    entries: Sequence[PendingEntry],
+    limit: float,
+    data_path_prefix: str,
     manifest_path: str,
     retry: RetryPolicy | None,
     clock: Clock,
 ) -> CommitOutcome:
     """Commit through the state object, deciding again whenever it moved under us or a write
-    of ours may or may not have landed (the state says what is known)."""
+    of ours may or may not have landed (the state says what is known).
+
+    Every decision first copies uploads older than ``limit`` to fresh names
+    (:func:`fresh_copies`), and holds them before the oldest gets that old: a driver held up
+    past that point copies them again rather than hold objects a collector may have taken.
+    """
     retry = retry or RetryPolicy()
     backoff = retry.start(clock)
+    fresh = tuple(entries)
+    late = 0
     while True:
+        fresh = fresh_copies(
+            store, fresh, data_path_prefix=data_path_prefix, limit=limit, clock=clock
+        )
         try:
             return commit_with_state(
                 store,
@@ -399,7 +421,15 @@ def _commit_keyed(
                 batch_id=batch_id,
                 fresh=fresh,
                 manifest_path=manifest_path,
+                hold_by=append_deadline(fresh, limit=limit, clock=clock),
+                clock=clock,
             )
+        except HoldTooLate as err:
+            # Not a failed attempt: the next decision holds fresh copies at once.
+            late += 1
+            if late > _HOLD_RETRIES:
+                raise
+            logger.warning("%s; copying them to fresh names", err)
         except (ConflictError, StorageError) as err:
             if not backoff.sleep():
                 raise StorageError(

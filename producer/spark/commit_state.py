@@ -31,19 +31,21 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, replace
 from hashlib import sha256
 from typing import Any
 
-from millpond.errors import FormatError, MillpondError, NotFoundError
+from millpond.common.clock import Clock, SystemClock
+from millpond.errors import FormatError, MillpondError, NotFoundError, StorageError
 from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
 from millpond.queue.cas import Appender
 from millpond.queue.holds import encode_hold, hold_path, locations_of
 from millpond.queue.landed import LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 
-__all__ = ["CommitOutcome", "CommitState", "commit_with_state", "state_path"]
+__all__ = ["CommitOutcome", "CommitState", "HoldTooLate", "commit_with_state", "state_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ _VERSION = 2
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 PENDING = "pending"
 COMMITTED = "committed"
+
+
+class HoldTooLate(StorageError):
+    """The hold of fresh uploads was not written: their deadline passed first (the driver was
+    held up after it judged them fresh), so a collector may have taken them. Copy them to
+    fresh names again and decide again; nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +161,17 @@ def commit_with_state(
     batch_id: int,
     fresh: tuple[PendingEntry, ...],
     manifest_path: str,
+    hold_by: float | None = None,
+    clock: Clock | None = None,
 ) -> CommitOutcome:
     """One attempt at committing ``fresh`` under ``key`` (see the module docstring).
 
+    ``hold_by``: a time on ``clock``'s monotonic time after which ``fresh`` is not held (nor
+    appended): until its hold is written nothing keeps a collector from its uploads, and by
+    then the oldest may be past the grace period.
+
     Raises:
+        HoldTooLate: ``hold_by`` passed before ``fresh`` was held (nothing written).
         ConflictError: the state object changed under us (decide again).
         CommitStateUnknownError: a state write or the append may or may not have landed
             (decide again: the state says what is known).
@@ -164,7 +179,17 @@ def commit_with_state(
         FormatError: the state or the manifest is corrupt.
         StorageError: the store failed.
     """
-    return _Attempt(store, queue, path, manifest_path, key, batch_id, fresh).run()
+    return _Attempt(
+        store,
+        queue,
+        path,
+        manifest_path,
+        key,
+        batch_id,
+        fresh,
+        math.inf if hold_by is None else hold_by,
+        clock or SystemClock(),
+    ).run()
 
 
 @dataclass(slots=True)
@@ -178,6 +203,8 @@ class _Attempt:
     key: str
     batch_id: int
     fresh: tuple[PendingEntry, ...]
+    hold_by: float
+    clock: Clock
     etag: str | None = None
     raw: bytes = b""
 
@@ -208,6 +235,11 @@ class _Attempt:
         """Hold the fresh entries (pending), append them, mark them committed."""
         next_sequence = decode_footer(self.raw, name=self.manifest_path).next_sequence
         pending = CommitState(self.key, self.batch_id, PENDING, next_sequence, self.fresh)
+        if self.clock.monotonic() >= self.hold_by:
+            raise HoldTooLate(
+                f"{self.key} batch {self.batch_id}: its uploads got older than half the GC "
+                f"grace period before {self.path} could hold them"
+            )
         self._write(pending)
         sequences = self.queue.append(self.fresh)
         self._write(replace(pending, status=COMMITTED, sequences=sequences))

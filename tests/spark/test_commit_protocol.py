@@ -14,6 +14,7 @@ from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import MillpondError, NotFoundError, StorageError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.producer.spark.commit import (
     commit_job,
     commit_micro_batch,
@@ -23,6 +24,7 @@ from millpond.producer.spark.commit import (
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from tests.support import TestClockStore
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"
@@ -307,3 +309,104 @@ def test_a_failed_append_enqueues_nothing_and_says_so(store: CrashingStore) -> N
         )
     with pytest.raises(NotFoundError):
         store.get(MANIFEST)
+
+
+class PausedDriverClock(SystemClock):
+    """The system's clock, moved forward by a test: wall and monotonic time jump together, as
+    they do for a driver the machine paused."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now_ms(self) -> int:
+        return super().now_ms() + round(self.offset * 1000)
+
+    def monotonic(self) -> float:
+        return super().monotonic() + self.offset
+
+
+def _keyed_commit(kind: str, store: ObjectStore, clock: SystemClock) -> tuple[str, ...]:
+    """A stream's micro-batch or a job with a ``write_id``, of two fresh uploads; returns the
+    locations uploaded and commits them (grace period 600 s)."""
+    if kind == "stream":
+        entries = upload(store)
+        commit_micro_batch(
+            store,
+            entries,
+            stream_id="q1",
+            batch_id=0,
+            manifest_path=MANIFEST,
+            data_path_prefix=PREFIX,
+            gc_grace_period=600,
+            retry=FAST,
+            clock=clock,
+        )
+        return tuple(e.location for e in entries)
+    messages = [_message(store, 0), _message(store, 1)]
+    commit_job(
+        store,
+        messages,
+        job_id="j",
+        manifest_path=MANIFEST,
+        gc_grace_period=600,
+        write_id="w1",
+        retry=FAST,
+        clock=clock,
+    )
+    return tuple(u.location for m in messages for u in m.uploads)
+
+
+class _PausingStore(ForwardingStore):
+    """The driver pauses for ``seconds`` while it reads the manifest the first time, after it
+    judged its uploads fresh and before it holds them; ``during`` runs in the pause."""
+
+    def __init__(self, inner: ObjectStore, clock: PausedDriverClock, seconds: float) -> None:
+        super().__init__(inner)
+        self.clock, self.seconds = clock, seconds
+        self.during = lambda: None
+        self.uploads: tuple[str, ...] = ()
+
+    def get(self, path: str) -> GetResult:
+        if path == MANIFEST and self.seconds:
+            self.clock.offset += self.seconds
+            self.seconds = 0
+            self.during()
+        return super().get(path)
+
+
+@pytest.mark.parametrize("kind", ["stream", "write_id"])
+def test_a_keyed_commit_paused_while_a_collector_runs_holds_no_collected_upload(
+    kind: str,
+) -> None:
+    """A keyed commit protects its uploads with a hold, but only once the hold is written. A
+    driver paused past the grace period before that, while a collector ran, must not hold and
+    append the uploads the collector took: the commit fails naming them, and nothing is
+    enqueued (before the fix the manifest named objects that no longer existed)."""
+    clock = PausedDriverClock()
+    memory = open_store(f"memory://{uuid.uuid4().hex}")
+    QueueConsumer(memory, MANIFEST).initialize()  # a queue in use: the collector runs
+    paused = _PausingStore(memory, clock, seconds=601)
+    collector = GarbageCollector(
+        GarbageCollectorConfig(
+            store=TestClockStore(memory, clock), clock=clock, gc_grace_period=600
+        )
+    )
+    paused.during = lambda: collector.run_once()
+    with pytest.raises(NotFoundError, match="longer than the GC grace period"):
+        _keyed_commit(kind, paused, clock)
+    assert locations(memory) == []
+
+
+@pytest.mark.parametrize("kind", ["stream", "write_id"])
+def test_a_keyed_commit_paused_past_half_the_grace_period_holds_fresh_copies(kind: str) -> None:
+    """Paused past half the grace period before its hold is written (no collector ran yet),
+    the commit copies its uploads to fresh names and holds and appends the copies, as it does
+    for uploads already that old when the commit starts."""
+    clock = PausedDriverClock()
+    memory = open_store(f"memory://{uuid.uuid4().hex}")
+    uploaded = _keyed_commit(kind, _PausingStore(memory, clock, seconds=301), clock)
+    named = locations(memory)
+    assert len(named) == len(uploaded)
+    assert not set(named) & set(uploaded)  # copies, not the uploads the pause made old
+    for location in named:
+        memory.head(location)  # every appended copy is there
