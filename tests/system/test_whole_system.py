@@ -25,6 +25,7 @@ same order (threads inside one producer may still interleave differently).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,13 @@ def test_schedule_keeps_every_guarantee(seed: int, tmp_path: Path) -> None:
         world.check()
     except BaseException as err:
         trace = "\n".join(f"  {i + 1:>3}. {event}" for i, event in enumerate(events))
+        named = set(re.findall(r"[\w/-]+\.batch", str(err)))
+        history = "\n".join(f"  {event}" for event in world.recorder.objects if event.path in named)
         raise AssertionError(
             f"schedule {seed} broke a guarantee: {err}\n"
             f"replay: MILLPOND_CHECKER_SEED={seed} make test PYTEST_ARGS='tests/system'\n"
-            f"events:\n{trace}"
+            f"events:\n{trace}\n"
+            f"what the store did to the batch objects named above, in order:\n{history}"
         ) from err
 
 
