@@ -36,8 +36,10 @@ spark.range(1000).selectExpr("id", "cast(id as string) AS s").toArrow()
 spark.stop()
 proc.stdin.close()
 proc.wait(timeout=120)
-if proc.returncode == 0 and os.path.getsize(partial) > 0:
+if proc.returncode == 0 and os.path.isfile(partial) and os.path.getsize(partial) > 0:
     os.replace(partial, final)
+elif os.path.isfile(partial):
+    os.remove(partial)  # half an archive: the JVM did not end as it should
 """
 
 _QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
