@@ -31,7 +31,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 from itertools import takewhile
+from typing import TypeVar
 
 from millpond.common.clock import Clock
 from millpond.common.retry import Backoff
@@ -42,7 +44,7 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import PendingEntry, decode_footer, empty_manifest, find_locations
-from millpond.producer._publisher import fail_fatal, named_at, pause
+from millpond.producer._publisher import encode_records, fail_fatal, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
@@ -56,6 +58,10 @@ __all__ = ["Committer"]
 logger = logging.getLogger(__name__)
 
 _MAX_GROUP = 256  # batches per manifest append
+# Writes of one batch back after a late append: a collector pass that listed the old copy can
+# delete one write-back; a pass that starts after the append landed sees the reference.
+_WRITE_BACKS = 3
+_T = TypeVar("_T")
 _IN_FLIGHT = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
 
 
@@ -277,11 +283,12 @@ class Committer:
         # No write of the group is sent once its oldest object may be near the GC's reach
         # (a producer paused or retrying that long): it is written again first (_refresh).
         oldest = min(b.uploaded_at if b.uploaded_at is not None else 0.0 for b in group)
+        deadline = oldest + self._session.reupload_after
         try:
             sequences = self._queue.append(
                 [batch.pending_entry() for batch in group],
                 more=self._more(group, oldest),
-                deadline=oldest + self._session.reupload_after,
+                deadline=deadline,
             )
         except CommitStateUnknownError as err:
             self._after_unknown_append(group, err)
@@ -302,12 +309,63 @@ class Committer:
             raise
         self._backoff = None
         state.append_latency.observe(self._clock.monotonic() - self._last_append)
+        if self._clock.monotonic() >= deadline:
+            self._write_back(group)
         with state.cond:
             state.counters.add("manifest_appends")
             for batch, sequence in zip(group, sequences, strict=True):
                 state.batches.remove(batch)
                 self._settle_committed(batch, sequence)
         self._release()
+
+    def _write_back(self, group: list[Batch]) -> None:
+        """The append was sent before its deadline but answered after it: it may have landed
+        after a collector took objects it names (the request was in flight longer than the
+        grace period allows for). Write every object of it that is gone back under its name,
+        from the WAL, which still holds the records; then wait out the collectors' delete
+        window (a pass that listed the old copy may still delete the new one) and look again.
+        """
+        for batch in group:
+            for _ in range(_WRITE_BACKS):
+                if self._present(batch.location):
+                    break
+                if not batch.complete:
+                    logger.error(
+                        "batch %s is gone after a late append, and part of its WAL is lost: "
+                        "the entry names nothing",
+                        batch.location,
+                    )
+                    break
+                logger.warning(
+                    "batch %s is gone after its append landed late; writing it back",
+                    batch.location,
+                )
+                payload = encode_records(self._wal, self._config, list(batch.records))
+                self._retrying(
+                    f"PUT {batch.location}", partial(self._store.put, batch.location, payload)
+                )
+                self._clock.sleep(self._session.delete_window)
+
+    def _present(self, location: str) -> bool:
+        def head() -> bool:
+            try:
+                self._store.head(location)
+            except NotFoundError:
+                return False
+            return True
+
+        return self._retrying(f"HEAD {location}", head)
+
+    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
+        """``call()``, retried on store errors for as long as it fails (the data is kept)."""
+        backoff = self._config.retry.start(self._clock)
+        while True:
+            try:
+                return call()
+            except NotFoundError:
+                raise
+            except StorageError as err:
+                backoff = pause(backoff, self._config, self._clock, what, err)
 
     def _after_unknown_append(self, group: list[Batch], err: CommitStateUnknownError) -> None:
         """Settle what the append knows landed; the rest is looked for before anything else."""

@@ -66,7 +66,7 @@ class _Binder:
         return location, ulid_time_ms(ulid)
 
 
-def _encode(wal: Wal, config: ProducerConfig, records: list[Staged]) -> bytes:
+def encode_records(wal: Wal, config: ProducerConfig, records: list[Staged]) -> bytes:
     """The v1 batch of ``records``; entries no longer held in memory are read from the WAL."""
     entries: list[bytes | memoryview] = []
     for record in records:
@@ -103,7 +103,7 @@ class Sealer:
                 location, minted_ms = self._binder.bind(batch)
                 # Encoded here, off the uploaders' path, so a PUT follows a PUT without a gap.
                 try:
-                    payload = _encode(self._wal, self._config, batch.records)
+                    payload = encode_records(self._wal, self._config, batch.records)
                 except (StorageError, FormatError):
                     if not batch.dropped:
                         raise
@@ -235,7 +235,7 @@ class Uploader:
                     payload = self._existing(batch, location)
                 if payload is None:  # replayed, or dropped and re-queued: encode now
                     try:
-                        payload = _encode(self._wal, self._config, records)
+                        payload = encode_records(self._wal, self._config, records)
                     except (StorageError, FormatError):
                         if batch.dropped:
                             continue  # its WAL file went with it

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from millpond.errors import StorageError
+from millpond.errors import NotFoundError, StorageError
 from millpond.formats.manifest import decode_manifest
 from millpond.producer import Producer
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
@@ -122,3 +122,59 @@ def test_an_append_paused_past_reupload_after_writes_the_batch_again_first(
     assert len(puts) == 2, store.log
     assert named, store.log
     assert named[0] > puts[1], store.log
+
+
+class _LateStore(_Store):
+    """The next manifest write is sent in time but lands late: while it is in flight the
+    producer's clock moves past the grace period and a collector deletes every batch object no
+    manifest names yet (as it may: they are unreferenced and old)."""
+
+    def __init__(self, inner: ObjectStore, clock: _PausedClock) -> None:
+        super().__init__(inner)
+        self.clock = clock
+        self.late_next_write = False
+        self.collected: list[str] = []
+
+    def _manifest_write(self, data: bytes) -> None:
+        if self.late_next_write:
+            self.late_next_write = False
+            self.clock.pause(GRACE + 1)
+            try:
+                named = {e.location for e in decode_manifest(self.inner.get(MANIFEST).data).entries}
+            except NotFoundError:
+                named = set()
+            orphans = [
+                info.path
+                for info in self.inner.list("ingest/")
+                if info.path.endswith(".batch") and info.path not in named
+            ]
+            self.inner.delete_many(orphans)
+            self.collected.extend(orphans)
+        super()._manifest_write(data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        if path == MANIFEST:
+            self._manifest_write(data)
+            return self.inner.put_if_absent(path, data)
+        return super().put_if_absent(path, data)
+
+
+def test_an_append_that_lands_after_its_deadline_writes_back_what_a_collector_took(
+    tmp_path: Path,
+) -> None:
+    """An append checked against its deadline and sent in time can still land late (a request
+    held in the network, a process paused just after the check). If a collector took the batch
+    meanwhile, the entry names nothing, and the rows are gone once the WAL lets them go. The
+    producer sees that the append returned after its deadline, and writes back, under the same
+    name, every object of it that is gone, before it releases the WAL."""
+    clock = _PausedClock()
+    store = _LateStore(fresh_memory(), clock)
+    claim_queue(store, grace=GRACE, delete_window=0.2)
+    with Producer(config(store, tmp_path / "wal", clock=clock)) as producer:
+        producer.produce([b"first"]).wait(timeout=30)
+        store.late_next_write = True
+        producer.produce([b"second"]).wait(timeout=30)
+    assert len(store.collected) == 1  # the second batch, taken while its append was in flight
+    published = read_back(store)  # every entry's object is there
+    assert [e for p in published for e in p.entries] == [b"first", b"second"]
+    assert published[1].location == store.collected[0]
