@@ -326,14 +326,16 @@ class Committer:
         window (a pass that listed the old copy may still delete the new one) and look again.
         """
         for batch in group:
-            for _ in range(_WRITE_BACKS):
+            for written_back in range(_WRITE_BACKS + 1):
                 if self._present(batch.location):
                     break
-                if not batch.complete:
+                if written_back == _WRITE_BACKS or not batch.complete:
                     logger.error(
-                        "batch %s is gone after a late append, and part of its WAL is lost: "
-                        "the entry names nothing",
+                        "batch %s is gone after a late append (written back %s times; WAL "
+                        "complete: %s): the entry names nothing",
                         batch.location,
+                        written_back,
+                        batch.complete,
                     )
                     break
                 logger.warning(
@@ -362,8 +364,6 @@ class Committer:
         while True:
             try:
                 return call()
-            except NotFoundError:
-                raise
             except StorageError as err:
                 backoff = pause(backoff, self._config, self._clock, what, err)
 
