@@ -255,27 +255,45 @@ def test_a_job_older_than_the_grace_period_checks_its_uploads(store: CrashingSto
         store.get(MANIFEST)
 
 
+class PausedDriverClock(SystemClock):
+    """The system's clock, moved forward by a test: wall and monotonic time jump together, as
+    they do for a driver the machine paused."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now_ms(self) -> int:
+        return super().now_ms() + round(self.offset * 1000)
+
+    def monotonic(self) -> float:
+        return super().monotonic() + self.offset
+
+
+class _PausingStore(ForwardingStore):
+    """The driver pauses for ``seconds`` while it reads the manifest the first time, after it
+    judged its uploads fresh and before it holds them; ``during`` runs in the pause."""
+
+    def __init__(self, inner: ObjectStore, clock: PausedDriverClock, seconds: float) -> None:
+        super().__init__(inner)
+        self.clock, self.seconds = clock, seconds
+        self.during = lambda: None
+        self.uploads: tuple[str, ...] = ()
+
+    def get(self, path: str) -> GetResult:
+        if path == MANIFEST and self.seconds:
+            self.clock.offset += self.seconds
+            self.seconds = 0
+            self.during()
+        return super().get(path)
+
+
 def test_a_job_commit_paused_past_half_the_grace_period_sends_no_append(
     store: CrashingStore,
 ) -> None:
     """A driver paused between checking its uploads' age and the write (here: while it reads
     the manifest) must not append them then: the collector may have taken them meanwhile."""
-
-    class PausedClock(SystemClock):
-        offset = 0.0
-
-        def monotonic(self) -> float:
-            return super().monotonic() + self.offset
-
-    clock = PausedClock()
-
-    class PausingStore(CrashingStore):
-        def get(self, path: str) -> GetResult:
-            if path == MANIFEST:
-                clock.offset += 301  # half the grace period, and a second
-            return super().get(path)
-
-    paused = PausingStore(store.inner)
+    clock = PausedDriverClock()
+    paused = _PausingStore(store.inner, clock, seconds=301)  # half the grace period, and a second
     with pytest.raises(StorageError, match="deadline passed before the write"):
         commit_job(
             paused,
@@ -311,20 +329,6 @@ def test_a_failed_append_enqueues_nothing_and_says_so(store: CrashingStore) -> N
         store.get(MANIFEST)
 
 
-class PausedDriverClock(SystemClock):
-    """The system's clock, moved forward by a test: wall and monotonic time jump together, as
-    they do for a driver the machine paused."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def now_ms(self) -> int:
-        return super().now_ms() + round(self.offset * 1000)
-
-    def monotonic(self) -> float:
-        return super().monotonic() + self.offset
-
-
 def _keyed_commit(kind: str, store: ObjectStore, clock: SystemClock) -> tuple[str, ...]:
     """A stream's micro-batch or a job with a ``write_id``, of two fresh uploads; returns the
     locations uploaded and commits them (grace period 600 s)."""
@@ -354,24 +358,6 @@ def _keyed_commit(kind: str, store: ObjectStore, clock: SystemClock) -> tuple[st
         clock=clock,
     )
     return tuple(u.location for m in messages for u in m.uploads)
-
-
-class _PausingStore(ForwardingStore):
-    """The driver pauses for ``seconds`` while it reads the manifest the first time, after it
-    judged its uploads fresh and before it holds them; ``during`` runs in the pause."""
-
-    def __init__(self, inner: ObjectStore, clock: PausedDriverClock, seconds: float) -> None:
-        super().__init__(inner)
-        self.clock, self.seconds = clock, seconds
-        self.during = lambda: None
-        self.uploads: tuple[str, ...] = ()
-
-    def get(self, path: str) -> GetResult:
-        if path == MANIFEST and self.seconds:
-            self.clock.offset += self.seconds
-            self.seconds = 0
-            self.during()
-        return super().get(path)
 
 
 @pytest.mark.parametrize("kind", ["stream", "write_id"])
