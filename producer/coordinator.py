@@ -56,6 +56,7 @@ from millpond.queue.coordinator_http import (
     APPEND_PATH,
     BUDGET_HEADER,
     FROM_HEADER,
+    NOT_AFTER_HEADER,
     OUTCOME_PATH,
     QUEUE_HEADER,
     REQUEST_HEADER,
@@ -239,7 +240,7 @@ class CoordinatedAppender:
                 break  # a coordinator could write them after the deadline
             if body is None:
                 body = encode_entries(entries)
-            outcome = self._through(endpoint, body, lower)
+            outcome = self._through(endpoint, body, lower, deadline)
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
                 self.counters.add("coordinator_lost")
@@ -271,10 +272,13 @@ class CoordinatedAppender:
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
         return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
 
-    def _through(self, endpoint: _Endpoint, body: bytes, lower: int) -> Outcome | None:
+    def _through(
+        self, endpoint: _Endpoint, body: bytes, lower: int, deadline: float | None
+    ) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
         when nobody could say (after waiting out the coordinator's promise)."""
         request_id = uuid.uuid4().hex
+        sent_at = self._clock.monotonic()
         headers = {
             QUEUE_HEADER: self._queue,
             REQUEST_HEADER: request_id,
@@ -282,7 +286,11 @@ class CoordinatedAppender:
             FROM_HEADER: str(lower),
             "Content-Type": "application/octet-stream",
         }
-        sent_at = self._clock.monotonic()
+        if deadline is not None:
+            # The deadline on the wall clock too: a request held up on its way past it is
+            # refused on arrival, not written after our batches may have been collected.
+            not_after = self._clock.now_ms() + int((deadline - sent_at) * 1000)
+            headers[NOT_AFTER_HEADER] = str(not_after)
         kind, outcome = endpoint.call(APPEND_PATH, body, headers)
         if kind == _UNSENT:
             endpoint.down_until = self._clock.monotonic() + self._options.retry_after

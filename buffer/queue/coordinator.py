@@ -170,6 +170,7 @@ class AppendCoordinator:
             "rounds",
             "entries_appended",
             "refused",
+            "late_requests",
             "unknown",
             "yields",
             "manifest_reads",
@@ -213,6 +214,8 @@ class AppendCoordinator:
         entries: list[PendingEntry],
         budget: float = DEFAULT_BUDGET,
         lower: int = 0,
+        *,
+        not_after_ms: int | None = None,
     ) -> _Ticket:
         """Queue a request for the next round; the ticket's ``done`` is set with its outcome.
 
@@ -220,6 +223,11 @@ class AppendCoordinator:
         under one id). ``lower`` is the highest ``next_sequence`` the client had seen when it
         sent the request: should it stop waiting and append the entries itself, they land at
         or after it, and a round that reads the manifest looks for them there first.
+        ``not_after_ms`` is the client's own deadline on the wall clock: the budget ends there
+        at the latest, and a request arriving after it is refused. A request held up on its way
+        for longer than its writer's deadline allows (its batches may be collected by now) is
+        then never written, whatever its transit took; the clocks need only agree within the
+        slack between the queue's GC grace period and the writer's ``reupload_after``.
 
         Raises:
             InvalidInputError: no entries, duplicate locations, or a location outside the
@@ -237,18 +245,27 @@ class AppendCoordinator:
                     f"{entry.location!r}"
                 )
         now = self._clock.monotonic()
+        budget = min(budget, DEFAULT_BUDGET * 30)
+        if not_after_ms is not None:
+            budget = min(budget, (not_after_ms - self._clock.now_ms()) / 1000)
         with self._lock:
             self._forget(now)
             known = self._tickets.get(request_id)
             if known is not None:
                 return known
-            ticket = _Ticket(
-                request_id, entries, now + min(budget, DEFAULT_BUDGET * 30), max(0, lower)
-            )
+            ticket = _Ticket(request_id, entries, now + budget, max(0, lower))
             self._tickets[request_id] = ticket
             self.counters.add("requests")
             if self._stopping or self.dead is not None:
                 self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            elif budget < _MIN_BUDGET:
+                self.counters.add("late_requests")
+                reason = (
+                    f"arrived {-budget:.1f} s after its writer's deadline"
+                    if budget <= 0
+                    else f"arrived {budget:.2f} s before its writer's deadline: too late to write"
+                )
+                self._settle(ticket, Outcome(REFUSED, reason=reason))
             elif self._pending_entries + len(entries) > self._max_pending:
                 self._settle(
                     ticket,

@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULT_BUDGET",
     "FROM_HEADER",
     "HEALTH_PATH",
+    "NOT_AFTER_HEADER",
     "OUTCOME_PATH",
     "QUEUE_HEADER",
     "REFUSED",
@@ -65,6 +66,9 @@ QUEUE_HEADER = "X-Millpond-Queue"
 REQUEST_HEADER = "X-Millpond-Request"
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
+NOT_AFTER_HEADER = "X-Millpond-Not-After"
+"""The writer's own deadline as a wall-clock time (ms since the Unix epoch): no write containing
+the request is sent after it, on the coordinator's clock, whenever the request arrives."""
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
@@ -205,8 +209,15 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
             lower = int(self.headers.get(FROM_HEADER, "0"))
+            not_after = self.headers.get(NOT_AFTER_HEADER)
             entries = decode_entries(body)
-            ticket = coordinator.submit(request_id, entries, budget, lower)
+            ticket = coordinator.submit(
+                request_id,
+                entries,
+                budget,
+                lower,
+                not_after_ms=int(not_after) if not_after is not None else None,
+            )
         except (ValueError, FormatError, InvalidInputError) as err:
             self._reply(400, _refused(str(err)))
             return

@@ -31,7 +31,7 @@ from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_http import CoordinatorServer
 from millpond.storage.store import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
-from tests.support import unique_root
+from tests.support import ClockOff, ManualClock, unique_root
 
 DEADLINE = 120.0
 
@@ -238,6 +238,58 @@ def test_two_waiting_requests_for_one_batch_take_two_rounds_and_append_it_once(
     assert (old.outcome.status, new.outcome.status) == ("appended", "appended"), new.outcome
     assert new.outcome.sequences[0] == old.outcome.sequences[0]
     assert _locations(queue_store) == [entry.location, other.location]
+
+
+def test_a_request_arriving_after_its_writers_deadline_is_refused_and_appended_directly(
+    queue_store: ObjectStore, tmp_path: Path
+) -> None:
+    """A request held up on its way (here: the coordinator's clock a minute on from the one
+    the request was sent by) past the deadline its producer gave it: the producer's batches
+    may have been collected meanwhile, so the coordinator writes nothing of it and refuses;
+    the producer appends directly (its own deadline check decides), once."""
+    from millpond.common.clock import SystemClock
+    from millpond.formats.manifest import Metadata, PendingEntry
+    from millpond.producer.coordinator import CoordinatedAppender
+    from millpond.queue import QueueProducer
+
+    server = _serve(queue_store, clock=ClockOff(60.0))
+    entry = PendingEntry(f"{PREFIX}/01J00000000000000000000030.batch", (Metadata(0, 0, b""),))
+    clock = SystemClock()
+    appender = CoordinatedAppender(
+        QueueProducer(queue_store, MANIFEST),
+        [server.url],
+        queue=queue_identity(queue_store.url, MANIFEST),
+        clock=clock,
+    )
+    try:
+        sequences = appender.append([entry], deadline=clock.monotonic() + 30.0)
+        stats = server.coordinator.stats()
+        counters = appender.counters.snapshot()
+    finally:
+        appender.close()
+        server.close()
+    assert stats["manifest_writes"] == 0, stats
+    assert stats["late_requests"] == 1, stats
+    assert counters["coordinator_refused"] == 1, counters
+    assert counters["direct_appends"] == 1, counters
+    assert _locations(queue_store) == [entry.location]
+    assert sequences == (0,)
+
+
+def test_a_writers_deadline_shortens_the_coordinators_budget(queue_store: ObjectStore) -> None:
+    """A request whose writer has less time left than the coordinator's budget gets only that
+    long: no write containing it is sent after the writer's deadline."""
+    from millpond.formats.manifest import Metadata, PendingEntry
+
+    clock = ManualClock()
+    coordinator = AppendCoordinator(queue_store, MANIFEST, data_path_prefix=PREFIX, clock=clock)
+    entry = PendingEntry(f"{PREFIX}/01J00000000000000000000031.batch", (Metadata(0, 0, b""),))
+    ticket = coordinator.submit("short", [entry], 2.0, not_after_ms=clock.now_ms() + 500)
+    assert ticket.deadline - clock.monotonic() <= 0.5
+    plenty = coordinator.submit("plenty", [entry], 2.0, not_after_ms=clock.now_ms() + 60_000)
+    assert plenty.deadline - clock.monotonic() > 1.5  # the budget, not the writer's minute
+    assert ticket.outcome is None  # both wait for a round
+    assert plenty.outcome is None
 
 
 class _CoordinatorProcess:
