@@ -91,7 +91,7 @@ class ProducerRole:
         return self.producer is not None and self.store is not None and not self.store.dead
 
     def start(self) -> None:
-        self.store = RoleStore(self._recorder, self.source, self._down)
+        self.store = RoleStore(self._recorder, self.source, self._down, bounded=True)
         config = ProducerConfig(
             store=self.store,
             wal_dir=self._wal_dir,
@@ -197,7 +197,7 @@ class CoordinatorRole:
         return self.server is not None and self.store is not None and not self.store.dead
 
     def start(self) -> None:
-        self.store = RoleStore(self._recorder, "coordinator", self._down)
+        self.store = RoleStore(self._recorder, "coordinator", self._down, bounded=True)
         coordinator = AppendCoordinator(
             self.store,
             self.queue.manifest_path,
@@ -434,7 +434,7 @@ class StreamRole:
         self._recorder = recorder
         self._clock = clock
         self._down = down
-        self.store = RoleStore(recorder, "driver", down)
+        self.store = RoleStore(recorder, "driver", down, bounded=True)
         self.next_batch_id = 0
         self.pending: int | None = None
         """A batch id whose commit did not return; it is run again before the next."""
@@ -453,7 +453,9 @@ class StreamRole:
             self.records.extend(self.rows(batch_id))
         self.pending = batch_id
         if self.store.dead:
-            self.store = RoleStore(self._recorder, "driver", self._down)  # a restarted driver
+            self.store = RoleStore(
+                self._recorder, "driver", self._down, bounded=True
+            )  # a restarted driver
         minter = UlidMinter(self._clock)
         entries = []
         try:

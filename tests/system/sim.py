@@ -44,20 +44,37 @@ class SimulatedCrash(BaseException):
 
 
 class SimClock:
-    """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once."""
+    """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once.
+
+    It remembers when each thread last read it: a write sent on that reading (a deadline
+    checked, then the request) is as old as :meth:`since_read` says when it lands.
+    """
 
     def __init__(self, start_ms: int = 1_800_000_000_000) -> None:
         self._lock = threading.Lock()
         self._start_ms = start_ms
         self._now = 0.0
+        self._reads = threading.local()
 
     def now_ms(self) -> int:
         with self._lock:
+            self._reads.at = self._now
             return self._start_ms + int(self._now * 1000)
 
     def monotonic(self) -> float:
         with self._lock:
+            self._reads.at = self._now
             return self._now
+
+    def last_read(self) -> float | None:
+        """The simulated time this thread last read the clock, if it ever did."""
+        at: float | None = getattr(self._reads, "at", None)
+        return at
+
+    def since(self, moment: float) -> float:
+        """Seconds from ``moment`` to now, without counting as this thread's reading."""
+        with self._lock:
+            return self._now - moment
 
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
@@ -87,9 +104,20 @@ class SkewedClock:
 class Recorder(ForwardingStore):
     """The shared store: stamps writes with simulated time and records what was applied."""
 
-    def __init__(self, inner: ObjectStore, clock: SimClock, manifests: Iterable[str]) -> None:
+    def __init__(
+        self,
+        inner: ObjectStore,
+        clock: SimClock,
+        manifests: Iterable[str],
+        in_flight_limit: float | None = None,
+    ) -> None:
         super().__init__(inner)
         self.clock = clock
+        self.in_flight_limit = in_flight_limit
+        """The timing assumption: a manifest write lands within this many seconds of the
+        clock reading it was sent on (``grace period - reupload_after``), or never."""
+        self.late: list[str] = []
+        """Manifest writes that would have landed later than that: they never landed."""
         self.lock = threading.RLock()
         self._stamps: dict[str, int] = {}
         self._manifests = set(manifests)
@@ -229,10 +257,20 @@ class Fault:
 class RoleStore(ForwardingStore):
     """One role's view of the shared store, with the faults the schedule armed for it."""
 
-    def __init__(self, recorder: Recorder, name: str, world_down: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        name: str,
+        world_down: Callable[[], bool],
+        *,
+        bounded: bool = False,
+    ) -> None:
         super().__init__(recorder)
         self.recorder = recorder
         self.name = name
+        self.bounded = bounded
+        """Its manifest writes carry a deadline (producers, the coordinator, a Spark driver):
+        the recorder's ``in_flight_limit`` holds for them."""
         self._down = world_down
         self.faults: list[Fault] = []
         self.dead = False
@@ -281,7 +319,29 @@ class RoleStore(ForwardingStore):
             self._crashed_after("read")
         return result
 
+    def _in_time(self, op: str, path: str, call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call``, landing only within the timing assumption of the clock reading it was
+        sent on (a thread descheduled past it in real time while the schedule moved the
+        clock on would land it later than any real store lets a request live)."""
+        limit = self.recorder.in_flight_limit
+        sent = self.recorder.clock.last_read()
+        if op != "cas" or not self.bounded or limit is None or sent is None:
+            return call
+
+        def land() -> Any:
+            age = self.recorder.clock.since(sent)
+            if age > limit:
+                with self.recorder.lock:
+                    self.recorder.late.append(f"{self.name}: {path} sent {age:.0f} s ago")
+                raise CommitStateUnknownError(
+                    f"{path}: request outlived the timing assumption ({age:.0f} s); not landed"
+                )
+            return call()
+
+        return land
+
     def _write(self, op: str, path: str, call: Callable[[], Any], held: bool = False) -> Any:
+        call = self._in_time(op, path, call)
         mode = self._take(op)
         if mode == "fail":
             raise CommitStateUnknownError(f"{path}: injected failure before sending")

@@ -18,6 +18,12 @@ checks every invariant of ``tests/invariants.py``.
   ``MILLPOND_CHECKER_FIRST_SEED``).
 * ``MILLPOND_CHECKER_SEED=<seed>`` replays one schedule and prints its events.
 
+The store holds the documented timing assumption (README "Guarantees"): a manifest write of a
+producer, the coordinator or a Spark driver lands within ``grace period - reupload_after`` of the
+clock reading it was sent on, or never (``RoleStore._in_time``). Without it a producer thread
+descheduled between its deadline check and its write, while the schedule moves the clock 200 s,
+would land a write no real store lets live that long.
+
 A failure prints the seed and the event list: the schedule replays with the same faults in the
 same order (threads inside one producer may still interleave differently).
 """
@@ -53,7 +59,9 @@ def test_schedule_keeps_every_guarantee(seed: int, tmp_path: Path) -> None:
             f"schedule {seed} broke a guarantee: {err}\n"
             f"replay: MILLPOND_CHECKER_SEED={seed} make test PYTEST_ARGS='tests/system'\n"
             f"events:\n{trace}\n"
-            f"what the store did to the batch objects named above, in order:\n{history}"
+            f"what the store did to the batch objects named above, in order:\n{history}\n"
+            f"manifest writes that outlived the timing assumption (never landed): "
+            f"{world.recorder.late or 'none'}"
         ) from err
 
 

@@ -207,7 +207,10 @@ class World:
         self.queue_b = QueueSpec("b", "qb/manifest", "qb")
         inner = open_store(f"memory://world-{uuid.uuid4().hex}")
         self.recorder = Recorder(
-            inner, self.clock, [self.queue_a.manifest_path, self.queue_b.manifest_path]
+            inner,
+            self.clock,
+            [self.queue_a.manifest_path, self.queue_b.manifest_path],
+            in_flight_limit=GRACE / 2,  # grace period - reupload_after
         )
         for queue in (self.queue_a, self.queue_b):
             open_claim(

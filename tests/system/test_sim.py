@@ -1,0 +1,87 @@
+"""The simulated store keeps the timing assumption: a late manifest write never lands."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from millpond.errors import CommitStateUnknownError
+from millpond.formats.manifest import empty_manifest
+from millpond.storage.store import open_store
+from tests.system.sim import Fault, Recorder, RoleStore, SimClock
+
+MANIFEST = "q/manifest"
+LIMIT = 30.0
+
+
+def _world() -> tuple[SimClock, Recorder, str | None]:
+    clock = SimClock()
+    inner = open_store(f"memory://sim-{uuid.uuid4().hex}")
+    recorder = Recorder(inner, clock, [MANIFEST], in_flight_limit=LIMIT)
+    etag = recorder.put_if_absent(MANIFEST, empty_manifest())
+    return clock, recorder, etag
+
+
+def _store(recorder: Recorder, *, bounded: bool = True) -> RoleStore:
+    return RoleStore(recorder, "p0", lambda: False, bounded=bounded)
+
+
+@pytest.mark.parametrize(("moved", "lands"), [(LIMIT - 1, True), (LIMIT + 1, False)])
+def test_a_manifest_write_lands_only_within_the_limit_of_the_reading_it_was_sent_on(
+    moved: float, lands: bool
+) -> None:
+    clock, recorder, etag = _world()
+    assert etag is not None
+    store = _store(recorder)
+    clock.monotonic()  # the sender checks its deadline
+    clock.advance(moved)  # the schedule moves on while the sender is descheduled
+    data = empty_manifest(next_sequence=5)
+    if lands:
+        store.put_if_match(MANIFEST, data, etag)
+        assert recorder.late == []
+    else:
+        with pytest.raises(CommitStateUnknownError, match="outlived the timing assumption"):
+            store.put_if_match(MANIFEST, data, etag)
+        assert len(recorder.late) == 1
+    assert (recorder.get(MANIFEST).data == data) is lands
+
+
+def test_the_limit_counts_from_the_sending_threads_own_reading() -> None:
+    clock, recorder, etag = _world()
+    assert etag is not None
+    store = _store(recorder)
+    clock.monotonic()
+    clock.advance(LIMIT + 1)
+    other = threading.Thread(target=clock.monotonic)  # another thread's reading is not ours
+    other.start()
+    other.join()
+    with pytest.raises(CommitStateUnknownError):
+        store.put_if_match(MANIFEST, empty_manifest(next_sequence=1), etag)
+    clock.monotonic()  # a fresh check: sent now, it lands
+    store.put_if_match(MANIFEST, empty_manifest(next_sequence=1), etag)
+
+
+def test_a_held_write_released_past_the_limit_never_lands() -> None:
+    clock, recorder, etag = _world()
+    assert etag is not None
+    store = _store(recorder)
+    store.arm(Fault("cas", "hold"))
+    clock.monotonic()
+    with pytest.raises(CommitStateUnknownError, match="held back"):
+        store.put_if_match(MANIFEST, empty_manifest(next_sequence=7), etag)
+    clock.advance(LIMIT + 1)
+    recorder.release_held()
+    assert recorder.get(MANIFEST).etag == etag
+    assert len(recorder.late) == 1
+
+
+def test_roles_without_a_deadline_and_batch_writes_are_not_bounded() -> None:
+    clock, recorder, etag = _world()
+    assert etag is not None
+    clock.monotonic()
+    clock.advance(LIMIT * 10)
+    _store(recorder).put("q/data/x.batch", b"late but harmless")
+    _store(recorder, bounded=False).put_if_match(MANIFEST, empty_manifest(next_sequence=2), etag)
+    assert recorder.late == []
