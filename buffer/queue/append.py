@@ -173,8 +173,12 @@ class QueueProducer:
         # write may have (or given by the caller, for an attempt made elsewhere).
         while True:
             try:
-                if current is None and maybe_landed_from is None:
-                    maybe_landed_from = self._in_doubt_from  # any read looks for it
+                if maybe_landed_from is None:
+                    # Until a write of ours lands, every attempt reads and looks first: a
+                    # manifest kept from an earlier call may hold what the write in doubt
+                    # carried (it landed before that read), and writing on it unread would
+                    # append those locations a second time.
+                    maybe_landed_from = self._in_doubt_from
                 if current is None or maybe_landed_from is not None:
                     if peeked is not None:
                         current, peeked = peeked, None
@@ -233,9 +237,16 @@ class QueueProducer:
                             "more: expected locations not in the group yet, found duplicates"
                         )
                     locations.update(e.location for e in extra)
-                    todo.extend(range(len(entries), len(entries) + len(extra)))
+                    joined = list(range(len(entries), len(entries) + len(extra)))
                     entries.extend(extra)
                     result.extend([None] * len(extra))
+                    if current is not None and self._in_doubt_from is not None:
+                        # A write in doubt may have carried them too (a run that died with
+                        # its batches in flight): look in the state about to be written on.
+                        joined = self._drop_present(
+                            current, entries, joined, result, self._in_doubt_from
+                        )
+                    todo.extend(joined)
                 base = current.data if current is not None else empty_manifest()
                 data, sequences = append_entries(base, [entries[i] for i in todo])
                 _check_deadline(cas, deadline)

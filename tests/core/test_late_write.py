@@ -148,3 +148,61 @@ def test_a_write_of_a_run_that_died_lands_after_the_next_run_looked(
         assert _locations(store)[1:] == [e.location for e in group]
     else:
         assert _locations(store)[1:] == [e.location for e in group + group]
+
+
+def test_a_run_in_doubt_looks_again_before_each_call_not_only_the_first(
+    store: ObjectStore,
+) -> None:
+    # Whole-system seed 51017 (under load, 4 of 4 replays): the dead run's held write of two
+    # batches landed during the next run's first call, which appended only the first of them
+    # (the second was still being uploaded again) and found it landed. The second call wrote
+    # on the manifest the first call had read, which it kept without looking: the second batch
+    # was in it already, and went in twice.
+    holding = _Holding(store)
+    dead = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    dead.append(pending(1, tag="first"))
+    group = pending(2, tag="group")
+    holding.hold = True
+    with pytest.raises(CommitStateUnknownError):
+        dead.append(group, deadline=FakeClock().monotonic() + 1e-9)
+    again = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    again.in_doubt_from(read_manifest(store, MANIFEST).manifest.next_sequence)
+    holding.land_held()
+    assert again.append(group[:1]) == (1,)  # found by the look, not written
+    assert again.append(group[1:]) == (2,)
+    assert _locations(store)[1:] == [e.location for e in group]
+
+
+class _LosesFirst(ForwardingStore):
+    """The first conditional manifest write loses its race: ``rival`` lands just before it."""
+
+    def __init__(self, inner: ObjectStore, rival: Callable[[], object]) -> None:
+        super().__init__(inner)
+        self.rival: Callable[[], object] | None = rival
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        rival, self.rival = self.rival, None
+        if rival is not None:
+            rival()
+        return self.inner.put_if_match(path, data, etag)
+
+
+def test_batches_a_run_in_doubt_takes_in_after_a_lost_race_are_looked_for_too(
+    store: ObjectStore,
+) -> None:
+    # The dead run's write of batch B landed; the next run appends batch A, loses a race, and
+    # takes B (ready meanwhile) into its next write: B is in the manifest already.
+    dead = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    dead.append(pending(1, tag="first"))
+    looked = read_manifest(store, MANIFEST).manifest.next_sequence
+    b = pending(1, tag="b")
+    dead.append(b)  # the dead run's write, landed after the next run's look
+    a = pending(1, tag="a")
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    c = pending(1, tag="c")
+    again = QueueProducer(
+        _LosesFirst(store, lambda: rival.append(c)), MANIFEST, retry=FAST_RETRY, clock=FakeClock()
+    )
+    again.in_doubt_from(looked)
+    assert again.append(a, more=lambda: b) == (3, 1)
+    assert _locations(store)[1:] == [e.location for e in b + c + a]
