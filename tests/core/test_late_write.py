@@ -20,6 +20,7 @@ import pytest
 
 from millpond.common.retry import RetryPolicy
 from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.formats.manifest import PendingEntry
 from millpond.queue import QueueProducer, read_manifest
 from millpond.storage.store import ForwardingStore, ObjectStore
 from tests.support import StoreTarget
@@ -118,6 +119,18 @@ def test_a_held_write_landing_before_the_next_call_is_found_by_it(store: ObjectS
     assert _locations(store)[1:] == [e.location for e in group]
 
 
+def _died_with_a_write_held_back(store: ObjectStore) -> tuple[_Holding, list[PendingEntry]]:
+    """A run appended one entry, then died with its write of a two-entry group held back."""
+    holding = _Holding(store)
+    dead = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    dead.append(pending(1, tag="first"))
+    group = pending(2, tag="group")
+    holding.hold = True
+    with pytest.raises(CommitStateUnknownError):
+        dead.append(group, deadline=FakeClock().monotonic() + 1e-9)
+    return holding, group
+
+
 @pytest.mark.parametrize("told", [True, False], ids=["told", "not-told"])
 def test_a_write_of_a_run_that_died_lands_after_the_next_run_looked(
     store: ObjectStore, told: bool
@@ -128,13 +141,7 @@ def test_a_write_of_a_run_that_died_lands_after_the_next_run_looked(
     # (``in_doubt_from``, as the producer's committer does for replayed batches), the next
     # run finds the group; not told, it cannot know and writes it twice — which is why the
     # committer tells it.
-    holding = _Holding(store)
-    dead = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
-    dead.append(pending(1, tag="first"))
-    group = pending(2, tag="group")
-    holding.hold = True
-    with pytest.raises(CommitStateUnknownError):
-        dead.append(group, deadline=FakeClock().monotonic() + 1e-9)
+    holding, group = _died_with_a_write_held_back(store)
     looked = read_manifest(store, MANIFEST).manifest
     assert looked.next_sequence == 1
     again = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
@@ -158,13 +165,7 @@ def test_a_run_in_doubt_looks_again_before_each_call_not_only_the_first(
     # (the second was still being uploaded again) and found it landed. The second call wrote
     # on the manifest the first call had read, which it kept without looking: the second batch
     # was in it already, and went in twice.
-    holding = _Holding(store)
-    dead = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
-    dead.append(pending(1, tag="first"))
-    group = pending(2, tag="group")
-    holding.hold = True
-    with pytest.raises(CommitStateUnknownError):
-        dead.append(group, deadline=FakeClock().monotonic() + 1e-9)
+    holding, group = _died_with_a_write_held_back(store)
     again = QueueProducer(holding, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
     again.in_doubt_from(read_manifest(store, MANIFEST).manifest.next_sequence)
     holding.land_held()
