@@ -24,7 +24,10 @@ producer's own compare-and-swap:
   compare-and-swap fail and be looked at again, or never lands. A request that arrives later
   than the grace allowed cannot double anything either: the coordinator writes only on a
   manifest it read or wrote itself, and drops entries it finds there from the client's
-  ``X-Millpond-From`` on (``present_from`` of ``QueueProducer.append``).
+  ``X-Millpond-From`` on (``present_from`` of ``QueueProducer.append``). Nor can it lose
+  anything: the request carries the append's deadline as a wall-clock time
+  (``X-Millpond-Not-After``), and the coordinator writes nothing of it after that time and
+  refuses it unwritten if it arrives later, when its batches may have been collected.
 
 The lower bound the landed-check starts from is the highest ``next_sequence`` this writer has
 seen before sending: the request cannot have landed below it.
