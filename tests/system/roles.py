@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -175,7 +176,12 @@ class ProducerRole:
 class CoordinatorRole:
     """``millpond coordinator`` for one queue: a real ``AppendCoordinator`` served over HTTP on
     loopback, on its own ``RoleStore``. A crash stops its listener and kills its store view
-    (the round under way dies at its next store call); a restart serves on the same port."""
+    (the round under way dies at its next store call); a restart serves on the same port.
+
+    Between a crash and the restart the port stays bound, not listening (a connection is
+    refused, as by a dead process): a port left free meanwhile can be taken by any socket of
+    another test process (seed 91376 under ``-n 6``: "Address already in use").
+    """
 
     def __init__(
         self, queue: QueueSpec, recorder: Recorder, clock: SimClock, down: Callable[[], bool]
@@ -187,6 +193,7 @@ class CoordinatorRole:
         self.port = 0
         self.store: RoleStore | None = None
         self.server: CoordinatorServer | None = None
+        self._held_port: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -197,6 +204,7 @@ class CoordinatorRole:
         return self.server is not None and self.store is not None and not self.store.dead
 
     def start(self) -> None:
+        self.release_port()
         self.store = RoleStore(self._recorder, "coordinator", self._down, bounded=True)
         coordinator = AppendCoordinator(
             self.store,
@@ -220,9 +228,28 @@ class CoordinatorRole:
             self.store.dead = True
         if server is not None:
             server.close_listener()
+            self._held_port = _hold(self.port)
             # Lets an idle round thread end (a real crash takes it too). What was waiting for
             # a round is refused: true, since this store view writes nothing any more.
             server.coordinator.stop(0)
+
+    def release_port(self) -> None:
+        """Free the port a crash kept bound (before a restart, and when the schedule ends)."""
+        held, self._held_port = self._held_port, None
+        if held is not None:
+            held.close()
+
+
+def _hold(port: int) -> socket.socket | None:
+    """``port`` on loopback bound and not listening; ``None`` if it was taken at once."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 class ConsumerRole:

@@ -528,6 +528,7 @@ class World:
         self._consume(self.queue_a)  # nothing left, and nothing it needs was collected
         if self.coordinator is not None:
             self.coordinator.crash()  # its threads end with the schedule
+            self.coordinator.release_port()
         self.violations += self.poison.replay_all()
 
     def check(self) -> None:
