@@ -46,8 +46,8 @@ class SimulatedCrash(BaseException):
 class SimClock:
     """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once.
 
-    It remembers when each thread last read it: a write sent on that reading (a deadline
-    checked, then the request) is as old as :meth:`since_read` says when it lands.
+    It remembers when each thread last read it (:meth:`last_read`): a write sent on that
+    reading (a deadline checked, then the request) is :meth:`since` it old when it lands.
     """
 
     def __init__(self, start_ms: int = 1_800_000_000_000) -> None:
