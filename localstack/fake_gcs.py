@@ -274,6 +274,12 @@ class _XmlUploadProxy:
 
             do_GET = do_HEAD = do_POST = do_DELETE = do_PATCH = do_PUT
 
+            def finish(self) -> None:
+                try:
+                    super().finish()
+                finally:
+                    proxy.drop_upstream()
+
         self._server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -289,6 +295,14 @@ class _XmlUploadProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+    def drop_upstream(self) -> None:
+        """Close this handler thread's upstream connection: its client has left, and a
+        socket left to the garbage collector warns "unclosed" in whatever runs then."""
+        connection = getattr(self._local, "connection", None)
+        self._local.connection = None
+        if connection is not None:
+            connection.close()
 
     def handle(self, request: http.server.BaseHTTPRequestHandler) -> None:
         length = int(request.headers.get("Content-Length") or 0)

@@ -3,9 +3,12 @@ writes under contention, read the standard variables, survive a restart, and sto
 
 from __future__ import annotations
 
+import gc
+import http.client
 import os
 import threading
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,30 @@ def test_fake_gcs_and_its_proxy_listen_on_loopback_only(fake_gcs_server: FakeGcs
     proxy_port = int(fake_gcs_server.endpoint.endpoint.rsplit(":", 1)[1])
     assert (LOOPBACK, proxy_port) in listening_addresses(os.getpid())
     assert fake_gcs_server.endpoint.endpoint.startswith(f"http://{LOOPBACK}:")
+
+
+def test_the_gcs_proxy_closes_its_upstream_connection_when_its_client_leaves(
+    fake_gcs_server: FakeGcs,
+) -> None:
+    """Each client connection's handler thread keeps one upstream connection; left to the
+    garbage collector when the thread ended, its socket warned "unclosed" in whatever test ran
+    then, which failed it (CI, 2026-11-26: ``…one_winner_under_contention[gcs-update]``)."""
+    proxy_port = int(fake_gcs_server.endpoint.endpoint.rsplit(":", 1)[1])
+    before = set(threading.enumerate())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        client = http.client.HTTPConnection(LOOPBACK, proxy_port, timeout=30)
+        client.request("GET", "/storage/v1/b")
+        assert client.getresponse().read()
+        client.close()
+        for thread in set(threading.enumerate()) - before:
+            if "process_request_thread" in thread.name:
+                thread.join(30)
+                assert not thread.is_alive(), f"{thread.name} did not end"
+        gc.collect()
+    upstream = f"{LOOPBACK!r}, {fake_gcs_server.port})"
+    unclosed = [str(w.message) for w in caught if upstream in str(w.message)]
+    assert unclosed == []
 
 
 @pytest.mark.parametrize("condition", ["create", "update"])
