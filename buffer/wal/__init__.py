@@ -16,6 +16,9 @@ Durability rules, following Quiver's WAL design and doing better where it is loo
   failure.
 * Rotation fsyncs the old file completely before the next one is used, so only the newest
   file can ever end in a torn record.
+* What a sync made durable leaves the page cache (``posix_fadvise`` DONTNEED): the WAL is read
+  back only after a crash or when a batch outgrew the producer's memory budget, and keeping it
+  cached takes memory (and, on a VM, fresh pages that are slow to get) from everything else.
 * :meth:`Wal.release` writes the sidecar to a temp file, fsyncs it, renames it over the old one
   and fsyncs the directory, and only then deletes whole files that hold nothing unreleased.
 
