@@ -143,8 +143,8 @@ SQLITE_TYPES = {
     "id": "INTEGER", "b": "BOOLEAN", "i8": "INTEGER", "i16": "INTEGER", "i32": "INTEGER",
     "i64": "INTEGER", "f32": "REAL", "f64": "REAL", "d38": "DECIMAL_TEXT(38,10)",
     "d38max": "DECIMAL_TEXT(38,0)", "dneg": "DECIMAL_TEXT(3,-2)", "s": "TEXT", "bin": "BLOB",
-    "d": "DATE", "ts": "TIMESTAMPTZ", "tsntz": "TIMESTAMP", "dti": "INTERVAL", "arr": "JSON",
-    "m": "JSON", "st": "JSON", "nested": "JSON",
+    "d": "DATE", "ts": "TIMESTAMPTZ", "tsntz": "TIMESTAMP", "dti": "INTERVAL", "arr": "JSON_TEXT",
+    "m": "JSON_TEXT", "st": "JSON_TEXT", "nested": "JSON_TEXT",
 }  # fmt: skip
 
 

@@ -8,7 +8,8 @@ Spark's ``to_json`` writes them: a struct is an object with its fields in order,
 object whose keys are the map keys as text, a list is an array. Inside JSON, decimals are
 exact numbers, floats are numbers except NaN and ±Infinity (the strings ``"NaN"``,
 ``"Infinity"``, ``"-Infinity"``), binary is base64, dates and times are ISO-8601 text
-(instants in UTC with ``+00:00``), intervals are integer microseconds.
+(instants in UTC with ``+00:00``), intervals are integer microseconds. A Spark ``VARIANT``
+becomes the JSON it holds (:mod:`millpond.consumer.sinks._variant`), not its binary encoding.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.consumer.sinks.types import ColumnType, Kind
 
 __all__ = ["decimal_text", "for_postgres", "for_sqlite", "json_text"]
@@ -162,6 +164,8 @@ def _write(value: Any, dtype: pa.DataType, out: list[str]) -> None:
     t = pa.types
     if value is None:
         out.append("null")
+    elif is_variant(dtype):
+        out.append(variant_json(value["value"], value["metadata"]))
     elif t.is_dictionary(dtype):
         _write(value, dtype.value_type, out)
     elif t.is_struct(dtype):

@@ -331,7 +331,9 @@ SQLITE = Dialect(
         Kind.TIMESTAMP: "TIMESTAMP",
         Kind.INSTANT: "TIMESTAMPTZ",
         Kind.INTERVAL: "INTERVAL",
-        Kind.JSON: "JSON",
+        # TEXT affinity too: under "JSON" (NUMERIC affinity) a variant holding a number,
+        # '12345678901234567890123.5', would be stored as a 15-digit REAL.
+        Kind.JSON: "JSON_TEXT",
     },
     values={
         Kind.BOOLEAN: "integer 1 / 0",
@@ -350,7 +352,8 @@ SQLITE = Dialect(
         Kind.INTERVAL: "integer microseconds",
         Kind.JSON: "JSON text (see below)",
     },
-    aliases={"int": Kind.INT64, "bigint": Kind.INT64, "double": Kind.FLOAT64},
+    # "json": the JSON columns of tables created before JSON_TEXT.
+    aliases={"int": Kind.INT64, "bigint": Kind.INT64, "double": Kind.FLOAT64, "json": Kind.JSON},
     bounded_string="TEXT",
 )
 
@@ -386,14 +389,25 @@ SPARK_TYPES: tuple[SparkType, ...] = (
         "timestamp[us, tz=<session time zone>]",
     ),
     SparkType("timestamp_ntz", pa.timestamp("us")),
+    SparkType("time(p)", pa.time64("ns")),
     SparkType("interval day to second", pa.duration("us")),
     SparkType("array<T>", pa.list_(pa.int32()), "list<T>"),
     SparkType("map<K,V>", pa.map_(pa.string(), pa.int32()), "map<K, V>"),
     SparkType("struct<...>", pa.struct([("x", pa.int32())]), "struct<...>"),
+    SparkType(
+        "variant",
+        pa.struct(
+            [
+                pa.field("value", pa.binary(), nullable=False),
+                pa.field("metadata", pa.binary(), nullable=False, metadata={"variant": "true"}),
+            ]
+        ),
+        "struct<value: binary, metadata: binary>",
+    ),
     SparkType("void (NULL literal)", pa.null()),
 )
 """Every Spark SQL type ``format("millpond")`` writes. Not writable: ``interval year to
-month`` (PySpark's own Arrow conversion fails on it) and ``time`` (Spark refuses it)."""
+month`` (pyarrow cannot read Arrow month intervals; the data source refuses it up front)."""
 
 
 def mapping_markdown() -> str:

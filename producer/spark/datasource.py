@@ -35,6 +35,7 @@ from millpond.producer.spark.executor import (
     partition_producer,
 )
 from millpond.producer.spark.options import SparkWriteSettings
+from millpond.producer.spark.schema import refuse_unwritable
 from millpond.producer.spark.summary import ensure_summary_output, log_summary
 from millpond.producer.spark.upload import BatchUploader, TaskCommitMessage, UploadStats
 
@@ -64,9 +65,11 @@ class MillpondDataSource(DataSource):
 
         Raises:
             ConfigError: a bad option, or a mode other than append.
+            InvalidInputError: a column of a type Arrow cannot carry (``refuse_unwritable``).
             StorageError: the store is unreachable (``check_store``).
             FormatError: the manifest is corrupt (``check_store``).
         """
+        refuse_unwritable(schema)
         settings = _settings(self.options, overwrite)
         job_id = uuid.uuid4().hex
         logger.info(
@@ -79,8 +82,10 @@ class MillpondDataSource(DataSource):
 
         Raises:
             ConfigError: a bad option, or no ``checkpointLocation`` and no ``query_id``.
+            InvalidInputError: a column of a type Arrow cannot carry (``refuse_unwritable``).
             StorageError: the store is unreachable (``check_store``).
         """
+        refuse_unwritable(schema)
         settings = _settings(self.options, overwrite)
         if settings.commit == "job" and not settings.query_id and not settings.checkpoint_location:
             settings.stream_id()  # raises the ConfigError naming checkpointLocation

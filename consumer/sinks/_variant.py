@@ -1,0 +1,220 @@
+"""Spark ``VARIANT`` values as JSON text.
+
+Spark hands a variant column to Arrow as ``struct<value: binary, metadata: binary>`` whose
+``metadata`` child carries the field metadata ``variant: true``: the value in the binary
+Variant encoding (Apache Parquet, ``VariantEncoding.md``) and the dictionary of its object
+keys. Written as that struct, a database would get two base64 blobs; a user who wrote
+``parse_json('{"a": 1}')`` expects ``{"a":1}``. This module decodes the encoding into JSON
+text, in the conventions of the other nested values (:mod:`millpond.consumer.sinks._values`):
+decimals are exact numbers, NaN and ±Infinity the strings ``"NaN"``, ``"Infinity"``,
+``"-Infinity"``, binary is base64, dates and times ISO-8601 (instants in UTC with
+``+00:00``), UUIDs their canonical text. Object keys come in the order the encoding keeps them
+(sorted by key, as Spark's ``to_json`` writes them).
+
+``ConsumedBatch.to_arrow()`` is untouched: it hands back the struct exactly as Spark wrote it.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import math
+import struct
+import uuid
+from decimal import Context, Decimal
+
+import pyarrow as pa
+
+from millpond.errors import FormatError
+
+__all__ = ["is_variant", "variant_json"]
+
+_UTC = dt.UTC
+_EPOCH = dt.datetime(1970, 1, 1)
+_EPOCH_DAY = dt.date(1970, 1, 1)
+_VERSION = 1
+_EXACT = Context(prec=80)  # a 16-byte decimal has at most 39 digits: never rounded
+# basic types (the low two bits of a value's first byte)
+_PRIMITIVE, _SHORT_STRING, _OBJECT, _ARRAY = range(4)
+
+
+def is_variant(dtype: pa.DataType) -> bool:
+    """Whether ``dtype`` is how Spark hands a ``VARIANT`` column to Arrow."""
+    if not pa.types.is_struct(dtype) or dtype.num_fields != 2:
+        return False
+    value, metadata = dtype.field(0), dtype.field(1)
+    return (
+        value.name == "value"
+        and metadata.name == "metadata"
+        and pa.types.is_binary(value.type)
+        and pa.types.is_binary(metadata.type)
+        and (metadata.metadata or {}).get(b"variant") == b"true"
+    )
+
+
+def variant_json(value: bytes, metadata: bytes) -> str:
+    """One variant as compact JSON text.
+
+    Raises:
+        FormatError: the bytes are not a variant this decoder knows (naming the byte offset).
+    """
+    keys = _keys(metadata)
+    out: list[str] = []
+    _write(memoryview(value), 0, keys, out)
+    return "".join(out)
+
+
+def _keys(metadata: bytes) -> list[str]:
+    if not metadata:
+        raise FormatError("variant metadata: expected a header byte, found none")
+    header = metadata[0]
+    if header & 0x0F != _VERSION:
+        raise FormatError(
+            f"variant metadata: version at byte 0: expected {_VERSION}, found {header & 0x0F}"
+        )
+    size = (header >> 6) + 1
+    count = _uint(metadata, 1, size)
+    offsets_at = 1 + size
+    strings_at = offsets_at + (count + 1) * size
+    offsets = [_uint(metadata, offsets_at + i * size, size) for i in range(count + 1)]
+    end = strings_at + offsets[-1]
+    if end > len(metadata):
+        raise FormatError(f"variant metadata: expected {end} bytes, found {len(metadata)}")
+    return [
+        bytes(metadata[strings_at + offsets[i] : strings_at + offsets[i + 1]]).decode("utf-8")
+        for i in range(count)
+    ]
+
+
+def _write(data: memoryview, at: int, keys: list[str], out: list[str]) -> None:
+    if at >= len(data):
+        raise FormatError(f"variant value: expected a header at byte {at}, found the end")
+    header = data[at]
+    basic, rest = header & 0x03, header >> 2
+    if basic == _SHORT_STRING:
+        out.append(_string(bytes(data[at + 1 : at + 1 + rest]), at))
+    elif basic == _OBJECT:
+        _write_object(data, at, rest, keys, out)
+    elif basic == _ARRAY:
+        _write_array(data, at, rest, keys, out)
+    else:
+        out.append(_primitive(data, at, rest))
+
+
+def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: list[str]) -> None:
+    offset_size = (rest & 0x03) + 1
+    id_size = ((rest >> 2) & 0x03) + 1
+    count_size = 4 if (rest >> 4) & 0x01 else 1
+    count = _uint(data, at + 1, count_size)
+    ids_at = at + 1 + count_size
+    offsets_at = ids_at + count * id_size
+    values_at = offsets_at + (count + 1) * offset_size
+    out.append("{")
+    for i in range(count):
+        key_id = _uint(data, ids_at + i * id_size, id_size)
+        if key_id >= len(keys):
+            raise FormatError(
+                f"variant value: field id at byte {ids_at + i * id_size}: expected below "
+                f"{len(keys)}, found {key_id}"
+            )
+        if i:
+            out.append(",")
+        out.append(json.dumps(keys[key_id], ensure_ascii=False))
+        out.append(":")
+        _write(data, values_at + _uint(data, offsets_at + i * offset_size, offset_size), keys, out)
+    out.append("}")
+
+
+def _write_array(data: memoryview, at: int, rest: int, keys: list[str], out: list[str]) -> None:
+    offset_size = (rest & 0x03) + 1
+    count_size = 4 if (rest >> 2) & 0x01 else 1
+    count = _uint(data, at + 1, count_size)
+    offsets_at = at + 1 + count_size
+    values_at = offsets_at + (count + 1) * offset_size
+    out.append("[")
+    for i in range(count):
+        if i:
+            out.append(",")
+        _write(data, values_at + _uint(data, offsets_at + i * offset_size, offset_size), keys, out)
+    out.append("]")
+
+
+def _primitive(data: memoryview, at: int, type_id: int) -> str:
+    body = at + 1
+    if type_id == 0:
+        return "null"
+    if type_id in (1, 2):
+        return "true" if type_id == 1 else "false"
+    if type_id in _INTS:
+        return str(_int(data, body, _INTS[type_id]))
+    if type_id == 7:
+        return _float(_unpack("<d", data, body))
+    if type_id == 14:
+        return _float(_unpack("<f", data, body))
+    if type_id in _DECIMALS:
+        scale = data[body]
+        unscaled = _int(data, body + 1, _DECIMALS[type_id])
+        return format(Decimal(unscaled).scaleb(-scale, _EXACT), "f")
+    if type_id == 11:
+        return json.dumps((_EPOCH_DAY + dt.timedelta(days=_int(data, body, 4))).isoformat())
+    if type_id in (12, 13, 18, 19):
+        nanos = type_id in (18, 19)
+        ticks = _int(data, body, 8)
+        micros = ticks // 1000 if nanos else ticks
+        moment = _EPOCH + dt.timedelta(microseconds=micros)
+        text = moment.isoformat(timespec="microseconds")
+        if nanos:
+            text = f"{text}{ticks % 1000:03d}"
+        return json.dumps(text + "+00:00" if type_id in (12, 18) else text)
+    if type_id == 17:
+        moment = _EPOCH + dt.timedelta(microseconds=_int(data, body, 8))
+        return json.dumps(moment.time().isoformat(timespec="microseconds"))
+    if type_id == 15:
+        size = _uint(data, body, 4)
+        return json.dumps(base64.b64encode(bytes(data[body + 4 : body + 4 + size])).decode())
+    if type_id == 16:
+        size = _uint(data, body, 4)
+        return _string(bytes(data[body + 4 : body + 4 + size]), at)
+    if type_id == 20:
+        return json.dumps(str(uuid.UUID(bytes=bytes(data[body : body + 16]))))
+    raise FormatError(f"variant value: primitive type at byte {at}: unknown id {type_id}")
+
+
+_INTS = {3: 1, 4: 2, 5: 4, 6: 8}
+_DECIMALS = {8: 4, 9: 8, 10: 16}
+
+
+def _string(raw: bytes, at: int) -> str:
+    try:
+        return json.dumps(raw.decode("utf-8"), ensure_ascii=False)
+    except UnicodeDecodeError as err:
+        raise FormatError(f"variant value: string at byte {at}: not UTF-8 ({err})") from err
+
+
+def _float(value: float) -> str:
+    if math.isnan(value):
+        return '"NaN"'
+    if math.isinf(value):
+        return '"Infinity"' if value > 0 else '"-Infinity"'
+    return repr(value)
+
+
+def _uint(data: bytes | memoryview, at: int, size: int) -> int:
+    if at + size > len(data):
+        raise FormatError(f"variant: expected {size} bytes at byte {at}, found the end")
+    return int.from_bytes(data[at : at + size], "little")
+
+
+def _int(data: bytes | memoryview, at: int, size: int) -> int:
+    if at + size > len(data):
+        raise FormatError(f"variant: expected {size} bytes at byte {at}, found the end")
+    return int.from_bytes(data[at : at + size], "little", signed=True)
+
+
+def _unpack(fmt: str, data: memoryview, at: int) -> float:
+    size = struct.calcsize(fmt)
+    if at + size > len(data):
+        raise FormatError(f"variant: expected {size} bytes at byte {at}, found the end")
+    (value,) = struct.unpack_from(fmt, data, at)
+    return float(value)
