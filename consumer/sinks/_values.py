@@ -34,7 +34,11 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=_UTC)
 
 
 def for_postgres(values: pa.ChunkedArray, column: ColumnType) -> pa.ChunkedArray:
-    """Values in the Arrow type binary COPY needs for a column of type ``column``."""
+    """Values in the Arrow type binary COPY needs for a column of type ``column``.
+
+    Raises:
+        pa.ArrowInvalid: a value the column cannot hold (the sink names table and column).
+    """
     target = _postgres_arrow(column)
     if column.kind is Kind.JSON and not pa.types.is_string(values.type):
         return json_text(values)
@@ -42,7 +46,25 @@ def for_postgres(values: pa.ChunkedArray, column: ColumnType) -> pa.ChunkedArray
         return values
     if pa.types.is_null(values.type):
         return pa.chunked_array([pa.nulls(len(values), target)], target)
-    return _cast(values, target)
+    values = _cast(values, target)
+    if pa.types.is_string(target):
+        _refuse_nul(values)
+    return values
+
+
+def _refuse_nul(values: pa.ChunkedArray) -> None:
+    """PostgreSQL text cannot hold U+0000; say which row has one instead of COPY's
+    'invalid byte sequence for encoding "UTF8": 0x00'."""
+    has_nul = pc.fill_null(pc.match_substring(values, "\x00"), False)
+    if not pc.any(has_nul).as_py():
+        return
+    rows = pc.indices_nonzero(has_nul).to_pylist()
+    raise pa.ArrowInvalid(
+        f"{len(rows)} row(s) hold a NUL character (U+0000), which PostgreSQL text cannot "
+        f"store, first at row {rows[0]} of the batch; remove it where the data is made "
+        "(Spark: regexp_replace(col, '\\\\x00', '')); this batch can only be set aside "
+        "(millpond quarantine)"
+    )
 
 
 def for_sqlite(values: pa.ChunkedArray, column: ColumnType) -> tuple[pa.ChunkedArray, list[int]]:

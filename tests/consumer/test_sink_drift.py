@@ -269,3 +269,24 @@ def test_an_unreconcilable_change_is_permanent_and_names_everything(
     declared = _column_types(database)["v"]
     assert declared in message  # the table's type
     assert database.count() == 1
+
+
+def test_a_nul_character_is_refused_for_postgresql_naming_column_and_row(
+    postgres_database: Database,
+) -> None:
+    # PostgreSQL text cannot hold U+0000: COPY said only 'invalid byte sequence for encoding
+    # "UTF8": 0x00', naming no column. Inside JSON it is an escape, which json takes.
+    table = pa.table({"s": ["ok", None, "bad\x00nul"], "st": [{"x": "a\x00b"}, None, None]})
+    with postgres_database.sink() as sink, pytest.raises(SinkError) as info:
+        sink.write(_batch(0, table))
+    assert not info.value.transient
+    message = str(info.value)
+    assert "column 's'" in message
+    assert "first at row 2" in message
+    assert "U+0000" in message
+    with postgres_database.sink() as sink:
+        assert sink.write(_batch(1, table.drop_columns(["s"])))
+    rows = postgres_database.query(
+        f'SELECT st::text FROM "{postgres_database.table}" ORDER BY _millpond_sequence'
+    )
+    assert rows[0] == ('{"x":"a\\u0000b"}',)
