@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -76,3 +78,20 @@ class Queue:
 
 def sqlite_url(path: Path) -> str:
     return f"sqlite:///{path.resolve()}"
+
+
+def consume_with_cli(queue: Queue, sink: str, table: str) -> None:
+    """``millpond consume`` (the real CLI process) drains ``queue`` into ``table`` of ``sink``."""
+    options = [f"--store-option={k}={v}" for k, v in queue.endpoint.store_options().items()]
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "millpond.cli", "consume", queue.url, *options,
+            "--sink", sink, "--table", table, "--progress-table", f"{table}_progress",
+            "--exit-when-idle", "--no-gc", "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr

@@ -5,8 +5,6 @@ gives back exactly the Arrow types and values Spark handed over."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +12,7 @@ from typing import TYPE_CHECKING
 from millpond.consumer import ConsumedBatch
 from millpond.formats.batch import decode_batch
 from millpond.localstack import PostgresServer, S3Endpoint
-from tests.spark.spark_support import Queue, sqlite_url
+from tests.spark.spark_support import Queue, consume_with_cli, sqlite_url
 from tests.type_matrix import COLUMNS, ROWS, arrow_schema, arrow_table, check_database, same
 
 if TYPE_CHECKING:
@@ -44,22 +42,6 @@ def _write_matrix(spark: SparkSession, queue: Queue, zone: str) -> None:
                 spark.conf.unset(key)
             else:
                 spark.conf.set(key, value)
-
-
-def _consume(queue: Queue, sink: str, table: str) -> None:
-    options = [f"--store-option={k}={v}" for k, v in queue.endpoint.store_options().items()]
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "millpond.cli", "consume", queue.url, *options,
-            "--sink", sink, "--table", table, "--progress-table", f"{table}_progress",
-            "--exit-when-idle", "--no-gc", "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
 
 
 def _check_to_arrow(queue: Queue) -> None:
@@ -97,9 +79,9 @@ def test_every_spark_type_arrives_intact(
     _check_to_arrow(queues["postgres"])
 
     table = f"matrix_{uuid.uuid4().hex[:8]}"
-    _consume(queues["postgres"], postgres_server.url, table)
+    consume_with_cli(queues["postgres"], postgres_server.url, table)
     check_database("postgres", postgres_server.url, table, copies=len(ZONES))
 
     sqlite = sqlite_url(tmp_path / "matrix.db")
-    _consume(queues["sqlite"], sqlite, table)
+    consume_with_cli(queues["sqlite"], sqlite, table)
     check_database("sqlite", sqlite, table, copies=len(ZONES))

@@ -9,8 +9,6 @@ import contextlib
 import datetime as dt
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +19,7 @@ from millpond.consumer import ConsumedBatch
 from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.formats.batch import decode_batch
 from millpond.localstack import PostgresServer, S3Endpoint
-from tests.spark.spark_support import Queue, sqlite_url
+from tests.spark.spark_support import Queue, consume_with_cli, sqlite_url
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,19 +47,6 @@ def _frame(spark: SparkSession) -> Any:
         "CAST(t AS TIME) AS t "
         f"FROM VALUES {rows} AS x(id, doc, t)"
     )
-
-
-def _consume(queue: Queue, sink: str, table: str) -> None:
-    options = [f"--store-option={k}={v}" for k, v in queue.endpoint.store_options().items()]
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "millpond.cli", "consume", queue.url, *options,
-            "--sink", sink, "--table", table, "--progress-table", f"{table}_progress",
-            "--exit-when-idle", "--no-gc", "--quiet",
-        ],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
 
 
 def _written(queue: Queue) -> pa.Table:
@@ -118,7 +103,7 @@ def test_variant_and_time_arrive_as_json_and_times_of_day(
         assert json.loads(variant_json(value, metadata)) == json.loads(DOCS[row["id"]])
     expected = {i: json.loads(doc) for i, doc in enumerate(DOCS)}
 
-    _consume(queues["postgres"], postgres_server.url, "variants")
+    consume_with_cli(queues["postgres"], postgres_server.url, "variants")
     types, rows = _postgres(postgres_server.url, "variants")
     assert (types["v"], types["va"], types["t"]) == ("json", "json", "time without time zone")
     assert [row[0] for row in rows] == list(range(len(DOCS)))
@@ -128,7 +113,7 @@ def test_variant_and_time_arrive_as_json_and_times_of_day(
         assert t == TIMES[id_ % len(TIMES)]
 
     sqlite = tmp_path / "variants.db"
-    _consume(queues["sqlite"], sqlite_url(sqlite), "variants")
+    consume_with_cli(queues["sqlite"], sqlite_url(sqlite), "variants")
     with contextlib.closing(sqlite3.connect(sqlite)) as conn:
         declared = {r[1]: r[2] for r in conn.execute('PRAGMA table_info("variants")')}
         stored = conn.execute('SELECT id, v, va, t FROM "variants" ORDER BY id').fetchall()
