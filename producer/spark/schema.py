@@ -39,11 +39,15 @@ def _check(path: str, dtype: DataType) -> None:
     )
 
     if isinstance(dtype, YearMonthIntervalType | CalendarIntervalType):
+        instead = (
+            f"CAST({path} AS INT) for its number of months, or CAST({path} AS STRING)"
+            if isinstance(dtype, YearMonthIntervalType)
+            else f"CAST({path} AS STRING)"
+        )
         raise InvalidInputError(
             f"column {path!r}: Spark type {dtype.simpleString()} cannot be written: PySpark "
             "hands a data source its rows as Arrow, and pyarrow cannot read Arrow month "
-            "intervals; cast it to an integer number of months "
-            f"(months({path}) or CAST({path} AS INT)) or to a string first"
+            f"intervals; write {instead} instead"
         )
     if isinstance(dtype, StructType):
         for field in dtype.fields:
