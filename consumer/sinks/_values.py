@@ -14,23 +14,17 @@ becomes the JSON it holds (:mod:`millpond.consumer.sinks._variant`), not its bin
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
 import json
-import math
-from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from millpond.consumer.sinks._json import scalar_json
 from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.consumer.sinks.types import ColumnType, Kind
 
 __all__ = ["decimal_text", "for_postgres", "for_sqlite", "json_text"]
-
-_UTC = dt.UTC
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=_UTC)
 
 
 def for_postgres(values: pa.ChunkedArray, column: ColumnType) -> pa.ChunkedArray:
@@ -231,31 +225,4 @@ def _key_text(key: Any, dtype: pa.DataType) -> str:
 
 
 def _scalar(value: Any, dtype: pa.DataType) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return '"NaN"'
-        if math.isinf(value):
-            return '"Infinity"' if value > 0 else '"-Infinity"'
-        return repr(value)
-    if isinstance(value, Decimal):
-        return format(value, "f")
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, bytes):
-        return json.dumps(base64.b64encode(value).decode("ascii"))
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None:
-            local = value.astimezone(_UTC).replace(tzinfo=None)
-            return json.dumps(local.isoformat(timespec="microseconds") + "+00:00")
-        return json.dumps(value.isoformat(timespec="microseconds"))
-    if isinstance(value, dt.date):
-        return json.dumps(value.isoformat())
-    if isinstance(value, dt.time):
-        return json.dumps(value.isoformat(timespec="microseconds"))
-    if isinstance(value, dt.timedelta):
-        return str((value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds)
-    raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {dtype}")
+    return scalar_json(value, dtype)

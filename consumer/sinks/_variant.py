@@ -5,27 +5,25 @@ Spark hands a variant column to Arrow as ``struct<value: binary, metadata: binar
 Variant encoding (Apache Parquet, ``VariantEncoding.md``) and the dictionary of its object
 keys. Written as that struct, a database would get two base64 blobs; a user who wrote
 ``parse_json('{"a": 1}')`` expects ``{"a":1}``. This module decodes the encoding into JSON
-text, in the conventions of the other nested values (:mod:`millpond.consumer.sinks._values`):
-decimals are exact numbers, NaN and ±Infinity the strings ``"NaN"``, ``"Infinity"``,
-``"-Infinity"``, binary is base64, dates and times ISO-8601 (instants in UTC with
-``+00:00``), UUIDs their canonical text. Object keys come in the order the encoding keeps them
-(sorted by key, as Spark's ``to_json`` writes them).
+text, written by the same :func:`~millpond.consumer.sinks._json.scalar_json` as the other
+nested values (decimals exact, NaN and ±Infinity as strings, binary base64, dates and times
+ISO-8601 with instants in UTC); UUIDs are their canonical text. Object keys come in the
+order the encoding keeps them (sorted by key, as Spark's ``to_json`` writes them).
 
 ``ConsumedBatch.to_arrow()`` is untouched: it hands back the struct exactly as Spark wrote it.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import json
-import math
 import struct
 import uuid
 from decimal import Context, Decimal
+from typing import Any
 
 import pyarrow as pa
 
+from millpond.consumer.sinks._json import scalar_json
 from millpond.errors import FormatError
 
 __all__ = ["is_variant", "variant_json"]
@@ -93,13 +91,13 @@ def _write(data: memoryview, at: int, keys: list[str], out: list[str]) -> None:
     header = data[at]
     basic, rest = header & 0x03, header >> 2
     if basic == _SHORT_STRING:
-        out.append(_string(bytes(data[at + 1 : at + 1 + rest]), at))
+        out.append(scalar_json(_string(bytes(data[at + 1 : at + 1 + rest]), at)))
     elif basic == _OBJECT:
         _write_object(data, at, rest, keys, out)
     elif basic == _ARRAY:
         _write_array(data, at, rest, keys, out)
     else:
-        out.append(_primitive(data, at, rest))
+        out.append(scalar_json(_primitive(data, at, rest)))
 
 
 def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: list[str]) -> None:
@@ -120,7 +118,7 @@ def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: li
             )
         if i:
             out.append(",")
-        out.append(json.dumps(keys[key_id], ensure_ascii=False))
+        out.append(scalar_json(keys[key_id]))
         out.append(":")
         _write(data, values_at + _uint(data, offsets_at + i * offset_size, offset_size), keys, out)
     out.append("}")
@@ -140,44 +138,45 @@ def _write_array(data: memoryview, at: int, rest: int, keys: list[str], out: lis
     out.append("]")
 
 
-def _primitive(data: memoryview, at: int, type_id: int) -> str:
+def _primitive(data: memoryview, at: int, type_id: int) -> Any:
+    """The primitive at ``at`` as the Python value :func:`scalar_json` writes."""
     body = at + 1
     if type_id == 0:
-        return "null"
+        return None
     if type_id in (1, 2):
-        return "true" if type_id == 1 else "false"
+        return type_id == 1
     if type_id in _INTS:
-        return str(_int(data, body, _INTS[type_id]))
+        return _int(data, body, _INTS[type_id])
     if type_id == 7:
-        return _float(_unpack("<d", data, body))
+        return _unpack("<d", data, body)
     if type_id == 14:
-        return _float(_unpack("<f", data, body))
+        return _unpack("<f", data, body)
     if type_id in _DECIMALS:
         scale = data[body]
         unscaled = _int(data, body + 1, _DECIMALS[type_id])
-        return format(Decimal(unscaled).scaleb(-scale, _EXACT), "f")
+        return Decimal(unscaled).scaleb(-scale, _EXACT)
     if type_id == 11:
-        return json.dumps((_EPOCH_DAY + dt.timedelta(days=_int(data, body, 4))).isoformat())
-    if type_id in (12, 13, 18, 19):
-        nanos = type_id in (18, 19)
-        ticks = _int(data, body, 8)
-        micros = ticks // 1000 if nanos else ticks
-        moment = _EPOCH + dt.timedelta(microseconds=micros)
-        text = moment.isoformat(timespec="microseconds")
-        if nanos:
-            text = f"{text}{ticks % 1000:03d}"
-        return json.dumps(text + "+00:00" if type_id in (12, 18) else text)
-    if type_id == 17:
+        return _EPOCH_DAY + dt.timedelta(days=_int(data, body, 4))
+    if type_id in (12, 13):
         moment = _EPOCH + dt.timedelta(microseconds=_int(data, body, 8))
-        return json.dumps(moment.time().isoformat(timespec="microseconds"))
+        return moment.replace(tzinfo=_UTC) if type_id == 12 else moment
+    if type_id in (18, 19):
+        # Python's datetime stops at microseconds: the ISO text, nanoseconds appended.
+        ticks = _int(data, body, 8)
+        text = (_EPOCH + dt.timedelta(microseconds=ticks // 1000)).isoformat(
+            timespec="microseconds"
+        )
+        return f"{text}{ticks % 1000:03d}" + ("+00:00" if type_id == 18 else "")
+    if type_id == 17:
+        return (_EPOCH + dt.timedelta(microseconds=_int(data, body, 8))).time()
     if type_id == 15:
         size = _uint(data, body, 4)
-        return json.dumps(base64.b64encode(bytes(data[body + 4 : body + 4 + size])).decode())
+        return bytes(data[body + 4 : body + 4 + size])
     if type_id == 16:
         size = _uint(data, body, 4)
         return _string(bytes(data[body + 4 : body + 4 + size]), at)
     if type_id == 20:
-        return json.dumps(str(uuid.UUID(bytes=bytes(data[body : body + 16]))))
+        return str(uuid.UUID(bytes=bytes(data[body : body + 16])))
     raise FormatError(f"variant value: primitive type at byte {at}: unknown id {type_id}")
 
 
@@ -187,17 +186,9 @@ _DECIMALS = {8: 4, 9: 8, 10: 16}
 
 def _string(raw: bytes, at: int) -> str:
     try:
-        return json.dumps(raw.decode("utf-8"), ensure_ascii=False)
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise FormatError(f"variant value: string at byte {at}: not UTF-8 ({err})") from err
-
-
-def _float(value: float) -> str:
-    if math.isnan(value):
-        return '"NaN"'
-    if math.isinf(value):
-        return '"Infinity"' if value > 0 else '"-Infinity"'
-    return repr(value)
 
 
 def _uint(data: bytes | memoryview, at: int, size: int) -> int:

@@ -1,0 +1,59 @@
+"""One value as JSON text, in the conventions every nested value follows (README, "types").
+
+Decimals are exact numbers, floats are numbers except NaN and ±Infinity (the strings
+``"NaN"``, ``"Infinity"``, ``"-Infinity"``), binary is base64, dates and times are ISO-8601
+text (instants in UTC with ``+00:00``), intervals are integer microseconds. Shared by Arrow's
+nested values (:mod:`millpond.consumer.sinks._values`) and Spark's variants
+(:mod:`millpond.consumer.sinks._variant`), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import math
+from decimal import Decimal
+from typing import Any
+
+__all__ = ["scalar_json"]
+
+_UTC = dt.UTC
+
+
+def scalar_json(value: Any, what: object = "") -> str:
+    """``value`` (not a list or a mapping) as JSON text.
+
+    Raises:
+        TypeError: a value with no JSON form; ``what`` (its Arrow type) goes in the message.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return '"NaN"'
+        if math.isinf(value):
+            return '"Infinity"' if value > 0 else '"-Infinity"'
+        return repr(value)
+    if isinstance(value, Decimal):
+        return format(value, "f")
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, bytes):
+        return json.dumps(base64.b64encode(value).decode("ascii"))
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            local = value.astimezone(_UTC).replace(tzinfo=None)
+            return json.dumps(local.isoformat(timespec="microseconds") + "+00:00")
+        return json.dumps(value.isoformat(timespec="microseconds"))
+    if isinstance(value, dt.date):
+        return json.dumps(value.isoformat())
+    if isinstance(value, dt.time):
+        return json.dumps(value.isoformat(timespec="microseconds"))
+    if isinstance(value, dt.timedelta):
+        return str((value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds)
+    raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {what}")
