@@ -8,6 +8,7 @@ which wins. Prints ``done`` when the job has committed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ def main() -> None:
             "spark.speculation.minTaskRuntime": "100ms",
             "spark.speculation.interval": "100ms",
             "spark.sql.execution.arrow.maxRecordsPerBatch": "500",
+            # The executors' JVMs take the suite's options for Spark's JVMs (tests/conftest.py).
+            "spark.executor.extraJavaOptions": os.environ.get("SPARK_SUBMIT_OPTS", ""),
         },
     )
     try:

@@ -52,6 +52,8 @@ def standalone_cluster(workdir: Path) -> Iterator[str]:
         "SPARK_NO_DAEMONIZE": "1",
         # No REST submission server: it would listen on the fixed port 6066.
         "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
+        # The master's and workers' JVMs take the suite's options for Spark's JVMs too.
+        "SPARK_DAEMON_JAVA_OPTS": os.environ.get("SPARK_SUBMIT_OPTS", ""),
     }
     (port,) = free_ports(1)
     master_url = f"spark://127.0.0.1:{port}"
