@@ -101,12 +101,17 @@ def plan_schema(
             Arrow type has no column type, or a type cannot be reconciled with the table's.
     """
     seen: dict[str, str] = {}
-    for name in rows.column_names:
+    for position, name in enumerate(rows.column_names):
+        if not name and database == "PostgreSQL":
+            raise SinkError(
+                f"table {table}: the batch's column {position} has an empty name, which "
+                f"{database} cannot hold; give it a name where the data is made",
+                transient=False,
+            )
         key = name_key(name)
         if key in seen:
             raise SinkError(
-                f"table {table}: the batch's columns {seen[key]!r} and {name!r} are the same "
-                f"column in {database} ({_why_same(database)}); rename one of them",
+                f"table {table}: {_same_column(seen[key], name, database)}; rename one of them",
                 transient=False,
             )
         seen[key] = name
@@ -172,7 +177,13 @@ def _longest(values: pa.ChunkedArray) -> int:
     return max(int(longest or 0), 1)
 
 
-def _why_same(database: str) -> str:
-    if database == "SQLite":
-        return "SQLite compares column names without regard to ASCII case"
-    return "PostgreSQL keeps the first 63 bytes of a name"
+def _same_column(first: str, second: str, database: str) -> str:
+    """Why two batch columns would be one column of the table."""
+    if first == second:
+        return f"the batch has two columns named {first!r}"
+    why = (
+        "SQLite compares column names without regard to ASCII case"
+        if database == "SQLite"
+        else "PostgreSQL keeps the first 63 bytes of a name"
+    )
+    return f"the batch's columns {first!r} and {second!r} are the same column in {database} ({why})"

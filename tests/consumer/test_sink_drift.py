@@ -290,3 +290,31 @@ def test_a_nul_character_is_refused_for_postgresql_naming_column_and_row(
         f'SELECT st::text FROM "{postgres_database.table}" ORDER BY _millpond_sequence'
     )
     assert rows[0] == ('{"x":"a\\u0000b"}',)
+
+
+def test_a_column_without_a_name_is_refused_for_postgresql_in_our_words(
+    postgres_database: Database,
+) -> None:
+    # Before: PostgreSQL's 'zero-length delimited identifier at or near """"' from the DDL.
+    table = pa.table({"n": [1], "": [2]})
+    with postgres_database.sink() as sink, pytest.raises(SinkError) as info:
+        sink.write(_batch(0, table))
+    assert not info.value.transient
+    message = str(info.value)
+    assert "sequence 0" in message
+    assert "column 1 has an empty name" in message
+    assert "zero-length" not in message
+
+
+def test_two_columns_of_one_name_are_refused_as_such(database: Database) -> None:
+    # Before: "... are the same column in PostgreSQL (PostgreSQL keeps the first 63 bytes of
+    # a name)" for two columns spelled alike, which is not why.
+    table = pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["x", "x"])
+    with database.sink() as sink, pytest.raises(SinkError) as info:
+        sink.write(_batch(0, table))
+    assert not info.value.transient
+    message = str(info.value)
+    assert "the batch has two columns named 'x'" in message
+    assert "63 bytes" not in message
+    assert "ASCII case" not in message
+    assert database.count() == 0
