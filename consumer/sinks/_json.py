@@ -16,7 +16,7 @@ import math
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["scalar_json"]
+__all__ = ["plain_json", "scalar_json"]
 
 _UTC = dt.UTC
 
@@ -43,17 +43,28 @@ def scalar_json(value: Any, what: object = "") -> str:
         return format(value, "f")
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, bytes | dt.date | dt.time | dt.timedelta):
+        return json.dumps(plain_json(value, what))
+    raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {what}")
+
+
+def plain_json(value: bytes | dt.date | dt.time | dt.timedelta, what: object = "") -> str | int:
+    """The string or integer a binary, date, time or duration value is in JSON.
+
+    Raises:
+        TypeError: ``value`` is none of those; ``what`` (its Arrow type) goes in the message.
+    """
     if isinstance(value, bytes):
-        return json.dumps(base64.b64encode(value).decode("ascii"))
+        return base64.b64encode(value).decode("ascii")
     if isinstance(value, dt.datetime):
         if value.tzinfo is not None:
             local = value.astimezone(_UTC).replace(tzinfo=None)
-            return json.dumps(local.isoformat(timespec="microseconds") + "+00:00")
-        return json.dumps(value.isoformat(timespec="microseconds"))
+            return local.isoformat(timespec="microseconds") + "+00:00"
+        return value.isoformat(timespec="microseconds")
     if isinstance(value, dt.date):
-        return json.dumps(value.isoformat())
+        return value.isoformat()
     if isinstance(value, dt.time):
-        return json.dumps(value.isoformat(timespec="microseconds"))
+        return value.isoformat(timespec="microseconds")
     if isinstance(value, dt.timedelta):
-        return str((value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds)
+        return (value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds
     raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {what}")
