@@ -62,6 +62,9 @@ class WalWriter:
 
     def run(self) -> None:
         state = self._state
+        # The group taken from the inbox and not yet handed to the syncer: on a failure its
+        # calls are in neither place, and only this thread can fail them.
+        group: list[Input] | None = None
         try:
             while True:
                 group = self._take_group()
@@ -70,18 +73,22 @@ class WalWriter:
                 needed = sum(i.record_size for i in group)
                 if not self._make_room(needed):
                     self._fail_unstaged(group)
+                    group = None
                     continue
                 placed = self._wal.append_data(
                     [(i.ingestion_time_ms, i.metadata, i.entries) for i in group]
                 )
                 with state.cond:
                     state.written.append((group, placed, self._floor))
+                    group = None
                     state.syncer_wake.notify()
         except Interrupted:
             pass
         except BaseException as err:
             logger.exception("WAL writer failed; the producer stops accepting entries")
             with state.cond:
+                if group is not None:
+                    self._fail_group(group, self._floor, err)
                 state.set_fatal(err)
         finally:
             with state.cond:
@@ -90,6 +97,8 @@ class WalWriter:
 
     def run_syncer(self) -> None:
         state = self._state
+        # Groups taken from ``state.written`` and not yet staged: as in :meth:`run`.
+        written: list[Written] | None = None
         try:
             while True:
                 written = self._take_written()
@@ -102,11 +111,14 @@ class WalWriter:
                     self._sync_if_due()
                 if written:
                     self._stage(written)
+                written = None
             if self._dirty:
                 self._sync()
         except BaseException as err:
             logger.exception("WAL sync failed; the producer stops accepting entries")
             with state.cond:
+                for group, _, floor in written or ():
+                    self._fail_group(group, floor, err)
                 state.set_fatal(err)
 
     # -- one group ------------------------------------------------------------------------
@@ -200,16 +212,20 @@ class WalWriter:
             self._sync()
 
     def _fail_unstaged(self, group: list[Input]) -> None:
-        state = self._state
         error = ClosedError(
             "producer closed while the WAL was full; these entries were never staged"
         )
-        with state.cond:
-            state.unstaged_floors.remove(self._floor)
-            state.staging_bytes -= sum(item.nbytes for item in group)
-            for item in group:
-                item.handle._set_failed(error)
-                state.resolve(item.ordinal)
+        with self._state.cond:
+            self._fail_group(group, self._floor, error)
+
+    def _fail_group(self, group: list[Input], floor: int, error: BaseException) -> None:
+        """Fail every call of a group that is not staged (``state.cond`` held)."""
+        state = self._state
+        state.unstaged_floors.remove(floor)
+        state.staging_bytes -= sum(item.nbytes for item in group)
+        for item in group:
+            item.handle._set_failed(error)
+            state.resolve(item.ordinal)
 
     # -- the size cap ---------------------------------------------------------------------
 
