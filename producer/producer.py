@@ -16,6 +16,7 @@ Threads (named, daemon, all joined by ``close()``): ``millpond-wal-writer``,
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -93,6 +94,9 @@ class Producer:
                 f"config: expected a ProducerConfig, found {type(config).__name__}"
             )
         self._config = config
+        # The background threads live in this process only: a forked child that inherits
+        # the object must not queue entries nobody will write (see _check_process).
+        self._pid = os.getpid()
         self._store = open_store(config.store, config.store_options)
         # Fail fast on what no retry fixes; the store's clock comes back from its probe write.
         store_time = preflight(self._store, write=True, lists=False, clock=config.clock)
@@ -348,6 +352,7 @@ class Producer:
             MillpondError: the permanent failure that stopped the producer, if any (after
                 cleaning up; staged data stays in the WAL).
         """
+        self._check_process()
         with self._close_lock:  # a second close() waits for the first and gets its report
             return self._close(timeout)
 
@@ -465,7 +470,18 @@ class Producer:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        """Refuse a call made in a process forked from the one that opened the producer."""
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                f"producer on {self._store.url} (wal_dir {self._wal.directory}) was opened in "
+                f"process {self._pid} and this is process {os.getpid()}, forked from it: its "
+                "background threads did not survive the fork. Open a Producer in this process "
+                "after the fork, with a wal_dir of its own"
+            )
+
     def _check_usable(self) -> None:
+        self._check_process()
         state = self._state
         if state.fatal is not None:
             raise ClosedError(f"producer stopped after a failure: {state.fatal}") from state.fatal
