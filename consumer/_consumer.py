@@ -43,6 +43,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.forks import OwnProcess
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
@@ -118,6 +119,10 @@ class Consumer:
             counters=self.counters,  # manifest reads, writes and conflicts count here too
         )
         self._lock = threading.RLock()
+        self._process = OwnProcess(
+            f"consumer of {self.queue}",
+            "Open a Consumer in this process after the fork (its initialize() fences the parent's)",
+        )
         self._gc: BackgroundCollector | None = None
         # Entries read from the manifest and not yet delivered, fetched ahead.
         self._ahead = ReadAhead(
@@ -505,6 +510,7 @@ class Consumer:
             FencedError: the final dequeue found another consumer in charge.
             StorageError: the final dequeue ran out of retries.
         """
+        self._process.check()
         with self._lock:
             if self._closed:
                 return
@@ -553,6 +559,7 @@ class Consumer:
     # -- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        self._process.check()
         if self._closed:
             raise ClosedError("consumer is closed")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from millpond.common.forks import OwnProcess
+
 __all__ = ["WriteHandle"]
 
 _PENDING, _STAGED, _DURABLE, _FAILED = 0, 1, 2, 3
@@ -25,6 +27,7 @@ class WriteHandle:
     __slots__ = (
         "_error",
         "_lock",
+        "_process",
         "_progress",
         "_staged_ok",
         "_waiters",
@@ -33,7 +36,12 @@ class WriteHandle:
         "sequence",
     )
 
-    def __init__(self, entry_count: int, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        entry_count: int,
+        lock: threading.Lock | None = None,
+        process: OwnProcess | None = None,
+    ) -> None:
         self.entry_count = entry_count
         """How many entries this ``produce()`` call held."""
         self.location: str | None = None
@@ -41,6 +49,7 @@ class WriteHandle:
         self.sequence: int | None = None
         """The manifest sequence of that batch, once durable."""
         self._lock = lock or threading.Lock()
+        self._process = process  # the producer's: its threads settle the handle
         self._progress = _PENDING
         self._staged_ok = False
         self._error: BaseException | None = None
@@ -55,8 +64,11 @@ class WriteHandle:
         Raises:
             TimeoutError: not staged within ``timeout``.
             MillpondError: the entries were never staged (the producer closed or failed
-                first); the exception says why.
+                first); the exception says why. ``ClosedError`` also when called in a process
+                forked from the producer's.
         """
+        if self._process is not None:
+            self._process.check()
         if not self._reach(_STAGED, timeout):
             raise TimeoutError(f"entries not staged within {timeout} s")
         if not self._staged_ok and self._error is not None:
@@ -74,9 +86,12 @@ class WriteHandle:
                 still being published.
             BackpressureError: ``drop_oldest`` dropped these entries.
             ClosedError: the producer closed first; the entries remain in its WAL and the
-                next producer on that directory publishes them.
+                next producer on that directory publishes them. Also: called in a process
+                forked from the producer's, where no thread settles the handle.
             MillpondError: a permanent failure (corrupt manifest, bad configuration).
         """
+        if self._process is not None:
+            self._process.check()
         if not self._reach(_DURABLE, timeout):
             raise TimeoutError(f"entries not durable within {timeout} s")
         if self._error is not None:

@@ -16,7 +16,6 @@ Threads (named, daemon, all joined by ``close()``): ``millpond-wal-writer``,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -24,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from millpond.common.exposition import MetricsCollector, flatten
+from millpond.common.forks import OwnProcess
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
 from millpond.errors import BackpressureError, ClosedError, InvalidInputError
@@ -94,10 +94,11 @@ class Producer:
                 f"config: expected a ProducerConfig, found {type(config).__name__}"
             )
         self._config = config
-        # The background threads live in this process only: a forked child that inherits
-        # the object must not queue entries nobody will write (see _check_process).
-        self._pid = os.getpid()
         self._store = open_store(config.store, config.store_options)
+        self._process = OwnProcess(
+            f"producer on {self._store.url} (wal_dir {config.wal_dir})",
+            "Open a Producer in this process after the fork, with a wal_dir of its own",
+        )
         # Fail fast on what no retry fixes; the store's clock comes back from its probe write.
         store_time = preflight(self._store, write=True, lists=False, clock=config.clock)
         budget = max(4 * config.flush_size_bytes, _MIN_MEMORY_BUDGET)
@@ -267,7 +268,7 @@ class Producer:
         """
         items, meta, nbytes, record_size = self._validate(entries, metadata)
         state = self._state
-        handle = WriteHandle(len(items), self._handle_lock)
+        handle = WriteHandle(len(items), self._handle_lock, self._process)
         ingestion_time_ms = state.clock.now_ms()
         limit = self._config.max_buffered_inputs
         deadline = None if timeout is None else state.clock.monotonic() + timeout
@@ -352,7 +353,7 @@ class Producer:
             MillpondError: the permanent failure that stopped the producer, if any (after
                 cleaning up; staged data stays in the WAL).
         """
-        self._check_process()
+        self._process.check()
         with self._close_lock:  # a second close() waits for the first and gets its report
             return self._close(timeout)
 
@@ -470,18 +471,8 @@ class Producer:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_process(self) -> None:
-        """Refuse a call made in a process forked from the one that opened the producer."""
-        if os.getpid() != self._pid:
-            raise ClosedError(
-                f"producer on {self._store.url} (wal_dir {self._wal.directory}) was opened in "
-                f"process {self._pid} and this is process {os.getpid()}, forked from it: its "
-                "background threads did not survive the fork. Open a Producer in this process "
-                "after the fork, with a wal_dir of its own"
-            )
-
     def _check_usable(self) -> None:
-        self._check_process()
+        self._process.check()
         state = self._state
         if state.fatal is not None:
             raise ClosedError(f"producer stopped after a failure: {state.fatal}") from state.fatal

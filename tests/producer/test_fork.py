@@ -1,29 +1,30 @@
-"""A producer used in a process forked from the one that opened it (``multiprocessing`` with
-fork, a pre-forking server) is refused at once with what to do. Before the fix ``produce()``
-accepted the entries, no thread in the child ever wrote them, and ``wait()`` never returned;
-``close()`` waited forever too. The parent's producer goes on unharmed."""
+"""A producer or consumer used in a process forked from the one that opened it
+(``multiprocessing`` with fork, a pre-forking server) is refused at once with what to do.
+
+Before the fix ``produce()`` in the child accepted the entries, no thread there ever wrote
+them, and ``wait()`` and ``close()`` never returned; a consumer's child would wait on fetches
+no thread makes, or deliver beside its parent under one epoch. The parent goes on unharmed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+from millpond.consumer import Consumer, ConsumerConfig
 from millpond.producer import Producer
-from tests.producer.producer_support import all_entries, config, fresh_memory
+from tests.producer.producer_support import FAST_RETRY, all_entries, config, fresh_memory
 
 
-def _in_child(producer: Producer) -> dict[str, str]:
+def _in_child(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
     """What each call does in a forked child (it reports through a pipe and exits)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         outcome: dict[str, str] = {}
-        for name, call in (
-            ("produce", lambda: producer.produce([b"child"]).wait(timeout=5)),
-            ("flush", lambda: producer.flush(timeout=5)),
-            ("close", lambda: producer.close(timeout=5)),
-        ):
+        for name, call in calls.items():
             try:
                 call()
                 outcome[name] = "returned"
@@ -39,15 +40,56 @@ def _in_child(producer: Producer) -> dict[str, str]:
     return json.loads(report)  # type: ignore[no-any-return]
 
 
-def test_a_forked_child_is_refused_and_the_parent_goes_on(tmp_path: Path) -> None:
+def _refused(outcome: dict[str, str], instead: str) -> None:
+    for name, text in outcome.items():
+        assert text.startswith("ClosedError: "), (name, text)
+        assert f"opened in process {os.getpid()}" in text, (name, text)
+        assert "forked from it" in text, (name, text)
+        assert instead in text, (name, text)
+
+
+def test_a_forked_child_is_refused_by_the_producer_and_the_parent_goes_on(
+    tmp_path: Path,
+) -> None:
     store = fresh_memory()
     with Producer(config(store, tmp_path / "wal")) as producer:
         producer.produce([b"before"]).wait(timeout=30)
-        outcome = _in_child(producer)
-        for name in ("produce", "flush", "close"):
-            assert outcome[name].startswith("ClosedError: "), (name, outcome[name])
-            assert f"opened in process {os.getpid()}" in outcome[name]
-            assert "forked from it" in outcome[name]
-            assert "Open a Producer in this process after the fork" in outcome[name]
+        pending = producer.produce([b"made before the fork"])
+        outcome = _in_child(
+            {
+                "produce": lambda: producer.produce([b"child"]).wait(timeout=5),
+                "wait on a handle made before the fork": lambda: pending.wait(timeout=5),
+                "flush": lambda: producer.flush(timeout=5),
+                "close": lambda: producer.close(timeout=5),
+            }
+        )
+        _refused(outcome, "Open a Producer in this process after the fork")
+        pending.wait(timeout=30)
         producer.produce([b"after"]).wait(timeout=30)
-    assert all_entries(store) == [b"before", b"after"]
+    assert all_entries(store) == [b"before", b"made before the fork", b"after"]
+
+
+def test_a_forked_child_is_refused_by_the_consumer_and_the_parent_goes_on(
+    tmp_path: Path,
+) -> None:
+    store = fresh_memory()
+    with Producer(config(store, tmp_path / "wal")) as producer:
+        for entry in (b"a", b"b", b"c"):
+            producer.produce([entry]).wait(timeout=30)
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    with consumer:
+        consumer.initialize()
+        first = consumer.next_batches(1)
+        outcome = _in_child(
+            {
+                "next_batches": lambda: consumer.next_batches(1),
+                "ack": lambda: consumer.ack(first[0].sequence),
+                "initialize": lambda: consumer.initialize(),
+                "close": consumer.close,
+            }
+        )
+        _refused(outcome, "Open a Consumer in this process after the fork")
+        consumer.ack(first[0].sequence)
+        rest = consumer.next_batches(10)
+        assert [e for b in [*first, *rest] for e in b.entries] == [b"a", b"b", b"c"]
+        assert consumer.epoch is not None
