@@ -277,10 +277,7 @@ def test_a_nul_character_is_refused_for_postgresql_naming_column_and_row(
     # PostgreSQL text cannot hold U+0000: COPY said only 'invalid byte sequence for encoding
     # "UTF8": 0x00', naming no column. Inside JSON it is an escape, which json takes.
     table = pa.table({"s": ["ok", None, "bad\x00nul"], "st": [{"x": "a\x00b"}, None, None]})
-    with postgres_database.sink() as sink, pytest.raises(SinkError) as info:
-        sink.write(_batch(0, table))
-    assert not info.value.transient
-    message = str(info.value)
+    message = _refused(postgres_database, table)
     assert "column 's'" in message
     assert "first at row 2" in message
     assert "U+0000" in message
@@ -296,11 +293,7 @@ def test_a_column_without_a_name_is_refused_for_postgresql_in_our_words(
     postgres_database: Database,
 ) -> None:
     # Before: PostgreSQL's 'zero-length delimited identifier at or near """"' from the DDL.
-    table = pa.table({"n": [1], "": [2]})
-    with postgres_database.sink() as sink, pytest.raises(SinkError) as info:
-        sink.write(_batch(0, table))
-    assert not info.value.transient
-    message = str(info.value)
+    message = _refused(postgres_database, pa.table({"n": [1], "": [2]}))
     assert "sequence 0" in message
     assert "column 1 has an empty name" in message
     assert "zero-length" not in message
@@ -310,11 +303,16 @@ def test_two_columns_of_one_name_are_refused_as_such(database: Database) -> None
     # Before: "... are the same column in PostgreSQL (PostgreSQL keeps the first 63 bytes of
     # a name)" for two columns spelled alike, which is not why.
     table = pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["x", "x"])
-    with database.sink() as sink, pytest.raises(SinkError) as info:
-        sink.write(_batch(0, table))
-    assert not info.value.transient
-    message = str(info.value)
+    message = _refused(database, table)
     assert "the batch has two columns named 'x'" in message
     assert "63 bytes" not in message
     assert "ASCII case" not in message
     assert database.count() == 0
+
+
+def _refused(database: Database, table: pa.Table) -> str:
+    """The message of the permanent error writing ``table`` as batch 0 gives."""
+    with database.sink() as sink, pytest.raises(SinkError) as info:
+        sink.write(_batch(0, table))
+    assert not info.value.transient
+    return str(info.value)
