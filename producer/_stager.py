@@ -221,6 +221,8 @@ class WalWriter:
     def _fail_group(self, group: list[Input], floor: int, error: BaseException) -> None:
         """Fail every call of a group that is not staged (``state.cond`` held)."""
         state = self._state
+        if floor not in state.unstaged_floors:
+            return  # staged already (a failure after the syncer staged it)
         state.unstaged_floors.remove(floor)
         state.staging_bytes -= sum(item.nbytes for item in group)
         for item in group:
