@@ -468,20 +468,21 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
 
 
 class _HoldSecondUpload(ForwardingStore):
-    """Holds the second batch upload until ``release`` is set."""
+    """Holds the upload of the batch holding the entry ``b"second"`` until ``release`` is set.
+
+    Told apart by content, not by order: two uploaders may start the two batches' uploads in
+    either order (CI once held the first batch's, and the test waited on it).
+    """
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
         self.release = threading.Event()
         self.held = threading.Event()
-        self._uploads = 0
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
-        if path.endswith(".batch"):
-            self._uploads += 1
-            if self._uploads == 2:
-                self.held.set()
-                self.release.wait(DEADLINE)
+        if path.endswith(".batch") and b"second" in data:
+            self.held.set()
+            self.release.wait(DEADLINE)
         return self.inner.put_if_absent(path, data)
 
 
