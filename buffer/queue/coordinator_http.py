@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -255,6 +256,11 @@ def _refused(reason: str) -> dict[str, Any]:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Many producers connect at once (a Spark job's tasks starting, a fleet restarting) while
+    # the accepting thread may be held up. The socketserver default of 5 drops the others'
+    # handshakes, which are retried only after a second: by then each producer has called the
+    # coordinator unreachable and appends directly for a while, contending with the rounds.
+    request_queue_size = socket.SOMAXCONN
     coordinator: AppendCoordinator
 
 

@@ -7,6 +7,8 @@ manifest, a consumer's reads), never how fast.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +27,7 @@ from millpond.errors import FencedError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer
+from millpond.producer.coordinator import CoordinatorOptions
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
@@ -138,6 +141,56 @@ def test_a_producer_appends_directly_when_no_coordinator_answers(
     assert metrics["coordinator_appends"] == 0, metrics
     assert metrics["direct_appends"] >= 1, metrics
     assert sorted(all_entries(queue_store)) == [b"r%d" % n for n in range(5)]
+
+
+def test_a_burst_of_producers_connecting_at_once_all_get_in(queue_store: ObjectStore) -> None:
+    """Many producers (a Spark job's tasks, a fleet restarting) connect in the same moment,
+    while the coordinator is busy and accepts none yet: every connection is made within the
+    producers' connect timeout. A short listen backlog would drop the rest's handshakes; each
+    retries only after a second, by when its producer has called the coordinator unreachable
+    and appends directly for a while, contending with the rounds."""
+    coordinator = AppendCoordinator(
+        queue_store,
+        MANIFEST,
+        data_path_prefix=PREFIX,
+        queue=queue_identity(queue_store.url, MANIFEST),
+    )
+    server = CoordinatorServer(coordinator)  # listening, not accepting yet
+    timeout = CoordinatorOptions().connect_timeout
+    clients = 64
+    connections: list[http.client.HTTPConnection] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def connect() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+        try:
+            conn.connect()
+        except OSError as err:
+            with lock:
+                failures.append(repr(err))
+            return
+        with lock:
+            connections.append(conn)
+
+    threads = [threading.Thread(target=connect) for _ in range(clients)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(DEADLINE)
+        assert not failures, f"{len(failures)} of {clients} connections failed: {failures[:2]}"
+        server.start()
+        for conn in connections:  # each is served once accepted
+            conn.sock.settimeout(DEADLINE)
+            conn.request("GET", "/v1/health")
+            response = conn.getresponse()
+            assert response.status == 200, response.read()
+            assert json.loads(response.read())["alive"] is True
+    finally:
+        for conn in connections:
+            conn.close()
+        server.close()
 
 
 def test_a_refusing_coordinator_sends_the_producer_to_append_directly(
