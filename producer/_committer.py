@@ -1,7 +1,8 @@
 """The committer: append uploaded batches in order, and recover every way an append can fail.
 
 The body of the ``millpond-committer`` thread. It appends every uploaded batch at the head of
-the line in one CAS (group commit), settles their handles and releases their WAL region.
+the line in one CAS (group commit), settles their handles and has the WAL releaser
+(:mod:`millpond.producer._releaser`) free their WAL region.
 
 **A batch never changes its location.** The consumer's sink records each location it writes
 and skips one it has seen, so a batch that may already be in the queue — or may have been in it
@@ -525,12 +526,11 @@ class Committer:
         )
 
     def _release(self) -> None:
+        """Have the WAL releaser free what is settled (:mod:`millpond.producer._releaser`)."""
         state = self._state
         with state.cond:
-            watermark = state.watermark(self._wal.next_seq)
-        self._wal.release(watermark)
-        with state.cond:
-            state.space.notify_all()  # the WAL writer may be waiting for space
+            state.release_owed = True
+            state.release_wake.notify()
 
     def _pause(self, what: str, err: Exception) -> None:
         if self._backoff is None:

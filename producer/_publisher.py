@@ -11,8 +11,9 @@ Three kinds of thread share :class:`~millpond.producer._state.State`:
   earlier attempt: the ULID is ours) — or, for a batch that must be written again to refresh
   its last-modified time, PUT it unconditionally under the same name;
 * the **committer** (``millpond-committer``, :mod:`millpond.producer._committer`) appends every
-  uploaded batch at the head of the line in one CAS (group commit), settles their handles, and
-  releases their WAL region.
+  uploaded batch at the head of the line in one CAS (group commit) and settles their handles;
+* the **WAL releaser** (``millpond-wal-releaser``, :mod:`millpond.producer._releaser`) frees
+  the WAL region of what is settled, beside the appends.
 
 A batch keeps the location its BIND record gave it for good: the sink recognises an already
 written batch by its location. :mod:`millpond.producer._committer` explains how crashes, an

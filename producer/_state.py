@@ -257,6 +257,9 @@ class State:
         self.committer_wake = threading.Condition(self.lock)
         self.space = threading.Condition(self.lock)
         """The WAL writer waits here for released WAL space."""
+        self.release_wake = threading.Condition(self.lock)
+        self.release_owed = False
+        """An append settled batches since the WAL releaser last ran."""
         self.stop = threading.Event()
         self.clock = clock
         self.counters = Counters(*COUNTER_NAMES)
@@ -302,6 +305,7 @@ class State:
             self.upload_wake,
             self.committer_wake,
             self.space,
+            self.release_wake,
         ):
             condition.notify_all()
 

@@ -10,7 +10,8 @@ that (a backlog while the store is unreachable) they live only in the WAL and ar
 when their batch is encoded, so a WAL of gigabytes does not become gigabytes of heap.
 
 Threads (named, daemon, all joined by ``close()``): ``millpond-wal-writer``,
-``millpond-wal-syncer``, ``millpond-sealer``, ``millpond-upload-N`` and ``millpond-committer``.
+``millpond-wal-syncer``, ``millpond-sealer``, ``millpond-upload-N``, ``millpond-committer`` and
+``millpond-wal-releaser``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from millpond.producer._committer import Committer
 from millpond.producer._metrics import producer_collector, producer_samples
 from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
+from millpond.producer._releaser import Releaser
 from millpond.producer._session import QueueSession
 from millpond.producer._stager import WalWriter
 from millpond.producer._state import (
@@ -142,11 +144,13 @@ class Producer:
         committer = Committer(
             state, self._wal, config, self._store, queue, self._session, self._clock
         )
+        self._releaser = Releaser(state, self._wal)
         bodies: list[tuple[str, Any]] = [
             ("millpond-wal-writer", writer.run),
             ("millpond-wal-syncer", writer.run_syncer),
             ("millpond-sealer", Sealer(state, self._wal, config, binder).run),
             ("millpond-committer", committer.run),
+            ("millpond-wal-releaser", self._releaser.run),
         ]
         for i in range(config.upload_concurrency):
             uploader = Uploader(state, self._wal, config, self._store, self._clock, self._session)
@@ -373,6 +377,7 @@ class Producer:
                     break
                 state.cond.wait(remaining)
         self._stop_threads()
+        self._releaser.finish()
         if self._coordinated is not None:
             self._coordinated.close()
         report = self._settle_leftovers()

@@ -149,6 +149,7 @@ def test_background_threads_are_named_and_joined(tmp_path: Path) -> None:
         "millpond-wal-syncer",
         "millpond-sealer",
         "millpond-committer",
+        "millpond-wal-releaser",
         "millpond-upload-0",
         "millpond-upload-1",
         "millpond-upload-2",
@@ -156,6 +157,34 @@ def test_background_threads_are_named_and_joined(tmp_path: Path) -> None:
     assert all(t.daemon for t in set(threading.enumerate()) - before)
     producer.close()
     assert not {t for t in threading.enumerate() if t.name.startswith("millpond-")} - before
+
+
+def test_a_slow_wal_release_does_not_hold_back_the_next_append(tmp_path: Path) -> None:
+    """Freeing the WAL behind an append (a sidecar fsync, file deletes: tens of ms on a busy
+    disk) runs beside the appends: while one release is held, the next batch is appended and
+    its wait() returns. On the committer's own thread it held every next append back."""
+    store = fresh_memory()
+    producer = Producer(config(store, tmp_path))
+    held = threading.Event()
+    go_on = threading.Event()
+    real_release = producer._wal.release
+
+    def slow_release(released_seq: int) -> int:
+        held.set()
+        go_on.wait(60)
+        return real_release(released_seq)
+
+    producer._wal.release = slow_release  # type: ignore[method-assign]
+    try:
+        producer.produce([b"first"]).wait(60)
+        assert held.wait(60), "no WAL release after the first append"
+        producer.produce([b"second"]).wait(30)  # appended while the release is held
+        assert sorted(all_entries(store)) == [b"first", b"second"]
+    finally:
+        go_on.set()
+        producer.close()
+    with Wal.open(tmp_path) as wal:
+        assert wal.records == []  # every settled record released by the time close() returned
 
 
 def test_one_live_producer_per_wal_dir(tmp_path: Path) -> None:
