@@ -65,14 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long that moment is, in store requests' time (default 1.5)",
     )
     parser.add_argument(
-        "--gather-slots",
-        type=float,
-        default=0.15,
-        metavar="REQUESTS",
-        help="how long after a round the next starts at the earliest, in store requests' time, "
-        "so the writers it answered can get their next request in (default 0.15)",
-    )
-    parser.add_argument(
         "--create",
         action="store_true",
         help="serve a queue that does not exist yet (its first round creates the manifest)",
@@ -102,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
         yield_slots=args.yield_slots,
         quiet_yield_interval=args.quiet_yield_interval,
         busy_seconds=args.busy_seconds,
-        gather_slots=args.gather_slots,
     )
     server = CoordinatorServer(coordinator, args.bind, args.port)
     stopped = threading.Event()

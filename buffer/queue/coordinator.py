@@ -39,12 +39,6 @@ for a consumer arriving to get its first write in (it retries a lost race at onc
 that write the coordinator is in the busy mode. Every pause delays the requests waiting behind
 it, so pausing only when someone needs it keeps their latency down.
 
-Gathering. A round's writers hear their outcome when it lands, and those with more ready (a
-batch uploaded meanwhile) send their next request at once. Started the instant the last one
-ended, the next round would miss them, and they would wait through it for the one after. So
-back-to-back rounds start ``gather_slots`` store requests' time apart: a moment that costs the
-rounds little and saves those writers a whole round.
-
 Several coordinators may serve one queue: they contend like producers do, each with its own
 clients' entries.
 """
@@ -136,7 +130,6 @@ class AppendCoordinator:
         yield_slots: float = 1.5,
         quiet_yield_interval: float = 1.0,
         busy_seconds: float = 10.0,
-        gather_slots: float = 0.15,
         max_round_entries: int = _MAX_ROUND_ENTRIES,
         max_pending_entries: int = _MAX_PENDING_ENTRIES,
     ) -> None:
@@ -160,8 +153,6 @@ class AppendCoordinator:
                 nobody else has written within ``busy_seconds``.
             busy_seconds: how long after another writer's write landed the coordinator
                 pauses every ``yield_every`` rounds.
-            gather_slots: how long after a round the next one starts at the earliest, in store
-                requests' time (module docstring, Gathering).
             max_round_entries: entries in one round at most; the rest wait for the next.
             max_pending_entries: entries waiting at most; requests beyond are refused.
 
@@ -195,7 +186,6 @@ class AppendCoordinator:
         self._yield_slots = yield_slots
         self._quiet_yield_interval = quiet_yield_interval
         self._busy_seconds = busy_seconds
-        self._gather_slots = gather_slots
         self._max_round = max_round_entries
         self._max_pending = max_pending_entries
         self._lock = threading.Condition()
@@ -376,7 +366,6 @@ class AppendCoordinator:
                     return None
                 self._lock.wait()
         self._pace()
-        self._gather()
         now = self._clock.monotonic()
         with self._lock:
             round_: list[_Ticket] = []
@@ -420,12 +409,6 @@ class AppendCoordinator:
         self._manifest_free_at = now
         self.counters.add("yields")
         self._clock.sleep(gap - idle)
-
-    def _gather(self) -> None:
-        """Start no round sooner than ``gather_slots`` after the last (module docstring)."""
-        wait = self._last_round_end + self._gather_slots * self.slot - self._clock.monotonic()
-        if wait > 0:
-            self._clock.sleep(wait)
 
     def _append(self, round_: list[_Ticket]) -> None:
         if not round_:

@@ -13,9 +13,7 @@ exact, and nothing waits for real time.
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any
 
 from millpond.common.retry import RetryPolicy
 from millpond.queue.append import QueueProducer
@@ -151,60 +149,3 @@ def test_a_consumer_that_lost_a_race_reads_and_writes_again_at_once() -> None:
     assert removed == 1
     assert consumer.counters.get("cas_conflicts") == 10
     assert clock.slept == []
-
-
-class _Reacting(FakeClock):
-    """A fake clock on which ``react`` runs whenever time is about to pass: what the writers do
-    the moment they hear their outcome happens before the next sleep of the coordinator."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.react: list[object] = []
-
-    def sleep(self, seconds: float) -> None:
-        for hook in list(self.react):
-            if callable(hook):
-                hook()
-        super().sleep(seconds)
-
-
-def test_a_writer_answered_by_a_round_gets_its_next_request_into_the_round_after() -> None:
-    """A writer with more ready (a batch uploaded while its request was out) sends it the moment
-    it hears its outcome. Rounds started the instant the last one ended would miss it, and it
-    would wait through that round for the one after; gathering takes it into the next."""
-    clock = _Reacting()
-    inner = _memory()
-    _seed(inner)
-    slow = _SlowStore(inner, clock)
-    coordinator = AppendCoordinator(
-        slow, MANIFEST, clock=clock, retry=RetryPolicy(max_attempts=1000, max_elapsed=BUDGET)
-    )
-    first = coordinator.submit("a-1", pending(1, tag="a1"), budget=BUDGET)
-    later: dict[str, Any] = {}
-
-    def others_arrive() -> None:  # during the first round's write: another writer's request
-        later["b"] = coordinator.submit("b-1", pending(1, tag="b1"), budget=BUDGET)
-
-    def answered_writer_sends_again() -> None:
-        if first.done.is_set() and "a2" not in later:
-            later["a2"] = coordinator.submit("a-2", pending(1, tag="a2"), budget=BUDGET)
-
-    slow.before_write = [others_arrive]
-    clock.react = [answered_writer_sends_again]
-    coordinator.start()
-    try:
-        assert first.done.wait(60), "the first round never finished"
-        end = time.monotonic() + 60
-        while "a2" not in later and time.monotonic() < end:
-            time.sleep(0.001)
-        tickets = [first, later["b"], later["a2"]]
-        for ticket in tickets:
-            assert ticket.done.wait(60)
-    finally:
-        coordinator.stop(10)
-    outcomes = [t.outcome for t in tickets]
-    assert all(o is not None and o.status == "appended" for o in outcomes), outcomes
-    stats = coordinator.stats()
-    # Round one: a-1; round two: b-1 and a-2 together (without gathering, a-2 takes a third).
-    assert stats["rounds"] == 2, stats
-    assert stats["manifest_writes"] == 2, stats
