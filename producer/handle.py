@@ -88,7 +88,12 @@ class WriteHandle:
             ClosedError: the producer closed first; the entries remain in its WAL and the
                 next producer on that directory publishes them. Also: called in a process
                 forked from the producer's, where no thread settles the handle.
-            MillpondError: a permanent failure (corrupt manifest, bad configuration).
+            StorageError: the producer's WAL failed (a full disk, an I/O error) and the
+                producer stopped. Not "lost": what the WAL holds in full stays there, and a
+                producer started again on the directory publishes it (once). Entries whose
+                ``wait()`` raised this may still arrive.
+            MillpondError: a permanent failure (corrupt manifest, bad configuration); as
+                above, what was staged stays in the WAL for the next producer.
         """
         if self._process is not None:
             self._process.check()
