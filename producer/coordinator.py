@@ -9,6 +9,10 @@ producer's own compare-and-swap:
 
 * **unreachable** (the connection could not be made): nothing was sent; append directly, and
   leave that coordinator alone for ``retry_after`` seconds;
+* **not a coordinator of this queue** (asked with ``GET /v1/health`` before the first append
+  and after every time it was down: something else answers there, a coordinator of another
+  queue, or one whose rounds died): nothing is sent; append directly, and ask again in a
+  minute;
 * **refused** (overloaded, stopping, another queue): nothing of the request was or will be
   written; append directly;
 * **unknown** (the coordinator's own write may or may not have landed): the coordinator sends
@@ -36,6 +40,7 @@ seen before sending: the request cannot have landed below it.
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -59,6 +64,7 @@ from millpond.queue.coordinator_http import (
     APPEND_PATH,
     BUDGET_HEADER,
     FROM_HEADER,
+    HEALTH_PATH,
     NOT_AFTER_HEADER,
     OUTCOME_PATH,
     QUEUE_HEADER,
@@ -70,6 +76,7 @@ __all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"
 logger = logging.getLogger(__name__)
 
 _SENT = "sent"
+_RECHECK = 60.0  # seconds before asking again a URL where no coordinator of the queue answered
 _UNSENT = "unsent"
 _LOST = "lost"
 
@@ -131,6 +138,8 @@ class _Endpoint:
         self._options = options
         self._conn: http.client.HTTPConnection | None = None
         self.down_until = float("-inf")
+        self.identified = False
+        """A live coordinator of the queue answered here since the endpoint was last down."""
 
     def close(self) -> None:
         if self._conn is not None:
@@ -154,6 +163,29 @@ class _Endpoint:
         conn.sock.settimeout(self._options.budget + self._options.grace)
         self._conn = conn
         return conn
+
+    def mark_down(self, until: float) -> None:
+        """Leave this coordinator alone until ``until``; ask who answers before using it again."""
+        self.down_until = until
+        self.identified = False
+
+    def identify(self, queue: str) -> tuple[str, str | None]:
+        """Ask ``GET /v1/health`` whether a live coordinator of ``queue`` answers here:
+        ``(kind, why not)`` with ``kind`` as :meth:`call` gives it, ``why not`` None when
+        one does. Nothing is appended by asking."""
+        conn = self._connect()
+        if conn is None:
+            return _UNSENT, None
+        try:
+            conn.request("GET", HEALTH_PATH)
+            response = conn.getresponse()
+            data = response.read()
+            if response.will_close:
+                self.close()
+        except (OSError, http.client.HTTPException) as err:
+            self.close()
+            return _LOST, f"no answer to GET {HEALTH_PATH} ({err})"
+        return _SENT, _not_serving(response.status, data, queue)
 
     def call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, Outcome | None]:
         """``(kind, outcome)``: ``unsent`` (no connection), ``lost`` (sent, no usable reply)
@@ -241,6 +273,8 @@ class CoordinatedAppender:
                 continue
             if deadline is not None and now + options.budget + options.grace >= deadline:
                 break  # a coordinator could write them after the deadline
+            if not endpoint.identified and not self._identify(endpoint):
+                continue
             if body is None:
                 body = encode_entries(entries)
             outcome = self._through(endpoint, body, lower, deadline)
@@ -265,7 +299,7 @@ class CoordinatedAppender:
                 return tuple(s for s in outcome.sequences if s is not None)
             if outcome.status == REFUSED:
                 self.counters.add("coordinator_refused")
-                endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+                endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
                 logger.info("coordinator %s refused an append: %s", endpoint.url, outcome.reason)
                 continue
             self.counters.add("coordinator_unknown")
@@ -274,6 +308,31 @@ class CoordinatedAppender:
         # A refused request was never written; were a coordinator's write still in flight, it
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
         return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
+
+    def _identify(self, endpoint: _Endpoint) -> bool:
+        """Whether a live coordinator of the queue answers at ``endpoint``; else it is left
+        alone for a while (counted as a refusal) and the entries go elsewhere.
+
+        Asked before the first append and after every time the endpoint was down: a URL
+        where something else answers (a wrong port, another service) would otherwise take an
+        append, give no usable reply, and hold it for the coordinator's whole promise before
+        the landed-check, again after every ``retry_after``."""
+        kind, why_not = endpoint.identify(self._queue)
+        if kind == _SENT and why_not is None:
+            endpoint.identified = True
+            return True
+        self.counters.add("coordinator_refused")
+        pause = (
+            self._options.retry_after if kind != _SENT else max(_RECHECK, self._options.retry_after)
+        )
+        endpoint.mark_down(self._clock.monotonic() + pause)
+        logger.warning(
+            "coordinator %s %s; appending directly, asking again in %g s",
+            endpoint.url,
+            "unreachable" if kind == _UNSENT else why_not,
+            pause,
+        )
+        return False
 
     def _through(
         self, endpoint: _Endpoint, body: bytes, lower: int, deadline: float | None
@@ -296,7 +355,7 @@ class CoordinatedAppender:
             headers[NOT_AFTER_HEADER] = str(not_after)
         kind, outcome = endpoint.call(APPEND_PATH, body, headers)
         if kind == _UNSENT:
-            endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+            endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
             logger.warning(
                 "coordinator %s unreachable; appending directly for %g s",
                 endpoint.url,
@@ -314,7 +373,7 @@ class CoordinatedAppender:
                 logger.info("coordinator %s: lost reply recovered (%s)", endpoint.url, outcome)
                 return outcome
             self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))
-        endpoint.down_until = self._clock.monotonic() + self._options.retry_after
+        endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
         logger.warning(
             "coordinator %s did not answer for an append (no reply, and no answer since); "
             "checking the manifest before appending directly",
@@ -367,3 +426,18 @@ class CoordinatedAppender:
         for index, sequence in zip(rest, found, strict=True):
             known[index] = sequence
         return tuple(s for s in known if s is not None)
+
+
+def _not_serving(status: int, data: bytes, queue: str) -> str | None:
+    """Why a ``GET /v1/health`` reply is not a live coordinator of ``queue`` (None: it is)."""
+    try:
+        health = json.loads(data)
+    except ValueError:
+        health = None
+    if status != 200 or not isinstance(health, dict) or "queue" not in health:
+        return f"is not a millpond coordinator (GET {HEALTH_PATH}: HTTP {status}, {data[:60]!r})"
+    if health["queue"] != queue:
+        return f"serves {health['queue']!r}, not {queue!r}"
+    if health.get("alive") is not True:
+        return "has stopped appending (its rounds died)"
+    return None

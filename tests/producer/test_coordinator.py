@@ -8,7 +8,9 @@ manifest, a consumer's reads), never how fast.
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -191,6 +193,64 @@ def test_a_burst_of_producers_connecting_at_once_all_get_in(queue_store: ObjectS
         for conn in connections:
             conn.close()
         server.close()
+
+
+class _NotACoordinator(http.server.BaseHTTPRequestHandler):
+    """Another service on the port a producer was given: it answers, but not as a coordinator."""
+
+    protocol_version = "HTTP/1.1"
+    requests: ClassVar[list[str]] = []
+
+    def _answer(self) -> None:
+        type(self).requests.append(f"{self.command} {self.path}")
+        length = int(self.headers.get("Content-Length", "0") or 0)
+        if length:
+            self.rfile.read(length)
+        body = b"<html>not here</html>"
+        self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        del format, args
+
+
+def test_a_url_where_no_coordinator_answers_takes_no_append(
+    queue_store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer given the port of something else (a typo, another service) asks who answers
+    before it sends an append, appends directly and says so. It never sends the entries there:
+    an append given to a server that answers but not as a coordinator gets no usable reply,
+    and the producer would hold it for the coordinator's whole promise (5 s) before looking in
+    the manifest, again every time it tried the URL."""
+    _NotACoordinator.requests = []
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotACoordinator)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="millpond.producer.coordinator"),
+            Producer(config(queue_store, tmp_path / "wal", coordinator=url)) as producer,
+        ):
+            for n in range(5):
+                producer.produce([b"r%d" % n]).wait(DEADLINE)
+            metrics = producer.metrics()
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert _NotACoordinator.requests == ["GET /v1/health"], _NotACoordinator.requests
+    assert metrics["coordinator_lost"] == 0, metrics
+    assert metrics["coordinator_appends"] == 0, metrics
+    assert metrics["direct_appends"] == 5, metrics
+    assert metrics["coordinator_refused"] == 1, metrics
+    assert any(
+        url in r.getMessage() and "is not a millpond coordinator" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    assert sorted(all_entries(queue_store)) == [b"r%d" % n for n in range(5)]
 
 
 def test_a_refusing_coordinator_sends_the_producer_to_append_directly(
