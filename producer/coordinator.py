@@ -176,15 +176,21 @@ class _Endpoint:
         conn = self._connect()
         if conn is None:
             return _UNSENT, None
+        assert conn.sock is not None
+        # A coordinator answers this at once (no round is waited for): one that does not in
+        # the time a connection may take is frozen or swamped, and the appends go directly.
+        conn.sock.settimeout(self._options.connect_timeout)
         try:
             conn.request("GET", HEALTH_PATH)
             response = conn.getresponse()
             data = response.read()
             if response.will_close:
                 self.close()
+            elif conn.sock is not None:
+                conn.sock.settimeout(self._options.budget + self._options.grace)
         except (OSError, http.client.HTTPException) as err:
             self.close()
-            return _LOST, f"no answer to GET {HEALTH_PATH} ({err})"
+            return _LOST, f"gave no answer to GET {HEALTH_PATH} ({err})"
         return _SENT, _not_serving(response.status, data, queue)
 
     def call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, Outcome | None]:
