@@ -2,10 +2,11 @@
 
 A release rewrites the WAL's sidecar, fsyncs it, and deletes the files left with nothing to
 publish: 13 ms at the median and 50 ms at p99 on a disk sixteen producers share (measured
-through a coordinator at 50 ms of store latency). Done on the committer's thread after every append,
-it held the next append back by that much, and the batches uploaded meanwhile with it. Here it
-runs beside the appends: the committer says a release is owed, and this thread releases up
-to the watermark of that moment or later (everything below it is settled either way).
+through a coordinator at 50 ms of store latency). Done on the committer's thread after every
+append, it held the next append back by that much, and the batches uploaded meanwhile with
+it. Here it runs beside the appends: the committer says a release is owed, and this thread
+releases up to the watermark of that moment or later (everything below it is settled either
+way).
 
 A release that lags, or never runs (a crash), only leaves settled records in the WAL: a
 producer started on it replays them as uncertain batches, finds them in the manifest, and

@@ -76,9 +76,9 @@ __all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"
 logger = logging.getLogger(__name__)
 
 _SENT = "sent"
-_RECHECK = 60.0  # seconds before asking again a URL where no coordinator of the queue answered
 _UNSENT = "unsent"
 _LOST = "lost"
+_RECHECK = 60.0  # seconds before asking again a URL where no coordinator of the queue answered
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
