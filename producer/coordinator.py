@@ -164,6 +164,10 @@ class _Endpoint:
         self._conn = conn
         return conn
 
+    def connected(self) -> bool:
+        """Whether a keep-alive connection is open (the next request reuses it)."""
+        return self._conn is not None and self._conn.sock is not None
+
     def mark_down(self, until: float) -> None:
         """Leave this coordinator alone until ``until``; ask who answers before using it again."""
         self.down_until = until
@@ -272,12 +276,11 @@ class CoordinatedAppender:
         """
         lower = self.seen_next_sequence
         body: bytes | None = None
-        options = self._options
         for endpoint in self._endpoints:
             now = self._clock.monotonic()
             if now < endpoint.down_until:
                 continue
-            if deadline is not None and now + options.budget + options.grace >= deadline:
+            if not self._may_send(deadline):
                 break  # a coordinator could write them after the deadline
             if not endpoint.identified and not self._identify(endpoint):
                 continue
@@ -340,11 +343,25 @@ class CoordinatedAppender:
         )
         return False
 
+    def _may_send(self, deadline: float | None) -> bool:
+        """Whether a coordinator's promise for a request sent now ends before ``deadline``."""
+        options = self._options
+        return deadline is None or (
+            self._clock.monotonic() + options.budget + options.grace < deadline
+        )
+
     def _through(
-        self, endpoint: _Endpoint, body: bytes, lower: int, deadline: float | None
+        self,
+        endpoint: _Endpoint,
+        body: bytes,
+        lower: int,
+        deadline: float | None,
+        *,
+        again: bool = True,
     ) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
         when nobody could say (after waiting out the coordinator's promise)."""
+        reused = endpoint.connected()
         request_id = uuid.uuid4().hex
         sent_at = self._clock.monotonic()
         headers = {
@@ -376,6 +393,17 @@ class CoordinatedAppender:
         while self._clock.monotonic() < promise:
             kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)
             if kind == _SENT and outcome is not None:
+                if reused and again and outcome.status == REFUSED and self._may_send(deadline):
+                    # Sent on a keep-alive connection the coordinator had closed (idle past its
+                    # two minutes, or restarted): it never arrived, and that request id is now
+                    # refused for good. Once more, as a new request on a fresh connection.
+                    logger.info(
+                        "coordinator %s: request lost on a closed connection (%s); sending it "
+                        "again",
+                        endpoint.url,
+                        outcome.reason,
+                    )
+                    return self._through(endpoint, body, lower, deadline, again=False)
                 logger.info("coordinator %s: lost reply recovered (%s)", endpoint.url, outcome)
                 return outcome
             self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -408,9 +409,9 @@ def test_a_writers_deadline_shortens_the_coordinators_budget(queue_store: Object
 class _CoordinatorProcess:
     """``millpond coordinator`` as a child process."""
 
-    def __init__(self, endpoint: S3Endpoint, url: str) -> None:
+    def __init__(self, endpoint: S3Endpoint, url: str, port: int = 0) -> None:
         command = [sys.executable, "-m", "millpond.cli", "coordinator", url, "--create"]
-        command += ["--port", "0"]
+        command += ["--port", str(port)]
         for key, value in endpoint.store_options().items():
             command += ["--store-option", f"{key}={value}"]
         env = {**os.environ, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9"}
@@ -431,6 +432,45 @@ class _CoordinatorProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def test_a_coordinator_restarted_on_its_port_keeps_its_producers(
+    seaweedfs_s3: S3Endpoint, tmp_path: Path
+) -> None:
+    """A coordinator restarted (an upgrade, a supervisor bringing it back) closes its
+    producers' keep-alive connections, as its idle timeout (2 minutes) does for a producer that
+    produces less often. The next append goes out on the dead connection and is lost: the
+    producer asks, hears it never arrived (that request id is refused for good), and sends it
+    again on a fresh connection, rather than appending directly and leaving the coordinator
+    alone for a while."""
+    root = unique_root()
+    store = _store(seaweedfs_s3, root)
+    claim_queue(store)
+    url = seaweedfs_s3.url_for(root)
+    first = _CoordinatorProcess(seaweedfs_s3, url)
+    port = urlsplit(first.url).port
+    assert port is not None
+    second: _CoordinatorProcess | None = None
+    try:
+        with Producer(config(store, tmp_path / "wal", coordinator=first.url)) as producer:
+            producer.produce([b"before"]).wait(DEADLINE)
+            first.stop()
+            second = _CoordinatorProcess(seaweedfs_s3, url, port=port)
+            producer.produce([b"after"]).wait(DEADLINE)
+            metrics = producer.metrics()
+    finally:
+        first.proc.kill()
+        first.proc.wait(30)
+        if second is not None:
+            second.stop()
+    assert metrics["coordinator_appends"] == 2, metrics
+    assert metrics["direct_appends"] == 0, metrics
+    assert metrics["coordinator_refused"] == 0, metrics
+    assert sorted(all_entries(store)) == [b"after", b"before"]
 
 
 @pytest.fixture
