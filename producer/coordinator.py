@@ -177,46 +177,56 @@ class _Endpoint:
         """Ask ``GET /v1/health`` whether a live coordinator of ``queue`` answers here:
         ``(kind, why not)`` with ``kind`` as :meth:`call` gives it, ``why not`` None when
         one does. Nothing is appended by asking."""
-        conn = self._connect()
-        if conn is None:
-            return _UNSENT, None
-        assert conn.sock is not None
         # A coordinator answers this at once (no round is waited for): one that does not in
         # the time a connection may take is frozen or swamped, and the appends go directly.
-        conn.sock.settimeout(self._options.connect_timeout)
-        try:
-            conn.request("GET", HEALTH_PATH)
-            response = conn.getresponse()
-            data = response.read()
-            if response.will_close:
-                self.close()
-            elif conn.sock is not None:
-                conn.sock.settimeout(self._options.budget + self._options.grace)
-        except (OSError, http.client.HTTPException) as err:
-            self.close()
-            return _LOST, f"gave no answer to GET {HEALTH_PATH} ({err})"
-        return _SENT, _not_serving(response.status, data, queue)
+        kind, status, data = self._exchange(
+            "GET", HEALTH_PATH, timeout=self._options.connect_timeout
+        )
+        if kind != _SENT:
+            return kind, None if kind == _UNSENT else f"gave no answer to GET {HEALTH_PATH}"
+        return _SENT, _not_serving(status, data, queue)
 
     def call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, Outcome | None]:
         """``(kind, outcome)``: ``unsent`` (no connection), ``lost`` (sent, no usable reply)
         or ``sent`` with the outcome."""
-        conn = self._connect()
-        if conn is None:
-            return _UNSENT, None
-        try:
-            conn.request("POST", path, body, headers)
-            response = conn.getresponse()
-            data = response.read()
-            if response.will_close:
-                self.close()
-        except (OSError, http.client.HTTPException):
-            self.close()
-            return _LOST, None
+        kind, _, data = self._exchange("POST", path, body, headers)
+        if kind != _SENT:
+            return kind, None
         try:
             return _SENT, Outcome.from_json(data)
         except FormatError:
             self.close()
             return _LOST, None
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[str, int, bytes]:
+        """One request on the keep-alive connection: ``(kind, status, body)``. ``timeout``
+        replaces the reply timeout (the coordinator's promise plus the grace) for it alone."""
+        conn = self._connect()
+        if conn is None:
+            return _UNSENT, 0, b""
+        reply_timeout = self._options.budget + self._options.grace
+        if timeout is not None and conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        try:
+            conn.request(method, path, body, headers or {})
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return _LOST, 0, b""
+        if response.will_close:
+            self.close()
+        elif timeout is not None and conn.sock is not None:
+            conn.sock.settimeout(reply_timeout)
+        return _SENT, response.status, data
 
 
 class CoordinatedAppender:
