@@ -33,7 +33,10 @@ per row: the share of appends the coordinator made; the rest fell back).
 
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
 ``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,exponential``,
-``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments).
+``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments),
+``MILLPOND_BENCH_CONSUMER=1``: a consumer drains each row's queue while it runs
+(:mod:`bench.draining_consumer`; its figures go in the row's ``consumer``), as in a deployment,
+where every dequeue is one more writer of the manifest.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from typing import Any
 from bench.bench_contended_appends import available_policies, policy
 from bench.bench_manifest_appends import _collect
 from bench.common import latency_ms, make_result, plot_spec, seaweedfs_endpoints
+from bench.draining_consumer import draining_consumer
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +258,14 @@ def _run(
         coordinator = None
         if policy_name == COORDINATED:
             coordinator = stack.enter_context(start_coordinator(url, endpoint.store_options()))
+        consumer = None
+        if os.environ.get("MILLPOND_BENCH_CONSUMER", "") not in ("", "0"):
+            consumer = stack.enter_context(draining_consumer(ctx, url, endpoint.store_options()))
         row = _measure(ctx, endpoint, workdir, n, seconds, policy_name, url, root, coordinator)
         row["coordinator_stats"] = _coordinator_stats(coordinator)
-        return row
+    if consumer is not None:
+        row["consumer"] = consumer
+    return row
 
 
 def _measure(
