@@ -10,6 +10,7 @@ from typing import Any
 from millpond.common.clock import Clock
 from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError
+from millpond.queue.coordinator_http import parse_coordinator_urls
 from millpond.storage.store import ObjectStore
 
 __all__ = ["ConsumerConfig", "check_duration", "check_paths"]
@@ -79,6 +80,11 @@ class ConsumerConfig:
     Default 600 (10 minutes)."""
     retry: RetryPolicy | None = None
     """Backoff for manifest CAS loops (epoch bump, dequeue). Default ``RetryPolicy()``."""
+    coordinator: str | None = None
+    """``http://host:port`` of a ``millpond coordinator`` serving this queue: the consumer sends
+    its dequeues there (written between the coordinator's rounds, so it neither races them nor
+    makes the coordinator pause often), and dequeues directly whenever the coordinator does not
+    answer ``dequeued``. Default ``None``: always directly."""
     clock: Clock | None = None
     """Wall clock, monotonic clock and sleep; injectable for tests. Default the system's."""
 
@@ -111,6 +117,10 @@ class ConsumerConfig:
             raise ConfigError("gc_enabled", f"expected True or False, found {self.gc_enabled!r}")
         check_duration("gc_interval", self.gc_interval, allow_zero=False)
         check_duration("gc_grace_period", self.gc_grace_period, allow_zero=True)
+        urls = parse_coordinator_urls(self.coordinator)
+        if len(urls) > 1:
+            raise ConfigError("coordinator", f"expected one URL, found {len(urls)}")
+        object.__setattr__(self, "coordinator", urls[0] if urls else None)
 
     def dequeue_step(self, behind: int) -> int:
         """Acked entries that make a dequeue due when ``behind`` entries are queued after

@@ -48,6 +48,7 @@ from millpond.common.metrics import Counters, LatencySummary
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
+from millpond.consumer._coordinated_dequeue import CoordinatedDequeue
 from millpond.consumer._read_ahead import ReadAhead
 from millpond.errors import (
     ClosedError,
@@ -105,6 +106,8 @@ class Consumer:
             "dequeues",
             "manifest_refreshes",
             "index_moves",
+            "coordinator_dequeues",
+            "coordinator_dequeue_fallbacks",
         )
         self.fetch_latency = LatencySummary()
         """Seconds to read and decode one batch object."""
@@ -117,6 +120,11 @@ class Consumer:
             retry=config.retry,
             clock=self._clock,
             counters=self.counters,  # manifest reads, writes and conflicts count here too
+        )
+        self._coordinator = (
+            CoordinatedDequeue(config.coordinator, self.queue, self.counters, self._clock)
+            if config.coordinator is not None
+            else None
         )
         self._lock = threading.RLock()
         self._process = OwnProcess(
@@ -490,7 +498,7 @@ class Consumer:
                     # after a write conditional on bytes that carried it landed.
                     confirmed = self._queue.confirmations
                     try:
-                        self._dequeue(ack_through)
+                        self._dequeue(ack_through, direct=True)
                     except StorageError:
                         if self._queue.confirmations != confirmed:
                             # Checked in this call, then the writes ran out of retries: the
@@ -641,8 +649,10 @@ class Consumer:
         if fresh:
             self._known = fresh[-1].sequence
 
-    def _dequeue(self, through: int | None = None) -> None:
-        """Remove the acked entries (through ``through``, default the last acked)."""
+    def _dequeue(self, through: int | None = None, *, direct: bool = False) -> None:
+        """Remove the acked entries (through ``through``, default the last acked): through the
+        coordinator when one is configured and answers, unless ``direct`` (the caller needs the
+        dequeue's own read or write as its fencing check)."""
         if through is None:
             through = self._acked
         index = self._index
@@ -650,11 +660,16 @@ class Consumer:
         # millpond.queue.index); an index being drained leaves the manifest alone.
         if index is not None and index.live:
             self._guard(lambda: index.drain(through))
-        if index is None or through > index.end:
+        in_manifest = index is None or through > index.end
+        if in_manifest and (direct or not self._through_coordinator(through)):
             self._guard(lambda: self._queue.dequeue(through))
         self._dequeued = through
         self._ack_waiting_since = None
         self.counters.add("dequeues")
+
+    def _through_coordinator(self, through: int) -> bool:
+        coordinator, epoch = self._coordinator, self._queue.epoch
+        return coordinator is not None and epoch is not None and coordinator.dequeue(epoch, through)
 
     def _maybe_move(self) -> None:
         """Move what the manifest holds into the backlog index once it holds too much."""

@@ -131,6 +131,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --on-bad-batch quarantine, stop after this many in a row (default 10)",
     )
     parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="URL",
+        help="http://host:port of a millpond coordinator serving the queue: dequeues are sent "
+        "there (no race with its rounds), and made directly whenever it does not answer",
+    )
+    parser.add_argument(
         "--report-interval",
         type=float,
         default=5.0,
@@ -161,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         gc_enabled=args.gc,
         gc_interval=args.gc_interval,
         gc_grace_period=args.gc_grace_period,
+        coordinator=args.coordinator,
     )
     if args.poll_interval <= 0:
         raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")

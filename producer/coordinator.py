@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.errors import CommitStateUnknownError, ConfigError, FormatError, StorageError
+from millpond.errors import CommitStateUnknownError, FormatError, StorageError
 from millpond.formats.manifest import PendingEntry
 from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import (
@@ -69,6 +69,7 @@ from millpond.queue.coordinator_http import (
     OUTCOME_PATH,
     QUEUE_HEADER,
     REQUEST_HEADER,
+    parse_coordinator_urls,
 )
 
 __all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"]
@@ -96,33 +97,6 @@ class CoordinatorOptions:
     """Seconds to open a connection. Default 1."""
     retry_after: float = 5.0
     """Seconds a coordinator that could not be reached, or refused, is left alone. Default 5."""
-
-
-def parse_coordinator_urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``http://host:port`` URLs from a string (comma-separated) or a sequence.
-
-    Raises:
-        ConfigError: a URL that is not ``http://host:port``.
-    """
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    urls: list[str] = []
-    for item in items:
-        url = str(item).strip().rstrip("/")
-        if not url:
-            continue
-        parts = urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme != "http" or not parts.hostname or port is None or parts.path:
-            raise ConfigError(
-                "coordinator", f"expected http://host:port (comma-separated), found {item!r}"
-            )
-        urls.append(url)
-    return tuple(urls)
 
 
 class _Endpoint:

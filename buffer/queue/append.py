@@ -23,6 +23,7 @@ from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
     InvalidInputError,
+    NotFoundError,
     StorageError,
 )
 from millpond.formats.manifest import (
@@ -288,6 +289,59 @@ class QueueProducer:
             self._in_doubt_from = None
             self._pacer.won(backoff)
             return tuple(_filled(result))
+
+    def rewrite(
+        self, change: Callable[[bytes], bytes | None], *, deadline: float | None = None
+    ) -> bool:
+        """Write ``change(manifest)`` in one compare-and-swap; whether a write landed.
+
+        For a writer that also writes on another's behalf what is not an append (a
+        coordinator dequeuing for the consumer): the manifest this writer last wrote is tried
+        first (no read), and a lost race reads and calls ``change`` again on what it found.
+        ``change`` returns ``None`` when there is nothing to write; said of the cached bytes,
+        that is confirmed on a fresh read. Nothing here appends, so a write of ours in doubt
+        stays in doubt (the next append looks for it, as before).
+
+        Raises:
+            NotFoundError: no manifest.
+            StorageError: the retry budget or ``deadline`` ran out (a
+                ``CommitStateUnknownError`` when the last write may have landed); whatever
+                ``change`` raises, with nothing written for that call.
+        """
+        cas = self._cas
+        backoff = cas.retry.start(cas.clock)
+        current = self._cached
+        cached = current is not None
+        while True:
+            if current is None:
+                try:
+                    current = cas.read()
+                except StorageError as err:
+                    cas.backoff(backoff, "manifest read", err)
+                    continue
+                if current is None:
+                    raise NotFoundError(f"{cas.path}: manifest not found")
+                cached = False
+            data = change(current.data)
+            if data is None:
+                if cached:
+                    current = None
+                    continue
+                return False
+            _check_deadline(cas, deadline)
+            try:
+                etag = cas.write(current, data)
+            except (ConflictError, CommitStateUnknownError) as err:
+                # Ours may have landed (a retried request): the re-read then finds it done.
+                self._cached = current = None
+                cas.backoff(backoff, "manifest write", err, at_once=isinstance(err, ConflictError))
+                continue
+            except StorageError as err:
+                self._cached = current = None
+                cas.backoff(backoff, "manifest write", err)
+                continue
+            self._cached = RawManifest(data, etag) if etag is not None else None
+            return True
 
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
         """Under contention, a read of the manifest sent just behind the write."""

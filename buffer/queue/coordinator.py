@@ -39,6 +39,10 @@ for a consumer arriving to get its first write in (it retries a lost race at onc
 that write the coordinator is in the busy mode. Every pause delays the requests waiting behind
 it, so pausing only when someone needs it keeps their latency down.
 
+A consumer can send its dequeues here too (:mod:`millpond.queue.coordinator_dequeue`): they
+are written between two rounds on the cached manifest, so the consumer neither races the rounds
+nor puts the coordinator into pausing every few rounds.
+
 Several coordinators may serve one queue: they contend like producers do, each with its own
 clients' entries.
 """
@@ -64,6 +68,7 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import PendingEntry
 from millpond.queue.append import QueueProducer
+from millpond.queue.coordinator_dequeue import DequeueTicket, write_dequeues
 from millpond.queue.coordinator_http import (
     APPENDED,
     DEFAULT_BUDGET,
@@ -178,6 +183,7 @@ class AppendCoordinator:
             "cas_conflicts",
             "cas_retries",
             "fence_checks",
+            "dequeues",
         )
         self._queue = QueueProducer(
             store, manifest_path, retry=policy, clock=self._clock, counters=self.counters
@@ -190,6 +196,7 @@ class AppendCoordinator:
         self._max_pending = max_pending_entries
         self._lock = threading.Condition()
         self._pending: deque[_Ticket] = deque()
+        self._dequeues: list[DequeueTicket] = []
         self._pending_entries = 0
         self._tickets: dict[str, _Ticket] = {}
         self._stopping = False
@@ -306,6 +313,18 @@ class AppendCoordinator:
                 )
             return ticket.outcome
 
+    def dequeue(self, epoch: int, through: int) -> DequeueTicket:
+        """Queue a consumer's dequeue for the round thread; the ticket's ``done`` is set with
+        its answer (:func:`~millpond.queue.coordinator_dequeue.write_dequeues`)."""
+        ticket = DequeueTicket(epoch, through)
+        with self._lock:
+            if self._stopping or self.dead is not None:
+                ticket.answer(REFUSED, "the coordinator is stopping")
+            else:
+                self._dequeues.append(ticket)
+                self._lock.notify_all()
+        return ticket
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             waiting = self._pending_entries
@@ -328,6 +347,7 @@ class AppendCoordinator:
             while self._pending:
                 ticket = self._pending.popleft()
                 self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
+            self._refuse_dequeues("the coordinator is stopping")
             self._pending_entries = 0
             self._lock.notify_all()
         if self._thread is not None:
@@ -341,6 +361,7 @@ class AppendCoordinator:
                 round_ = self._next_round()
                 if round_ is None:
                     return
+                self._write_dequeues()
                 self._append(round_)
         except BaseException as err:
             # A crash: the requests of the round get no reply (their clients ask, hear
@@ -353,6 +374,7 @@ class AppendCoordinator:
                 while self._pending:
                     ticket = self._pending.popleft()
                     self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
+                self._refuse_dequeues("the coordinator stopped")
                 self._pending_entries = 0
                 self._lock.notify_all()
             # Not raised again: nothing above this thread could handle it, and the request
@@ -361,7 +383,7 @@ class AppendCoordinator:
 
     def _next_round(self) -> list[_Ticket] | None:
         with self._lock:
-            while not self._pending:
+            while not self._pending and not self._dequeues:
                 if self._stopping:
                     return None
                 self._lock.wait()
@@ -409,6 +431,27 @@ class AppendCoordinator:
         self._manifest_free_at = now
         self.counters.add("yields")
         self._clock.sleep(gap - idle)
+
+    def _write_dequeues(self) -> None:
+        """Write the consumers' waiting dequeues, if any, in one write of their own."""
+        with self._lock:
+            tickets, self._dequeues = self._dequeues, []
+        if not tickets:
+            return
+        conflicts = self.counters.get("cas_conflicts")
+        deadline = self._clock.monotonic() + self._policy.max_elapsed
+        write_dequeues(self._queue, tickets, refused=REFUSED, deadline=deadline)
+        self.counters.add("dequeues", len(tickets))
+        if self.counters.get("cas_conflicts") > conflicts:
+            self._foreign_write_at = self._clock.monotonic()  # someone else wrote meanwhile
+        self._back_to_back += 1
+        self._last_round_end = self._clock.monotonic()
+
+    def _refuse_dequeues(self, reason: str) -> None:
+        """Answer every waiting dequeue ``refused`` (holding the lock)."""
+        for ticket in self._dequeues:
+            ticket.answer(REFUSED, reason)
+        self._dequeues = []
 
     def _append(self, round_: list[_Ticket]) -> None:
         if not round_:

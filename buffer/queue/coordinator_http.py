@@ -15,6 +15,10 @@ Requests (HTTP/1.1, keep-alive):
 * ``POST /v1/outcome`` — header ``X-Millpond-Request``: the outcome of a request whose reply
   was lost (withdrawing it if its round has not started; an id never seen is remembered as
   refused, so that request is never appended should it still arrive).
+* ``POST /v1/dequeue`` — headers ``X-Millpond-Queue``, ``X-Millpond-Epoch`` (the consumer's)
+  and ``X-Millpond-Through``: a consumer's dequeue, written between two rounds
+  (:mod:`millpond.queue.coordinator_dequeue`). The reply, as JSON: 200 ``dequeued``, 409
+  ``fenced``, 503 ``refused``, 400 for a request that cannot be served.
 * ``GET /v1/health`` — the queue served and counters, as JSON.
 
 The server binds 127.0.0.1 unless told otherwise. It holds no state a restart would lose
@@ -32,9 +36,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from millpond.errors import FormatError, InvalidInputError
+from millpond.errors import ConfigError, FormatError, InvalidInputError
 from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
+from millpond.queue.coordinator_dequeue import (
+    DEQUEUE_PATH,
+    DEQUEUED,
+    EPOCH_HEADER,
+    FENCED,
+    THROUGH_HEADER,
+)
 
 if TYPE_CHECKING:
     from millpond.queue.coordinator import AppendCoordinator
@@ -56,6 +68,7 @@ __all__ = [
     "Outcome",
     "decode_entries",
     "encode_entries",
+    "parse_coordinator_urls",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +139,33 @@ class Outcome:
             raise FormatError(f"coordinator reply: expected an outcome, found {err}") from err
 
 
+def parse_coordinator_urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``http://host:port`` URLs from a string (comma-separated) or a sequence.
+
+    Raises:
+        ConfigError: a URL that is not ``http://host:port``.
+    """
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls: list[str] = []
+    for item in items:
+        url = str(item).strip().rstrip("/")
+        if not url:
+            continue
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "http" or not parts.hostname or port is None or parts.path:
+            raise ConfigError(
+                "coordinator", f"expected http://host:port (comma-separated), found {item!r}"
+            )
+        urls.append(url)
+    return tuple(urls)
+
+
 def _status(value: Any) -> str:
     if value not in (APPENDED, UNKNOWN, REFUSED):
         raise ValueError(f"status {value!r}")
@@ -187,6 +227,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(length) if length else b""
         coordinator = self.server.coordinator
+        if self.path == DEQUEUE_PATH:
+            self._dequeue()
+            return
         request_id = self.headers.get(REQUEST_HEADER, "")
         if not request_id:
             self._reply(400, _refused(f"expected a {REQUEST_HEADER} header, found none"))
@@ -230,6 +273,28 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self._answer(ticket.outcome)
+
+    def _dequeue(self) -> None:
+        coordinator = self.server.coordinator
+        queue = self.headers.get(QUEUE_HEADER, "")
+        if queue != coordinator.queue:
+            self._reply(
+                409, _refused(f"this coordinator serves {coordinator.queue!r}, not {queue!r}")
+            )
+            return
+        try:
+            epoch = int(self.headers.get(EPOCH_HEADER, ""))
+            through = int(self.headers.get(THROUGH_HEADER, ""))
+        except ValueError:
+            self._reply(400, _refused(f"expected integer {EPOCH_HEADER} and {THROUGH_HEADER}"))
+            return
+        ticket = coordinator.dequeue(epoch, through)
+        while not ticket.done.wait(0.5):
+            if coordinator.dead is not None:
+                self._reply(503, _refused("the coordinator's rounds stopped"))
+                return
+        code = {DEQUEUED: 200, FENCED: 409}.get(ticket.status, 503)
+        self._reply(code, {"status": ticket.status, "reason": ticket.reason})
 
     def _answer(self, outcome: Outcome | None) -> None:
         if outcome is None:

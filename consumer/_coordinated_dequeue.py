@@ -1,0 +1,59 @@
+"""The consumer's dequeues sent through a ``millpond coordinator`` (``ConsumerConfig.coordinator``).
+
+Why: :mod:`millpond.queue.coordinator_dequeue`. A dequeue is idempotent, so every answer but
+``dequeued`` leaves it to the consumer's own compare-and-swap, which also decides what a
+``fenced`` answer means (its read raises ``FencedError``). A coordinator that did not answer
+is left alone for a minute, one that refused for a few seconds, each time with a warning
+naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from millpond.common.clock import Clock
+from millpond.common.metrics import Counters
+from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, LOST, send_dequeue
+
+__all__ = ["CoordinatedDequeue"]
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT = 5.0  # seconds: the coordinator answers after at most a pause, a round and a write
+_AFTER_LOST = 60.0  # seconds a coordinator that did not answer is left alone
+_AFTER_REFUSED = 5.0  # seconds a coordinator that refused is left alone
+
+
+class CoordinatedDequeue:
+    """Sends dequeues to one coordinator while it answers."""
+
+    def __init__(self, url: str, queue: str, counters: Counters, clock: Clock) -> None:
+        self.url = url
+        self._queue = queue
+        self._counters = counters
+        self._clock = clock
+        self._down_until = float("-inf")
+
+    def dequeue(self, epoch: int, through: int) -> bool:
+        """Whether the coordinator removed every entry through ``through`` for the consumer
+        holding ``epoch``; ``False``: the caller dequeues directly."""
+        if self._clock.monotonic() < self._down_until:
+            return False
+        status, reason = send_dequeue(self.url, self._queue, epoch, through, timeout=_TIMEOUT)
+        if status == DEQUEUED:
+            self._counters.add("coordinator_dequeues")
+            return True
+        self._counters.add("coordinator_dequeue_fallbacks")
+        if status != FENCED:
+            pause = _AFTER_LOST if status == LOST else _AFTER_REFUSED
+            self._down_until = self._clock.monotonic() + pause
+            logger.warning(
+                "coordinator %s did not dequeue through %s (%s: %s); dequeuing directly, and "
+                "directly for the next %.0f s",
+                self.url,
+                through,
+                status,
+                reason,
+                pause,
+            )
+        return False

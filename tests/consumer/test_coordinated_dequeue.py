@@ -1,0 +1,159 @@
+"""A consumer's dequeues sent through ``millpond coordinator`` (``ConsumerConfig.coordinator``).
+
+Real servers: SeaweedFS for S3, the coordinator's HTTP server on 127.0.0.1, real producers and
+consumers. What must hold: the dequeues land without racing the coordinator's rounds (it sees
+no other writer after the consumer's takeover), a fenced consumer's dequeue is never written
+even when the coordinator's cached manifest still carries the old epoch, and a coordinator
+that does not answer, or serves another queue, leaves the consumer dequeuing directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from millpond.consumer import Consumer, ConsumerConfig
+from millpond.localstack import S3Endpoint
+from millpond.producer import Producer
+from millpond.queue import read_manifest
+from millpond.queue.claim import queue_identity
+from millpond.queue.coordinator import AppendCoordinator
+from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, send_dequeue
+from millpond.queue.coordinator_http import CoordinatorServer
+from millpond.storage.store import ObjectStore, open_store
+from tests.producer.producer_support import MANIFEST, PREFIX, claim_queue, config
+from tests.support import unique_root
+
+DEADLINE = 60.0
+
+
+@pytest.fixture
+def queue_store(seaweedfs_s3: S3Endpoint) -> ObjectStore:
+    store = open_store(seaweedfs_s3.url_for(unique_root()), options=seaweedfs_s3.store_options())
+    claim_queue(store)
+    return store
+
+
+def _serve(store: ObjectStore, manifest: str = MANIFEST) -> CoordinatorServer:
+    coordinator = AppendCoordinator(
+        store, manifest, data_path_prefix=PREFIX, queue=queue_identity(store.url, manifest)
+    )
+    return CoordinatorServer(coordinator).start()
+
+
+def _consumer(store: ObjectStore, coordinator: str | None, **kw: object) -> Consumer:
+    return Consumer(
+        ConsumerConfig(
+            store=store,
+            manifest_path=MANIFEST,
+            gc_enabled=False,
+            coordinator=coordinator,
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+
+
+def _sequences(store: ObjectStore) -> list[int]:
+    return [e.sequence for e in read_manifest(store, MANIFEST).manifest.entries]
+
+
+def test_a_consumers_dequeues_go_through_the_coordinator_and_never_race_its_rounds(
+    queue_store: ObjectStore, tmp_path: Path
+) -> None:
+    server = _serve(queue_store)
+    stats = server.coordinator.stats
+    try:
+        with Producer(config(queue_store, tmp_path / "wal", coordinator=server.url)) as producer:
+            producer.produce([b"before the consumer"]).wait(DEADLINE)
+            consumer = _consumer(queue_store, server.url, ack_batch_size=2)
+            consumer.initialize()  # the one write the coordinator does not make
+            for i in range(7):
+                producer.produce([f"e{i}".encode()]).wait(DEADLINE)
+                batch = consumer.next_batch()
+                assert batch is not None
+                consumer.ack(batch.sequence)
+            assert consumer.next_batch() is not None  # the eighth, left unacked
+            consumer.close()
+            producer.produce([b"after"]).wait(DEADLINE)
+            assert producer.metrics()["direct_appends"] == 0
+        counters = consumer.counters
+        # Acked 0..6 two at a time: dequeues through 1, 3 and 5, then close() through 6.
+        assert counters.get("coordinator_dequeues") == 4, counters.snapshot()
+        assert counters.get("coordinator_dequeue_fallbacks") == 0
+        assert counters.get("manifest_writes") == 1  # initialize() alone
+        assert stats()["dequeues"] == 4, stats()
+        # The consumer's initialize() cost the coordinator one lost race; the dequeues none.
+        assert stats()["cas_conflicts"] == 1, stats()
+    finally:
+        server.close()
+    assert _sequences(queue_store) == [7, 8]
+
+
+def test_a_fenced_consumers_dequeue_is_not_written_though_the_coordinator_cached_its_epoch(
+    queue_store: ObjectStore, tmp_path: Path
+) -> None:
+    server = _serve(queue_store)
+    queue = queue_identity(queue_store.url, MANIFEST)
+    try:
+        older = _consumer(queue_store, server.url)
+        older.initialize()
+        with Producer(config(queue_store, tmp_path / "wal", coordinator=server.url)) as producer:
+            for i in range(3):
+                producer.produce([f"e{i}".encode()]).wait(DEADLINE)
+        # The coordinator last wrote the manifest at the older consumer's epoch; the newer
+        # consumer's takeover changes it behind the coordinator's back.
+        newer = _consumer(queue_store, server.url)
+        newer.initialize()
+        status, reason = send_dequeue(
+            server.url, queue, older.epoch, 1, timeout=DEADLINE  # type: ignore[arg-type]
+        )
+        assert status == FENCED, reason
+        assert f"the consumer holds {older.epoch}" in reason
+        assert _sequences(queue_store) == [0, 1, 2]
+        assert read_manifest(queue_store, MANIFEST).manifest.epoch == newer.epoch
+        status, reason = send_dequeue(
+            server.url, queue, newer.epoch, 1, timeout=DEADLINE  # type: ignore[arg-type]
+        )
+        assert status == DEQUEUED, reason
+        assert _sequences(queue_store) == [2]
+        older.close()
+        newer.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("where", ["nothing listening", "another queue's coordinator"])
+def test_a_consumer_dequeues_directly_when_the_coordinator_does_not_dequeue(
+    queue_store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    if where == "nothing listening":
+        server = _serve(queue_store)
+        url = server.url
+        server.close()
+    else:
+        server = _serve(queue_store, manifest="other/manifest")
+        url = server.url
+    try:
+        with Producer(config(queue_store, tmp_path / "wal")) as producer:
+            for i in range(3):
+                producer.produce([f"e{i}".encode()]).wait(DEADLINE)
+        consumer = _consumer(queue_store, url, ack_batch_size=1)
+        consumer.initialize()
+        with caplog.at_level(logging.WARNING, logger="millpond"):
+            for _ in range(2):
+                batch = consumer.next_batch()
+                assert batch is not None
+                consumer.ack(batch.sequence)
+        consumer.close()
+    finally:
+        server.close()
+    counters = consumer.counters
+    # Tried once; then left alone, every dequeue made directly.
+    assert counters.get("coordinator_dequeue_fallbacks") == 1, counters.snapshot()
+    assert counters.get("coordinator_dequeues") == 0
+    assert counters.get("dequeues") == 2
+    assert _sequences(queue_store) == [2]
+    warned = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert len(warned) == 1 and "dequeuing directly" in warned[0], warned
