@@ -36,7 +36,9 @@ Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
 ``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments),
 ``MILLPOND_BENCH_CONSUMER=1``: a consumer drains each row's queue while it runs
 (:mod:`bench.draining_consumer`; its figures go in the row's ``consumer``), as in a deployment,
-where every dequeue is one more writer of the manifest.
+where every dequeue is one more write of the manifest; in coordinator rows its dequeues go
+through the coordinator (``ConsumerConfig.coordinator``), or directly with
+``MILLPOND_BENCH_CONSUMER=direct``.
 """
 
 from __future__ import annotations
@@ -259,8 +261,12 @@ def _run(
         if policy_name == COORDINATED:
             coordinator = stack.enter_context(start_coordinator(url, endpoint.store_options()))
         consumer = None
-        if os.environ.get("MILLPOND_BENCH_CONSUMER", "") not in ("", "0"):
-            consumer = stack.enter_context(draining_consumer(ctx, url, endpoint.store_options()))
+        drain = os.environ.get("MILLPOND_BENCH_CONSUMER", "")
+        if drain not in ("", "0"):
+            through = coordinator if drain != "direct" else None
+            consumer = stack.enter_context(
+                draining_consumer(ctx, url, endpoint.store_options(), through)
+            )
         row = _measure(ctx, endpoint, workdir, n, seconds, policy_name, url, root, coordinator)
         row["coordinator_stats"] = _coordinator_stats(coordinator)
     if consumer is not None:

@@ -25,13 +25,19 @@ _GROUP = 256  # batches per next_batches() call at most
 
 
 @contextlib.contextmanager
-def draining_consumer(ctx: Any, url: str, options: dict[str, str]) -> Iterator[dict[str, Any]]:
+def draining_consumer(
+    ctx: Any, url: str, options: dict[str, str], coordinator: str | None = None
+) -> Iterator[dict[str, Any]]:
     """Run a draining consumer on the queue at ``url`` for the ``with`` body; the yielded dict
-    is filled with its figures when the body ends (``ctx``: a multiprocessing context)."""
+    is filled with its figures when the body ends (``ctx``: a multiprocessing context;
+    ``coordinator``: the URL its dequeues go through, as ``ConsumerConfig.coordinator``)."""
     stop = ctx.Event()
     out = ctx.Queue()
     proc = ctx.Process(
-        target=_worker, args=(url, options, stop, out), name="bench-consumer", daemon=True
+        target=_worker,
+        args=(url, options, coordinator, stop, out),
+        name="bench-consumer",
+        daemon=True,
     )
     proc.start()
     figures: dict[str, Any] = {}
@@ -50,19 +56,23 @@ def draining_consumer(ctx: Any, url: str, options: dict[str, str]) -> Iterator[d
         raise RuntimeError(f"the draining consumer failed: {figures['error']}")
 
 
-def _worker(url: str, options: dict[str, str], stop: Any, out: Any) -> None:
+def _worker(
+    url: str, options: dict[str, str], coordinator: str | None, stop: Any, out: Any
+) -> None:
     try:
-        out.put(_drain(url, options, stop))
+        out.put(_drain(url, options, coordinator, stop))
     except BaseException as err:
         out.put({"error": f"{type(err).__name__}: {err}"})
         raise
 
 
-def _drain(url: str, options: dict[str, str], stop: Any) -> dict[str, Any]:
+def _drain(url: str, options: dict[str, str], coordinator: str | None, stop: Any) -> dict[str, Any]:
     from millpond.consumer import Consumer, ConsumerConfig
     from millpond.errors import NotFoundError
 
-    consumer = Consumer(ConsumerConfig(store=url, store_options=options, gc_enabled=False))
+    consumer = Consumer(
+        ConsumerConfig(store=url, store_options=options, gc_enabled=False, coordinator=coordinator)
+    )
     deadline = time.monotonic() + _START_TIMEOUT
     while True:
         try:
@@ -94,6 +104,7 @@ def _drain(url: str, options: dict[str, str], stop: Any) -> dict[str, Any]:
         if acked is not None:
             consumer.ack_through(acked)
         dequeues = consumer.counters.get("dequeues")
+        through_coordinator = consumer.counters.get("coordinator_dequeues")
         conflicts = consumer.counters.get("cas_conflicts")
     finally:
         consumer.close()
@@ -103,6 +114,7 @@ def _drain(url: str, options: dict[str, str], stop: Any) -> dict[str, Any]:
         "batches": batches,
         "dequeues": dequeues,
         "dequeue_conflicts": conflicts,
+        "dequeues_through_coordinator": through_coordinator,
         "initialize_s": round(initialize_s, 3),
         "calls": len(calls),
         "call_p50_ms": round(1000 * _at(calls, 0.50), 1),
