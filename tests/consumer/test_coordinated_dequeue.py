@@ -106,16 +106,15 @@ def test_a_fenced_consumers_dequeue_is_not_written_though_the_coordinator_cached
         # consumer's takeover changes it behind the coordinator's back.
         newer = _consumer(queue_store, server.url)
         newer.initialize()
-        status, reason = send_dequeue(
-            server.url, queue, older.epoch, 1, timeout=DEADLINE  # type: ignore[arg-type]
-        )
+        old_epoch, new_epoch = older.epoch, newer.epoch
+        assert old_epoch is not None
+        assert new_epoch is not None
+        status, reason = send_dequeue(server.url, queue, old_epoch, 1, timeout=DEADLINE)
         assert status == FENCED, reason
-        assert f"the consumer holds {older.epoch}" in reason
+        assert f"the consumer holds {old_epoch}" in reason
         assert _sequences(queue_store) == [0, 1, 2]
-        assert read_manifest(queue_store, MANIFEST).manifest.epoch == newer.epoch
-        status, reason = send_dequeue(
-            server.url, queue, newer.epoch, 1, timeout=DEADLINE  # type: ignore[arg-type]
-        )
+        assert read_manifest(queue_store, MANIFEST).manifest.epoch == new_epoch
+        status, reason = send_dequeue(server.url, queue, new_epoch, 1, timeout=DEADLINE)
         assert status == DEQUEUED, reason
         assert _sequences(queue_store) == [2]
         older.close()
@@ -156,4 +155,5 @@ def test_a_consumer_dequeues_directly_when_the_coordinator_does_not_dequeue(
     assert counters.get("dequeues") == 2
     assert _sequences(queue_store) == [2]
     warned = [r.getMessage() for r in caplog.records if url in r.getMessage()]
-    assert len(warned) == 1 and "dequeuing directly" in warned[0], warned
+    assert len(warned) == 1, warned
+    assert "dequeuing directly" in warned[0]
