@@ -285,6 +285,8 @@ class ConsumerRole:
         self.consumer: _RecordingConsumer | None = None
         self.sink: Any = None
         self.fenced = False
+        self.coordinator: str | None = None
+        """The ``millpond coordinator`` URL its dequeues go through, if any."""
 
     def _open(self) -> None:
         if self.consumer is not None:
@@ -304,6 +306,7 @@ class ConsumerRole:
                 backlog_index_threshold=3,
                 retry=RETRY,
                 clock=self._clock,
+                coordinator=self.coordinator,
             ),
         )
         self.sink = open_sink(

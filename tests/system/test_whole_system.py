@@ -9,6 +9,8 @@ checks every invariant of ``tests/invariants.py``.
 * A third of the seeds (``seed % 3 == 2``) run queue A's producers through a real
   ``millpond coordinator`` (an ``AppendCoordinator`` served over loopback HTTP), which the
   schedule crashes, restarts and faults; the producers fall back to appending directly.
+  Queue A's consumers send their dequeues through it too, and dequeue directly when it does
+  not answer ``dequeued``.
 * Half the seeds (their own draw, ``paces_fairly``) pace queue A's producers with the
   ``aging`` strategy (issue 11): a lost race reads at once, writes at once when younger
   batches won and lets older ones go first; the producers' clocks are skewed by up to 20 s,

@@ -282,7 +282,7 @@ class World:
     ) -> ConsumerRole:
         self.consumers += 1
         events = self.events_a if queue is self.queue_a else self.events_b
-        return ConsumerRole(
+        role = ConsumerRole(
             self.consumers,
             queue,
             self.recorder,
@@ -296,6 +296,9 @@ class World:
             read_ahead=self.read_ahead,
             backlog_index=self.backlog_index and queue is self.queue_a,
         )
+        if queue is self.queue_a and self.coordinator is not None:
+            role.coordinator = self.coordinator.url  # its dequeues too, with their fallback
+        return role
 
     # -- running --------------------------------------------------------------------------
 
