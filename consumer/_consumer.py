@@ -498,7 +498,7 @@ class Consumer:
                     # after a write conditional on bytes that carried it landed.
                     confirmed = self._queue.confirmations
                     try:
-                        self._dequeue(ack_through, direct=True)
+                        self._dequeue(ack_through)
                     except StorageError:
                         if self._queue.confirmations != confirmed:
                             # Checked in this call, then the writes ran out of retries: the
@@ -649,10 +649,14 @@ class Consumer:
         if fresh:
             self._known = fresh[-1].sequence
 
-    def _dequeue(self, through: int | None = None, *, direct: bool = False) -> None:
+    def _dequeue(self, through: int | None = None) -> None:
         """Remove the acked entries (through ``through``, default the last acked): through the
-        coordinator when one is configured and answers, unless ``direct`` (the caller needs the
-        dequeue's own read or write as its fencing check)."""
+        coordinator when one is configured and answers ``dequeued``, else directly.
+
+        Either way, returning proves this consumer held the epoch during the call: the
+        coordinator answers ``dequeued`` only after a write conditional on bytes that carried
+        the consumer's epoch landed, or after a read in this call found it with nothing left
+        to remove (:mod:`millpond.queue.coordinator_dequeue`)."""
         if through is None:
             through = self._acked
         index = self._index
@@ -661,7 +665,7 @@ class Consumer:
         if index is not None and index.live:
             self._guard(lambda: index.drain(through))
         in_manifest = index is None or through > index.end
-        if in_manifest and (direct or not self._through_coordinator(through)):
+        if in_manifest and not self._through_coordinator(through):
             self._guard(lambda: self._queue.dequeue(through))
         self._dequeued = through
         self._ack_waiting_since = None

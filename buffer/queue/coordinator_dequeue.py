@@ -13,7 +13,10 @@ Safe whatever happens to a request. A dequeue is idempotent (removing the entrie
 not answered in time simply dequeues directly. The epoch decides as it does for the consumer's
 own write: entries are removed only from a manifest whose epoch is the requesting consumer's,
 in a write conditional on those very bytes, so a consumer fenced meanwhile (a newer
-``initialize()`` landed) gets ``fenced`` and nothing is written for it.
+``initialize()`` landed) gets ``fenced`` and nothing is written for it. So ``dequeued`` proves
+what the consumer's own dequeue proves — that it held the epoch during the call: it is said
+only after such a write landed, or after a read made for the request (never the cached bytes
+alone) found the epoch and nothing left to remove.
 """
 
 from __future__ import annotations

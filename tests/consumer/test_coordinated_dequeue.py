@@ -10,11 +10,15 @@ that does not answer, or serves another queue, leaves the consumer dequeuing dir
 from __future__ import annotations
 
 import logging
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.errors import FencedError
 from millpond.localstack import S3Endpoint
 from millpond.producer import Producer
 from millpond.queue import read_manifest
@@ -41,6 +45,10 @@ def _serve(store: ObjectStore, manifest: str = MANIFEST) -> CoordinatorServer:
         store, manifest, data_path_prefix=PREFIX, queue=queue_identity(store.url, manifest)
     )
     return CoordinatorServer(coordinator).start()
+
+
+def _queue_url(endpoint: S3Endpoint, store: ObjectStore) -> str:
+    return endpoint.url_for(store.url.rstrip("/").rsplit("/", 1)[-1])
 
 
 def _consumer(store: ObjectStore, coordinator: str | None, **kw: object) -> Consumer:
@@ -102,10 +110,18 @@ def test_a_fenced_consumers_dequeue_is_not_written_though_the_coordinator_cached
         with Producer(config(queue_store, tmp_path / "wal", coordinator=server.url)) as producer:
             for i in range(3):
                 producer.produce([f"e{i}".encode()]).wait(DEADLINE)
+        delivered = [older.next_batch(), older.next_batch()]
+        assert [b.sequence for b in delivered if b is not None] == [0, 1]
         # The coordinator last wrote the manifest at the older consumer's epoch; the newer
         # consumer's takeover changes it behind the coordinator's back.
         newer = _consumer(queue_store, server.url)
         newer.initialize()
+        # flush(ack_through) takes the dequeue as its fencing check: "fenced" from the
+        # coordinator, then the consumer's own read, which raises.
+        with pytest.raises(FencedError):
+            older.flush(ack_through=1)
+        assert older.acked_sequence is None
+        assert older.counters.get("coordinator_dequeue_fallbacks") == 1
         old_epoch, new_epoch = older.epoch, newer.epoch
         assert old_epoch is not None
         assert new_epoch is not None
@@ -157,3 +173,33 @@ def test_a_consumer_dequeues_directly_when_the_coordinator_does_not_dequeue(
     warned = [r.getMessage() for r in caplog.records if url in r.getMessage()]
     assert len(warned) == 1, warned
     assert "dequeuing directly" in warned[0]
+
+
+def test_millpond_consume_with_coordinator_dequeues_through_it(
+    seaweedfs_s3: S3Endpoint, queue_store: ObjectStore, tmp_path: Path
+) -> None:
+    server = _serve(queue_store)
+    try:
+        with Producer(config(queue_store, tmp_path / "wal", coordinator=server.url)) as producer:
+            for i in range(5):
+                producer.produce([f"e{i}".encode()]).wait(DEADLINE)
+        options = [f"--store-option={k}={v}" for k, v in seaweedfs_s3.store_options().items()]
+        result = subprocess.run(
+            [
+                sys.executable, "-m", "millpond.cli", "consume",
+                _queue_url(seaweedfs_s3, queue_store), *options,
+                "--sink", f"sqlite:///{tmp_path / 'db.sqlite'}", "--entry-format", "opaque",
+                "--coordinator", server.url, "--exit-when-idle", "--no-gc", "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert server.coordinator.stats()["dequeues"] >= 1, server.coordinator.stats()
+    finally:
+        server.close()
+    assert _sequences(queue_store) == []
+    with sqlite3.connect(tmp_path / "db.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM millpond_rows").fetchone() == (5,)
