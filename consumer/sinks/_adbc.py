@@ -256,6 +256,11 @@ class AdbcSink(QuarantineLedger, ABC):
     def _lock_schema(self, cur: Any) -> None:
         """Serialize DDL on the target table with other writers until the transaction ends."""
 
+    def _lock_setup(self, cur: Any) -> None:
+        """Serialize the creation of the progress, owners and quarantine tables with other
+        sinks setting up, until the transaction ends (none needed where the transaction
+        itself already does)."""
+
     @abstractmethod
     def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
         """Change a column's type (``empty``: it holds only NULLs, nothing to convert)."""
@@ -538,6 +543,7 @@ class AdbcSink(QuarantineLedger, ABC):
         cur = conn.cursor()
         try:
             self._begin(conn, cur)
+            self._lock_setup(cur)
             cur.execute(
                 f"CREATE TABLE IF NOT EXISTS {self._progress.sql} ("
                 "target_table TEXT NOT NULL, sequence BIGINT NOT NULL, location TEXT NOT NULL, "

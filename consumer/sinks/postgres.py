@@ -112,6 +112,13 @@ class PostgresSink(AdbcSink):
         # the same table take turns instead of failing on each other's DDL.
         self._fetch(cur, "SELECT pg_advisory_xact_lock(hashtext($1))", (f"millpond:{self._table}",))
 
+    def _lock_setup(self, cur: Any) -> None:
+        # CREATE ... IF NOT EXISTS is not safe against a concurrent CREATE of the same name:
+        # the later session can fail with 42710 "type ... already exists" (permanent) or 23505
+        # on pg_type. Sessions setting up take turns; setups are rare (one per connection),
+        # so one lock serves every sink of the database.
+        self._fetch(cur, "SELECT pg_advisory_xact_lock(hashtext($1))", ("millpond:setup",))
+
     def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
         sql = POSTGRES.sql_type(new)
         cur.execute(

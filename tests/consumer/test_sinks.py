@@ -21,6 +21,9 @@ from millpond.consumer.sinks import (
 from millpond.errors import ConfigError, FormatError
 from millpond.formats.arrow import encode_ipc
 
+ROUNDS = 100  # fresh progress tables, each set up by SETUPS_AT_ONCE sinks together
+SETUPS_AT_ONCE = 8
+
 
 def _arrow_batch(sequence: int, table: pa.Table, location: str | None = None) -> ConsumedBatch:
     return ConsumedBatch(
@@ -133,6 +136,47 @@ def test_a_failed_transaction_leaves_nothing(
         monkeypatch.undo()
         assert sink.write(_arrow_batch(1, pa.table({"n": [2]})))
     assert database.query(f'SELECT n FROM "{database.table}" ORDER BY n') == [(1,), (2,)]
+
+
+def test_postgres_sinks_setting_up_a_fresh_database_at_once_all_get_in(
+    postgres_database: Database,
+) -> None:
+    """Consumers starting together (a takeover, a restarted fleet) on a database that has no
+    progress table yet each create the tables they need, IF NOT EXISTS, which PostgreSQL does
+    not make safe against a concurrent CREATE: a session could fail with 'type "progress_…"
+    already exists', a permanent error that stopped its consumer (seen in CI, in
+    test_two_sinks_racing_on_one_batch_write_it_once), or with a duplicate key on pg_type.
+
+    The window is narrow, so many fresh sets of tables are each set up by several sinks at
+    once. Connections are opened beforehand and handed to each sink's setup (what its first
+    transaction runs), so every round is a race of setups, not of connects."""
+    import adbc_driver_postgresql.dbapi as pg
+
+    conns = [pg.connect(postgres_database.url) for _ in range(SETUPS_AT_ONCE)]
+    errors: list[BaseException] = []
+
+    def setup(sink: Any, conn: Any, barrier: threading.Barrier) -> None:
+        try:
+            barrier.wait(timeout=60)
+            sink._setup(conn)
+        except BaseException as err:
+            errors.append(err)
+
+    try:
+        for _ in range(ROUNDS):
+            fresh = Database(postgres_database.kind, postgres_database.url)
+            barrier = threading.Barrier(SETUPS_AT_ONCE)
+            threads = [
+                threading.Thread(target=setup, args=(fresh.sink(), conn, barrier)) for conn in conns
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, repr(errors[0])
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 @pytest.mark.parametrize("groups", [(1, 1), (3, 4)], ids=["one-by-one", "in-groups"])
