@@ -440,7 +440,7 @@ class AppendCoordinator:
             return
         conflicts = self.counters.get("cas_conflicts")
         deadline = self._clock.monotonic() + self._policy.max_elapsed
-        write_dequeues(self._queue, tickets, refused=REFUSED, deadline=deadline)
+        write_dequeues(self._queue, tickets, deadline=deadline)
         self.counters.add("dequeues", len(tickets))
         if self.counters.get("cas_conflicts") > conflicts:
             self._foreign_write_at = self._clock.monotonic()  # someone else wrote meanwhile

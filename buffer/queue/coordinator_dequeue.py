@@ -31,28 +31,26 @@ from urllib.parse import urlsplit
 from millpond.errors import MillpondError
 from millpond.formats.manifest import decode_footer, remove_through
 from millpond.queue.append import QueueProducer
+from millpond.queue.coordinator_http import (
+    DEQUEUE_PATH,
+    DEQUEUED,
+    EPOCH_HEADER,
+    FENCED,
+    QUEUE_HEADER,
+    REFUSED,
+    THROUGH_HEADER,
+)
 
 __all__ = [
     "DEQUEUED",
-    "DEQUEUE_PATH",
-    "EPOCH_HEADER",
     "FENCED",
     "LOST",
-    "THROUGH_HEADER",
+    "REFUSED",
     "DequeueTicket",
     "send_dequeue",
     "write_dequeues",
 ]
 
-DEQUEUE_PATH = "/v1/dequeue"
-EPOCH_HEADER = "X-Millpond-Epoch"
-"""The requesting consumer's epoch."""
-THROUGH_HEADER = "X-Millpond-Through"
-"""Remove every entry with ``sequence <= through``."""
-DEQUEUED = "dequeued"
-"""Every entry through ``through`` is out of the manifest (removed now or before)."""
-FENCED = "fenced"
-"""The manifest's epoch is not the request's: nothing was written for it."""
 LOST = "lost"
 """(client side) no usable reply: the coordinator could not be reached or did not answer."""
 
@@ -65,7 +63,7 @@ class DequeueTicket:
     through: int
     done: threading.Event = field(default_factory=threading.Event)
     status: str = ""
-    """:data:`DEQUEUED`, :data:`FENCED` or ``refused`` once ``done`` is set."""
+    """:data:`DEQUEUED`, :data:`FENCED` or :data:`REFUSED` once ``done`` is set."""
     reason: str = ""
 
     def answer(self, status: str, reason: str = "") -> None:
@@ -77,7 +75,6 @@ def write_dequeues(
     queue: QueueProducer,
     tickets: Sequence[DequeueTicket],
     *,
-    refused: str,
     deadline: float | None,
 ) -> None:
     """Remove what ``tickets`` ask for in at most one write, then answer each.
@@ -104,7 +101,7 @@ def write_dequeues(
         queue.rewrite(change, deadline=deadline)
     except MillpondError as err:
         for ticket in tickets:
-            ticket.answer(refused, f"the dequeue was not written: {err}")
+            ticket.answer(REFUSED, f"the dequeue was not written: {err}")
         return
     for ticket in tickets:
         if ticket.epoch != seen["epoch"]:
@@ -114,7 +111,7 @@ def write_dequeues(
             )
         elif ticket.through >= seen["next"]:
             ticket.answer(
-                refused, f"through {ticket.through} is not below next_sequence {seen['next']}"
+                REFUSED, f"through {ticket.through} is not below next_sequence {seen['next']}"
             )
         else:
             ticket.answer(DEQUEUED)
@@ -125,12 +122,12 @@ def send_dequeue(
 ) -> tuple[str, str]:
     """Ask the coordinator at ``url`` to dequeue through ``through`` for the consumer holding
     ``epoch`` of ``queue`` (its identity): ``(status, reason)``, the status one of
-    :data:`DEQUEUED`, :data:`FENCED`, ``refused`` or :data:`LOST`. A fresh connection each
+    :data:`DEQUEUED`, :data:`FENCED`, :data:`REFUSED` or :data:`LOST`. A fresh connection each
     time (a consumer dequeues about once a second at most); never raises."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     headers = {
-        "X-Millpond-Queue": queue,  # coordinator_http.QUEUE_HEADER (which imports this module)
+        QUEUE_HEADER: queue,
         EPOCH_HEADER: str(epoch),
         THROUGH_HEADER: str(through),
         "Content-Length": "0",

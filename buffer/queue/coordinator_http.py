@@ -40,13 +40,6 @@ from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError, FormatError, InvalidInputError
 from millpond.formats.manifest import PendingEntry, append_entries, decode_manifest, empty_manifest
-from millpond.queue.coordinator_dequeue import (
-    DEQUEUE_PATH,
-    DEQUEUED,
-    EPOCH_HEADER,
-    FENCED,
-    THROUGH_HEADER,
-)
 
 if TYPE_CHECKING:
     from millpond.queue.coordinator import AppendCoordinator
@@ -56,6 +49,10 @@ __all__ = [
     "APPEND_PATH",
     "BUDGET_HEADER",
     "DEFAULT_BUDGET",
+    "DEQUEUED",
+    "DEQUEUE_PATH",
+    "EPOCH_HEADER",
+    "FENCED",
     "FROM_HEADER",
     "HEALTH_PATH",
     "NOT_AFTER_HEADER",
@@ -63,6 +60,7 @@ __all__ = [
     "QUEUE_HEADER",
     "REFUSED",
     "REQUEST_HEADER",
+    "THROUGH_HEADER",
     "UNKNOWN",
     "CoordinatorServer",
     "Outcome",
@@ -77,6 +75,11 @@ APPEND_PATH = "/v1/append"
 OUTCOME_PATH = "/v1/outcome"
 HEALTH_PATH = "/v1/health"
 QUEUE_HEADER = "X-Millpond-Queue"
+DEQUEUE_PATH = "/v1/dequeue"
+EPOCH_HEADER = "X-Millpond-Epoch"
+"""A dequeue's consumer epoch."""
+THROUGH_HEADER = "X-Millpond-Through"
+"""A dequeue removes every entry with ``sequence <= through``."""
 REQUEST_HEADER = "X-Millpond-Request"
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
@@ -95,6 +98,10 @@ UNKNOWN = "unknown"
 the rest may be. No write containing them is sent after the reply."""
 REFUSED = "refused"
 """Nothing of the request was written, and nothing of it will be."""
+DEQUEUED = "dequeued"
+"""(a dequeue) Every entry through ``through`` is out of the manifest (removed now or before)."""
+FENCED = "fenced"
+"""(a dequeue) The manifest's epoch is not the request's: nothing was written for it."""
 
 DEFAULT_BUDGET = 2.0
 """Seconds after a request arrives during which the coordinator may send writes containing it."""
