@@ -114,7 +114,10 @@ def test_read_ahead_fetches_concurrently_but_bounded(store_target: Any) -> None:
 
 def test_read_ahead_grows_while_deliveries_wait_for_the_store(store_target: Any) -> None:
     inner = open_target(store_target)
-    store = RecordingStore(inner, get_delay=0.05)
+    # Each GET takes far longer than the caller's work on a batch, even on a loaded machine:
+    # with 50 ms a caller slowed by other processes kept up with the fetches, no delivery
+    # waited, and the window stayed at 4 (a failure seen once beside a CI run).
+    store = RecordingStore(inner, get_delay=0.2)
     writer = QueueWriter(inner)
     for i in range(40):
         writer.append([b"%d" % i])
