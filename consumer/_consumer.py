@@ -240,6 +240,8 @@ class Consumer:
             # Refuse a sink that is ahead of the queue before taking over: an operator's
             # mistake must not fence the consumer that is right.
             self._check_ahead(last_acked_sequence, peeked.result())
+            if self._coordinator is not None:
+                self._coordinator.make_way()  # its rounds would keep the epoch bump out
             held = self._queue.initialize()
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.

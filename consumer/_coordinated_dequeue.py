@@ -5,6 +5,12 @@ Why: :mod:`millpond.queue.coordinator_dequeue`. A dequeue is idempotent, so ever
 ``fenced`` answer means (its read raises ``FencedError``). A coordinator that did not answer
 is left alone for a minute, one that refused for a few seconds, each time with a warning
 naming it.
+
+Before its takeover the consumer asks the coordinator for a pause (:meth:`make_way`): its epoch
+bump is a read and then a write of its own, which a coordinator appending back to back would
+otherwise keep out until one of its quiet pauses — every 10 s while a consumer dequeues through
+it (:mod:`millpond.queue.coordinator`). Nothing depends on the answer: without one the
+takeover races the rounds as it would without a coordinator.
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ import logging
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, LOST, send_dequeue
+from millpond.queue.coordinator_dequeue import (
+    CLEAR,
+    DEQUEUED,
+    FENCED,
+    LOST,
+    send_dequeue,
+    send_make_way,
+)
 
 __all__ = ["CoordinatedDequeue"]
 
@@ -45,15 +58,26 @@ class CoordinatedDequeue:
             return True
         self._counters.add("coordinator_dequeue_fallbacks")
         if status != FENCED:
-            pause = _AFTER_LOST if status == LOST else _AFTER_REFUSED
-            self._down_until = self._clock.monotonic() + pause
-            logger.warning(
-                "coordinator %s did not dequeue through %s (%s: %s); dequeuing directly, and "
-                "directly for the next %.0f s",
-                self.url,
-                through,
-                status,
-                reason,
-                pause,
-            )
+            self._leave_alone(f"did not dequeue through {through}", status, reason)
         return False
+
+    def make_way(self) -> None:
+        """Ask the coordinator to leave the manifest alone for a moment, from now: the
+        consumer's epoch bump comes next."""
+        if self._clock.monotonic() < self._down_until:
+            return
+        status, reason = send_make_way(self.url, self._queue, timeout=_TIMEOUT)
+        if status != CLEAR:
+            self._leave_alone("made no way for the takeover", status, reason)
+
+    def _leave_alone(self, what: str, status: str, reason: str) -> None:
+        pause = _AFTER_LOST if status == LOST else _AFTER_REFUSED
+        self._down_until = self._clock.monotonic() + pause
+        logger.warning(
+            "coordinator %s %s (%s: %s); dequeuing directly for the next %.0f s",
+            self.url,
+            what,
+            status,
+            reason,
+            pause,
+        )

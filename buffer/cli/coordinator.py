@@ -51,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "such moments, so a consumer arriving gets in (default 1)",
     )
     parser.add_argument(
+        "--consumer-yield-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the same while a consumer sends its dequeues here (it asks for a moment before its "
+        "takeover; the rest is for writers that do not know the coordinator) (default 10)",
+    )
+    parser.add_argument(
         "--busy-seconds",
         type=float,
         default=10.0,
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         yield_slots=args.yield_slots,
         quiet_yield_interval=args.quiet_yield_interval,
         busy_seconds=args.busy_seconds,
+        consumer_yield_interval=args.consumer_yield_interval,
     )
     server = CoordinatorServer(coordinator, args.bind, args.port)
     stopped = threading.Event()

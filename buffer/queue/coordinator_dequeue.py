@@ -1,4 +1,5 @@
-"""Dequeues a consumer sends through the append coordinator (``POST /v1/dequeue``).
+"""Dequeues a consumer sends through the append coordinator (``POST /v1/dequeue``), and the
+pause it asks for before its takeover (``POST /v1/make-way``).
 
 A coordinator appending back to back wins every race against a writer that must read first:
 a consumer dequeuing on its own waits for one of the coordinator's pauses, and each of its
@@ -32,22 +33,26 @@ from millpond.errors import MillpondError
 from millpond.formats.manifest import decode_footer, remove_through
 from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator_http import (
+    CLEAR,
     DEQUEUE_PATH,
     DEQUEUED,
     EPOCH_HEADER,
     FENCED,
+    MAKE_WAY_PATH,
     QUEUE_HEADER,
     REFUSED,
     THROUGH_HEADER,
 )
 
 __all__ = [
+    "CLEAR",
     "DEQUEUED",
     "FENCED",
     "LOST",
     "REFUSED",
     "DequeueTicket",
     "send_dequeue",
+    "send_make_way",
     "write_dequeues",
 ]
 
@@ -124,16 +129,25 @@ def send_dequeue(
     ``epoch`` of ``queue`` (its identity): ``(status, reason)``, the status one of
     :data:`DEQUEUED`, :data:`FENCED`, :data:`REFUSED` or :data:`LOST`. A fresh connection each
     time (a consumer dequeues about once a second at most); never raises."""
+    headers = {EPOCH_HEADER: str(epoch), THROUGH_HEADER: str(through)}
+    return _post(url, DEQUEUE_PATH, queue, headers, timeout)
+
+
+def send_make_way(url: str, queue: str, *, timeout: float) -> tuple[str, str]:
+    """Ask the coordinator at ``url`` to leave the manifest of ``queue`` alone for a moment
+    (a consumer's takeover comes next): ``(status, reason)``, the status :data:`CLEAR` once
+    that moment has begun, else :data:`REFUSED` or :data:`LOST`. Never raises."""
+    return _post(url, MAKE_WAY_PATH, queue, {}, timeout)
+
+
+def _post(
+    url: str, path: str, queue: str, headers: dict[str, str], timeout: float
+) -> tuple[str, str]:
+    """One bodiless request on a fresh connection: the reply's ``(status, reason)``."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
-    headers = {
-        QUEUE_HEADER: queue,
-        EPOCH_HEADER: str(epoch),
-        THROUGH_HEADER: str(through),
-        "Content-Length": "0",
-    }
     try:
-        conn.request("POST", DEQUEUE_PATH, b"", headers)
+        conn.request("POST", path, b"", {QUEUE_HEADER: queue, **headers, "Content-Length": "0"})
         response = conn.getresponse()
         data = response.read()
     except (OSError, http.client.HTTPException) as err:

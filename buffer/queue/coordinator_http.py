@@ -19,6 +19,10 @@ Requests (HTTP/1.1, keep-alive):
   and ``X-Millpond-Through``: a consumer's dequeue, written between two rounds
   (:mod:`millpond.queue.coordinator_dequeue`). The reply, as JSON: 200 ``dequeued``, 409
   ``fenced``, 503 ``refused``, 400 for a request that cannot be served.
+* ``POST /v1/make-way`` — header ``X-Millpond-Queue``: a consumer about to take over asks the
+  coordinator to leave the manifest alone for a moment (its epoch bump is a read, then a
+  write). The reply comes once that moment has begun: 200 ``clear``; 503 ``refused`` when it
+  did not begin in time.
 * ``GET /v1/health`` — the queue served and counters, as JSON.
 
 The server binds 127.0.0.1 unless told otherwise. It holds no state a restart would lose
@@ -48,6 +52,7 @@ __all__ = [
     "APPENDED",
     "APPEND_PATH",
     "BUDGET_HEADER",
+    "CLEAR",
     "DEFAULT_BUDGET",
     "DEQUEUED",
     "DEQUEUE_PATH",
@@ -55,6 +60,7 @@ __all__ = [
     "FENCED",
     "FROM_HEADER",
     "HEALTH_PATH",
+    "MAKE_WAY_PATH",
     "NOT_AFTER_HEADER",
     "OUTCOME_PATH",
     "QUEUE_HEADER",
@@ -80,6 +86,7 @@ EPOCH_HEADER = "X-Millpond-Epoch"
 """A dequeue's consumer epoch."""
 THROUGH_HEADER = "X-Millpond-Through"
 """A dequeue removes every entry with ``sequence <= through``."""
+MAKE_WAY_PATH = "/v1/make-way"
 REQUEST_HEADER = "X-Millpond-Request"
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
@@ -89,6 +96,7 @@ the request is sent after it, on the coordinator's clock, whenever the request a
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
+_MAKE_WAY_WAIT = 5.0  # seconds a make-way waits for the round under way to end
 
 
 APPENDED = "appended"
@@ -102,6 +110,8 @@ DEQUEUED = "dequeued"
 """(a dequeue) Every entry through ``through`` is out of the manifest (removed now or before)."""
 FENCED = "fenced"
 """(a dequeue) The manifest's epoch is not the request's: nothing was written for it."""
+CLEAR = "clear"
+"""(a make-way) The coordinator leaves the manifest alone from now for a moment."""
 
 DEFAULT_BUDGET = 2.0
 """Seconds after a request arrives during which the coordinator may send writes containing it."""
@@ -237,6 +247,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == DEQUEUE_PATH:
             self._dequeue()
             return
+        if self.path == MAKE_WAY_PATH:
+            self._make_way()
+            return
         request_id = self.headers.get(REQUEST_HEADER, "")
         if not request_id:
             self._reply(400, _refused(f"expected a {REQUEST_HEADER} header, found none"))
@@ -281,13 +294,26 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._answer(ticket.outcome)
 
-    def _dequeue(self) -> None:
+    def _other_queue(self) -> bool:
+        """Refuse a request naming another queue than the one served (then ``True``)."""
         coordinator = self.server.coordinator
         queue = self.headers.get(QUEUE_HEADER, "")
-        if queue != coordinator.queue:
-            self._reply(
-                409, _refused(f"this coordinator serves {coordinator.queue!r}, not {queue!r}")
-            )
+        if queue == coordinator.queue:
+            return False
+        self._reply(409, _refused(f"this coordinator serves {coordinator.queue!r}, not {queue!r}"))
+        return True
+
+    def _make_way(self) -> None:
+        if self._other_queue():
+            return
+        if self.server.coordinator.make_way(_MAKE_WAY_WAIT):
+            self._reply(200, {"status": CLEAR})
+        else:
+            self._reply(503, _refused(f"the round under way did not end in {_MAKE_WAY_WAIT:g} s"))
+
+    def _dequeue(self) -> None:
+        coordinator = self.server.coordinator
+        if self._other_queue():
             return
         try:
             epoch = int(self.headers.get(EPOCH_HEADER, ""))

@@ -99,6 +99,23 @@ def test_a_coordinator_alone_pauses_about_once_a_second() -> None:
     assert stats["yields"] < ROUNDS / 10, stats
 
 
+def test_a_coordinator_whose_consumer_dequeues_through_it_pauses_about_every_ten_seconds() -> None:
+    """That consumer asks for a pause before a takeover (make_way) and needs none for its
+    dequeues: the quiet pause is left for writers that do not know the coordinator."""
+    clock = FakeClock()
+    inner = _memory()
+    _seed(inner)
+    coordinator = _coordinator(_SlowStore(inner, clock), clock)
+    dequeue = coordinator.dequeue(0, 0)  # the consumer's: written before the first round
+    _run_rounds(coordinator, ROUNDS * 3)
+    assert dequeue.status == "dequeued", dequeue.reason
+    stats = coordinator.stats()
+    assert stats["cas_conflicts"] == 0
+    seconds = clock.monotonic()
+    assert seconds > 30
+    assert seconds / 12 <= stats["yields"] <= seconds / 10 + 1, (stats, seconds)
+
+
 def test_after_another_writer_lands_the_coordinator_pauses_every_few_rounds() -> None:
     clock = FakeClock()
     inner = _memory()
