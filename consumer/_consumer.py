@@ -229,6 +229,10 @@ class Consumer:
             self._check_open()
             preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
+            if self._coordinator is not None:
+                # Its rounds would keep the epoch bump out: the read below and the bump on
+                # what it read both go in the pause asked for here.
+                self._coordinator.make_way()
             # The claim and the manifest are read side by side (one round trip, not two);
             # the manifest read is where the epoch bump starts from.
             with ThreadPoolExecutor(1, thread_name_prefix="millpond-peek") as peek:
@@ -240,8 +244,6 @@ class Consumer:
             # Refuse a sink that is ahead of the queue before taking over: an operator's
             # mistake must not fence the consumer that is right.
             self._check_ahead(last_acked_sequence, peeked.result())
-            if self._coordinator is not None:
-                self._coordinator.make_way()  # its rounds would keep the epoch bump out
             held = self._queue.initialize()
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.

@@ -13,12 +13,18 @@ import logging
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.errors import FencedError
+from millpond.formats.batch import encode_batch
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.localstack import S3Endpoint
 from millpond.producer import Producer
 from millpond.queue import read_manifest
@@ -26,11 +32,12 @@ from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, send_dequeue
 from millpond.queue.coordinator_http import CoordinatorServer
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, claim_queue, config
 from tests.support import unique_root
 
 DEADLINE = 60.0
+SLOT = 0.03  # seconds a manifest request takes in the takeover test
 
 
 @pytest.fixture
@@ -205,3 +212,82 @@ def test_millpond_consume_with_coordinator_dequeues_through_it(
     assert _sequences(queue_store) == []
     with sqlite3.connect(tmp_path / "db.sqlite") as db:
         assert db.execute("SELECT COUNT(*) FROM millpond_rows").fetchone() == (5,)
+
+
+class _SlowStore(ForwardingStore):
+    """Every manifest read and write takes ``SLOT`` seconds (as at a real store)."""
+
+    def get(self, path: str) -> GetResult:
+        time.sleep(SLOT)
+        return self.inner.get(path)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        time.sleep(SLOT)
+        return self.inner.put_if_match(path, data, etag)
+
+
+def _keep_busy(
+    coordinator: AppendCoordinator, store: ObjectStore, stop: threading.Event, errors: list[str]
+) -> None:
+    """One batch after another appended through the coordinator, as producers keep its rounds
+    going."""
+    minter = UlidMinter()
+    while not stop.is_set():
+        entry = PendingEntry(batch_location(PREFIX, minter.mint()), (Metadata(0, 0, b""),))
+        store.put(entry.location, encode_batch([b"busy"]))
+        ticket = coordinator.submit(uuid.uuid4().hex, [entry], budget=DEADLINE)
+        if not ticket.done.wait(DEADLINE) or ticket.outcome is None:
+            errors.append("an append got no answer")
+            return
+        if ticket.outcome.status != "appended":
+            errors.append(str(ticket.outcome))
+            return
+
+
+def test_a_consumers_takeover_lands_in_the_pause_it_asks_the_coordinator_for() -> None:
+    """The whole takeover: ``initialize()`` asks for the pause, then reads the manifest and
+    bumps the epoch inside it, while the coordinator's rounds run back to back. Asking after
+    its first read of the manifest left the bump writing over a manifest the rounds had
+    changed since: a lost race, then a read and a write that no longer fit in the pause."""
+    inner = open_store(f"memory://make-way-{uuid.uuid4().hex}")
+    store = _SlowStore(inner)
+    claim_queue(store)
+    coordinator = AppendCoordinator(
+        store,
+        MANIFEST,
+        data_path_prefix=PREFIX,
+        queue=queue_identity(store.url, MANIFEST),
+        yield_slots=4.0,  # generous, so a loaded test machine still fits a read and a write in
+    )
+    coordinator.slot = SLOT
+    server = CoordinatorServer(coordinator).start()
+    stop, errors = threading.Event(), []
+    writers = [
+        threading.Thread(target=_keep_busy, args=(coordinator, inner, stop, errors), daemon=True)
+        for _ in range(3)
+    ]
+    try:
+        for writer in writers:
+            writer.start()
+        older = _consumer(store, server.url)
+        older.initialize()
+        batch = older.next_batch()
+        assert batch is not None
+        older.flush(ack_through=batch.sequence)  # through the coordinator: it knows a consumer
+        assert coordinator.stats()["dequeues"] == 1
+        rounds = coordinator.stats()["rounds"]
+        while coordinator.stats()["rounds"] < rounds + 5:  # back to back
+            time.sleep(SLOT)
+        newer = _consumer(store, server.url)
+        newer.initialize()
+        assert newer.epoch == (older.epoch or 0) + 1
+        assert newer.counters.get("cas_conflicts") == 0, newer.counters.snapshot()
+        assert coordinator.stats()["ways_made"] == 2  # one per takeover
+        older.close()
+        newer.close()
+    finally:
+        stop.set()
+        for writer in writers:
+            writer.join(DEADLINE)
+        server.close()
+    assert errors == []
