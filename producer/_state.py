@@ -63,6 +63,7 @@ COUNTER_NAMES = (
     "coordinator_refused",
     "coordinator_unknown",
     "coordinator_lost",
+    "coordinator_chained",
     "direct_appends",
 )
 

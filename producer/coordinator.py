@@ -35,26 +35,40 @@ producer's own compare-and-swap:
 
 The lower bound the landed-check starts from is the highest ``next_sequence`` this writer has
 seen before sending: the request cannot have landed below it.
+
+**Chaining.** A producer has one append out at a time, and the batches uploaded while it is out
+used to wait for its reply, then for the round under way, then for their own: at 50 ms a
+request and 16 producers that was the largest part of a batch's wait after its upload. While
+the reply is awaited, the batches uploaded meanwhile (``more``) are sent at once on a second
+connection, as a request that must follow the one out (``X-Millpond-After``): the coordinator
+appends them behind it, in its round or the next, and refuses them unwritten unless it was
+appended. So the order of a producer's batches holds whatever happens: if the first request
+was refused, its fate is unknown, or its reply is lost, the chained one was never written
+without it, and both are recovered together as one append (the refused part is appended
+afterwards, the rest looked for first, as above).
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from functools import partial
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.errors import CommitStateUnknownError, FormatError, StorageError
+from millpond.errors import CommitStateUnknownError, StorageError
 from millpond.formats.manifest import PendingEntry
+from millpond.producer._coordinator_chain import Chain, fitting, known
+from millpond.producer._coordinator_endpoint import (
+    SENT,
+    UNSENT,
+    CoordinatorOptions,
+    Endpoint,
+)
 from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import (
     APPENDED,
-    DEFAULT_BUDGET,
     REFUSED,
     UNKNOWN,
     Outcome,
@@ -64,7 +78,6 @@ from millpond.queue.coordinator_http import (
     APPEND_PATH,
     BUDGET_HEADER,
     FROM_HEADER,
-    HEALTH_PATH,
     NOT_AFTER_HEADER,
     OUTCOME_PATH,
     QUEUE_HEADER,
@@ -76,131 +89,7 @@ __all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"
 
 logger = logging.getLogger(__name__)
 
-_SENT = "sent"
-_UNSENT = "unsent"
-_LOST = "lost"
 _RECHECK = 60.0  # seconds before asking again a URL where no coordinator of the queue answered
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorOptions:
-    """How a producer talks to its coordinators."""
-
-    budget: float = DEFAULT_BUDGET
-    """Seconds after a request arrives during which a coordinator may write it. Default 2."""
-    grace: float = 3.0
-    """Seconds added to ``budget`` for the request's way to the coordinator before a writer
-    that got no reply and cannot ask appends directly. Default 3. (Should a request take longer
-    than that to arrive, the coordinator still never appends a location twice: a round that
-    reads the manifest drops the entries it finds there.)"""
-    connect_timeout: float = 1.0
-    """Seconds to open a connection. Default 1."""
-    retry_after: float = 5.0
-    """Seconds a coordinator that could not be reached, or refused, is left alone. Default 5."""
-
-
-class _Endpoint:
-    """One coordinator: a keep-alive connection, and when to try it again."""
-
-    def __init__(self, url: str, options: CoordinatorOptions) -> None:
-        parts = urlsplit(url)
-        assert parts.hostname is not None
-        assert parts.port is not None
-        self.url = url
-        self._host = parts.hostname
-        self._port = parts.port
-        self._options = options
-        self._conn: http.client.HTTPConnection | None = None
-        self.down_until = float("-inf")
-        self.identified = False
-        """A live coordinator of the queue answered here since the endpoint was last down."""
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _connect(self) -> http.client.HTTPConnection | None:
-        if self._conn is not None and self._conn.sock is not None:
-            return self._conn
-        self.close()
-        conn = http.client.HTTPConnection(
-            self._host, self._port, timeout=self._options.connect_timeout
-        )
-        try:
-            conn.connect()
-        except OSError:
-            conn.close()
-            return None
-        assert conn.sock is not None
-        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
-        conn.sock.settimeout(self._options.budget + self._options.grace)
-        self._conn = conn
-        return conn
-
-    def connected(self) -> bool:
-        """Whether a keep-alive connection is open (the next request reuses it)."""
-        return self._conn is not None and self._conn.sock is not None
-
-    def mark_down(self, until: float) -> None:
-        """Leave this coordinator alone until ``until``; ask who answers before using it again."""
-        self.down_until = until
-        self.identified = False
-
-    def identify(self, queue: str) -> tuple[str, str | None]:
-        """Ask ``GET /v1/health`` whether a live coordinator of ``queue`` answers here:
-        ``(kind, why not)`` with ``kind`` as :meth:`call` gives it, ``why not`` None when
-        one does. Nothing is appended by asking."""
-        # A coordinator answers this at once (no round is waited for): one that does not in
-        # the time a connection may take is frozen or swamped, and the appends go directly.
-        kind, status, data = self._exchange(
-            "GET", HEALTH_PATH, timeout=self._options.connect_timeout
-        )
-        if kind != _SENT:
-            return kind, None if kind == _UNSENT else f"gave no answer to GET {HEALTH_PATH}"
-        return _SENT, _not_serving(status, data, queue)
-
-    def call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, Outcome | None]:
-        """``(kind, outcome)``: ``unsent`` (no connection), ``lost`` (sent, no usable reply)
-        or ``sent`` with the outcome."""
-        kind, _, data = self._exchange("POST", path, body, headers)
-        if kind != _SENT:
-            return kind, None
-        try:
-            return _SENT, Outcome.from_json(data)
-        except FormatError:
-            self.close()
-            return _LOST, None
-
-    def _exchange(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> tuple[str, int, bytes]:
-        """One request on the keep-alive connection: ``(kind, status, body)``. ``timeout``
-        replaces the reply timeout (the coordinator's promise plus the grace) for it alone."""
-        conn = self._connect()
-        if conn is None:
-            return _UNSENT, 0, b""
-        reply_timeout = self._options.budget + self._options.grace
-        if timeout is not None and conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        try:
-            conn.request(method, path, body, headers or {})
-            response = conn.getresponse()
-            data = response.read()
-        except (OSError, http.client.HTTPException):
-            self.close()
-            return _LOST, 0, b""
-        if response.will_close:
-            self.close()
-        elif timeout is not None and conn.sock is not None:
-            conn.sock.settimeout(reply_timeout)
-        return _SENT, response.status, data
 
 
 class CoordinatedAppender:
@@ -219,7 +108,7 @@ class CoordinatedAppender:
         self._queue = queue
         self._clock = clock
         self._options = options or CoordinatorOptions()
-        self._endpoints = [_Endpoint(url, self._options) for url in urls]
+        self._endpoints = [Endpoint(url, self._options) for url in urls]
         self._seen_next = 0
 
     @property
@@ -270,7 +159,10 @@ class CoordinatedAppender:
                 continue
             if body is None:
                 body = encode_entries(entries)
-            outcome = self._through(endpoint, body, lower, deadline)
+            chain = Chain(endpoint.spare(), more) if more and self._options.chain else None
+            outcome = self._through(endpoint, body, lower, deadline, chain=chain)
+            if chain is not None and chain.entries:
+                return self._with_chain(endpoint, entries, outcome, chain, lower, deadline, more)
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
                 self.counters.add("coordinator_lost")
@@ -302,7 +194,7 @@ class CoordinatedAppender:
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
         return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
 
-    def _identify(self, endpoint: _Endpoint) -> bool:
+    def _identify(self, endpoint: Endpoint) -> bool:
         """Whether a live coordinator of the queue answers at ``endpoint``; else it is left
         alone for a while (counted as a refusal) and the entries go elsewhere.
 
@@ -311,18 +203,18 @@ class CoordinatedAppender:
         append, give no usable reply, and hold it for the coordinator's whole promise before
         the landed-check, again after every ``retry_after``."""
         kind, why_not = endpoint.identify(self._queue)
-        if kind == _SENT and why_not is None:
+        if kind == SENT and why_not is None:
             endpoint.identified = True
             return True
         self.counters.add("coordinator_refused")
         pause = (
-            self._options.retry_after if kind != _SENT else max(_RECHECK, self._options.retry_after)
+            self._options.retry_after if kind != SENT else max(_RECHECK, self._options.retry_after)
         )
         endpoint.mark_down(self._clock.monotonic() + pause)
         logger.warning(
             "coordinator %s %s; appending directly, asking again in %g s",
             endpoint.url,
-            "unreachable" if kind == _UNSENT else why_not,
+            "unreachable" if kind == UNSENT else why_not,
             pause,
         )
         return False
@@ -336,15 +228,17 @@ class CoordinatedAppender:
 
     def _through(
         self,
-        endpoint: _Endpoint,
+        endpoint: Endpoint,
         body: bytes,
         lower: int,
         deadline: float | None,
         *,
         again: bool = True,
+        chain: Chain | None = None,
     ) -> Outcome | None:
         """Send one request; its outcome, ``REFUSED`` when it was never sent, or ``None``
-        when nobody could say (after waiting out the coordinator's promise)."""
+        when nobody could say (after waiting out the coordinator's promise). While its reply
+        is awaited, ``chain`` sends the batches uploaded meanwhile to follow it."""
         reused = endpoint.connected()
         request_id = uuid.uuid4().hex
         sent_at = self._clock.monotonic()
@@ -360,8 +254,11 @@ class CoordinatedAppender:
             # refused on arrival, not written after our batches may have been collected.
             not_after = self._clock.now_ms() + int((deadline - sent_at) * 1000)
             headers[NOT_AFTER_HEADER] = str(not_after)
-        kind, outcome = endpoint.call(APPEND_PATH, body, headers)
-        if kind == _UNSENT:
+        while_waiting = None
+        if chain is not None and not chain.sent:
+            while_waiting = partial(chain.poll, self._clock, request_id, headers)
+        kind, outcome = endpoint.call(APPEND_PATH, body, headers, while_waiting=while_waiting)
+        if kind == UNSENT:
             endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
             logger.warning(
                 "coordinator %s unreachable; appending directly for %g s",
@@ -369,28 +266,23 @@ class CoordinatedAppender:
                 self._options.retry_after,
             )
             return Outcome(REFUSED, reason="unreachable")
-        if kind == _SENT:
+        if kind == SENT:
             return outcome
         # Sent, no reply: ask (a request the coordinator never saw is refused for good then).
-        promise = sent_at + self._options.budget + self._options.grace
-        ask = {REQUEST_HEADER: request_id, "Content-Length": "0"}
-        while self._clock.monotonic() < promise:
-            kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)
-            if kind == _SENT and outcome is not None:
-                if reused and again and outcome.status == REFUSED and self._may_send(deadline):
-                    # Sent on a keep-alive connection the coordinator had closed (idle past its
-                    # two minutes, or restarted): it never arrived, and that request id is now
-                    # refused for good. Once more, as a new request on a fresh connection.
-                    logger.info(
-                        "coordinator %s: request lost on a closed connection (%s); sending it "
-                        "again",
-                        endpoint.url,
-                        outcome.reason,
-                    )
-                    return self._through(endpoint, body, lower, deadline, again=False)
-                logger.info("coordinator %s: lost reply recovered (%s)", endpoint.url, outcome)
-                return outcome
-            self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))
+        outcome = self._ask(endpoint, request_id, sent_at)
+        if outcome is not None:
+            if reused and again and outcome.status == REFUSED and self._may_send(deadline):
+                # Sent on a keep-alive connection the coordinator had closed (idle past its
+                # two minutes, or restarted): it never arrived, and that request id is now
+                # refused for good. Once more, as a new request on a fresh connection.
+                logger.info(
+                    "coordinator %s: request lost on a closed connection (%s); sending it again",
+                    endpoint.url,
+                    outcome.reason,
+                )
+                return self._through(endpoint, body, lower, deadline, again=False, chain=chain)
+            logger.info("coordinator %s: lost reply recovered (%s)", endpoint.url, outcome)
+            return outcome
         endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
         logger.warning(
             "coordinator %s did not answer for an append (no reply, and no answer since); "
@@ -398,6 +290,90 @@ class CoordinatedAppender:
             endpoint.url,
         )
         return None
+
+    def _ask(self, endpoint: Endpoint, request_id: str, sent_at: float) -> Outcome | None:
+        """What became of a request whose reply was lost, or ``None`` when the coordinator
+        could not say before its promise for the request ran out."""
+        promise = sent_at + self._options.budget + self._options.grace
+        ask = {REQUEST_HEADER: request_id, "Content-Length": "0"}
+        while self._clock.monotonic() < promise:
+            kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)
+            if kind == SENT and outcome is not None:
+                return outcome
+            self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))
+        return None
+
+    def _with_chain(
+        self,
+        endpoint: Endpoint,
+        entries: Sequence[PendingEntry],
+        first: Outcome | None,
+        chain: Chain,
+        lower: int,
+        deadline: float | None,
+        more: Callable[[], Sequence[PendingEntry]] | None,
+    ) -> tuple[int, ...]:
+        """Settle a request and the one chained behind it as one append of both (module
+        docstring, Chaining)."""
+        self.counters.add("coordinator_chained")
+        second = chain.resolve(self._ask)
+        first = fitting(first, len(entries))
+        second = fitting(second, len(chain.entries))
+        both = [*entries, *chain.entries]
+        if first is not None and first.status == APPENDED:
+            self.counters.add("coordinator_appends")
+            head = self._appended(first)
+            if second is not None and second.status == APPENDED:
+                return head + self._appended(second)
+            # The first is in; the second follows it now, as an append of its own.
+            try:
+                if second is not None and second.status == REFUSED:
+                    tail = self.append(chain.entries, deadline=deadline)
+                else:
+                    self.counters.add("coordinator_unknown")
+                    tail = self._after_unknown(
+                        chain.entries, second or Outcome(UNKNOWN), lower, deadline
+                    )
+            except CommitStateUnknownError as err:
+                behind = err.sequences or (None,) * len(chain.entries)
+                raise CommitStateUnknownError(
+                    str(err),
+                    sequences=head + tuple(behind),
+                    maybe_landed_from=err.maybe_landed_from,
+                ) from err
+            except StorageError as err:
+                raise CommitStateUnknownError(
+                    str(err),
+                    sequences=head + (None,) * len(chain.entries),
+                    maybe_landed_from=self.seen_next_sequence,
+                ) from err
+            return head + tail
+        # The first is not known to be in, so the second was never written without it.
+        if first is None or (second is None and first.status == REFUSED):
+            self.counters.add("coordinator_lost")
+            return self._direct.append(
+                both, maybe_landed_from=lower, present_from=lower, more=more, deadline=deadline
+            )
+        if first.status == REFUSED and second is not None and second.status == REFUSED:
+            self.counters.add("coordinator_refused")
+            endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
+            self.counters.add("direct_appends")
+            return self._direct.append(both, present_from=lower, more=more, deadline=deadline)
+        self.counters.add("coordinator_unknown")
+        sequences = known(first, len(entries)) + known(second, len(chain.entries))
+        landed_from = first.maybe_landed_from if first.status == UNKNOWN else None
+        return self._after_unknown(
+            both,
+            Outcome(UNKNOWN, sequences, maybe_landed_from=landed_from, reason=first.reason),
+            lower,
+            deadline,
+        )
+
+    def _appended(self, outcome: Outcome) -> tuple[int, ...]:
+        """The sequences of an ``appended`` outcome (noting how far the queue has come)."""
+        if outcome.next_sequence is not None:
+            self._seen_next = max(self._seen_next, outcome.next_sequence)
+        return tuple(s for s in outcome.sequences if s is not None)
 
     def _after_unknown(
         self,
@@ -444,18 +420,3 @@ class CoordinatedAppender:
         for index, sequence in zip(rest, found, strict=True):
             known[index] = sequence
         return tuple(s for s in known if s is not None)
-
-
-def _not_serving(status: int, data: bytes, queue: str) -> str | None:
-    """Why a ``GET /v1/health`` reply is not a live coordinator of ``queue`` (None: it is)."""
-    try:
-        health = json.loads(data)
-    except ValueError:
-        health = None
-    if status != 200 or not isinstance(health, dict) or "queue" not in health:
-        return f"is not a millpond coordinator (GET {HEALTH_PATH}: HTTP {status}, {data[:60]!r})"
-    if health["queue"] != queue:
-        return f"serves {health['queue']!r}, not {queue!r}"
-    if health.get("alive") is not True:
-        return "has stopped appending (its rounds died)"
-    return None

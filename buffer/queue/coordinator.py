@@ -124,6 +124,8 @@ class _Ticket:
     outcome: Outcome | None = None
     started: bool = False
     settled_at: float = 0.0
+    after: _Ticket | None = None
+    """The same writer's request these entries must follow (``X-Millpond-After``)."""
 
 
 class AppendCoordinator:
@@ -199,6 +201,7 @@ class AppendCoordinator:
             "fence_checks",
             "dequeues",
             "ways_made",
+            "chained_requests",
         )
         self._queue = QueueProducer(
             store, manifest_path, retry=policy, clock=self._clock, counters=self.counters
@@ -242,6 +245,7 @@ class AppendCoordinator:
         lower: int = 0,
         *,
         not_after_ms: int | None = None,
+        after: str | None = None,
     ) -> _Ticket:
         """Queue a request for the next round; the ticket's ``done`` is set with its outcome.
 
@@ -254,6 +258,12 @@ class AppendCoordinator:
         for longer than its writer's deadline allows (its batches may be collected by now) is
         then never written, whatever its transit took; the clocks need only agree within the
         slack between the queue's GC grace period and the writer's ``reupload_after``.
+
+        ``after`` names an earlier request of the same writer, still out, that these entries
+        must follow in the queue (the writer sent them while waiting for its reply): they go
+        in the same round behind it or in a later one, and only if it was appended. Refused,
+        never written, when that request is not here, or was not (or may not have been)
+        appended: the writer then appends them itself once it knows the earlier one's fate.
 
         Raises:
             InvalidInputError: no entries, duplicate locations, or a location outside the
@@ -282,7 +292,13 @@ class AppendCoordinator:
             ticket = _Ticket(request_id, entries, now + budget, max(0, lower))
             self._tickets[request_id] = ticket
             self.counters.add("requests")
-            if self._stopping or self.dead is not None:
+            behind = None if after is None else self._tickets.get(after)
+            if after is not None:
+                self.counters.add("chained_requests")
+            if after is not None and (behind is None or _not_appended(behind)):
+                why = "was not appended" if behind is not None else "is not here"
+                self._settle(ticket, Outcome(REFUSED, reason=f"request {after} it follows {why}"))
+            elif self._stopping or self.dead is not None:
                 self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
             elif budget < _MIN_BUDGET:
                 self.counters.add("late_requests")
@@ -298,6 +314,8 @@ class AppendCoordinator:
                     Outcome(REFUSED, reason=f"{self._pending_entries} entries already waiting"),
                 )
             else:
+                if behind is not None and behind.outcome is None:
+                    ticket.after = behind
                 self._pending.append(ticket)
                 self._pending_entries += len(entries)
                 self._lock.notify_all()
@@ -436,8 +454,15 @@ class AppendCoordinator:
                     # The same batch twice (a producer that restarted): the later request waits
                     # for the next round, which finds it appended (one append cannot hold both).
                     break
+                behind = self._pending[0].after
+                if behind is not None and behind.outcome is None and not behind.started:
+                    break  # cannot happen (it is ahead in the line, or settled): wait for it
                 ticket = self._pending.popleft()
                 self._pending_entries -= len(ticket.entries)
+                if behind is not None and _not_appended(behind):
+                    reason = f"request {behind.request_id} it follows was not appended"
+                    self._settle(ticket, Outcome(REFUSED, reason=reason))
+                    continue
                 if ticket.deadline - now < _MIN_BUDGET:
                     self._settle(ticket, Outcome(REFUSED, reason="its budget ran out waiting"))
                     continue
@@ -630,6 +655,11 @@ class AppendCoordinator:
         ]
         for rid in stale:
             del self._tickets[rid]
+
+
+def _not_appended(ticket: _Ticket) -> bool:
+    """Whether a settled request is known not to be wholly in the queue."""
+    return ticket.outcome is not None and ticket.outcome.status != APPENDED
 
 
 def _merge(known: list[int | None], todo: list[int], sequences: Sequence[int | None]) -> None:

@@ -8,7 +8,9 @@ Requests (HTTP/1.1, keep-alive):
   ``X-Millpond-Request`` (an id the client makes up; a second request with the same id gets
   the first one's outcome, never a second append), ``X-Millpond-Budget`` (seconds) and
   ``X-Millpond-From`` (the highest ``next_sequence`` the client has seen: should it append the
-  entries itself after giving up on the reply, they land at or after it). The
+  entries itself after giving up on the reply, they land at or after it), and optionally
+  ``X-Millpond-After`` (the id of the client's request still out that these entries must
+  follow: they are appended behind it, or refused unwritten if it was not appended). The
   reply, once the round is over, is an :class:`Outcome` as JSON:
   200 for ``appended`` and ``unknown``, 503 for ``refused``; 400 for a request that cannot be
   served (refused too: nothing is written).
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from millpond.queue.coordinator import AppendCoordinator
 
 __all__ = [
+    "AFTER_HEADER",
     "APPENDED",
     "APPEND_PATH",
     "BUDGET_HEADER",
@@ -88,6 +91,8 @@ THROUGH_HEADER = "X-Millpond-Through"
 """A dequeue removes every entry with ``sequence <= through``."""
 MAKE_WAY_PATH = "/v1/make-way"
 REQUEST_HEADER = "X-Millpond-Request"
+AFTER_HEADER = "X-Millpond-After"
+"""The id of the client's earlier request, still out, that this one's entries must follow."""
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
 NOT_AFTER_HEADER = "X-Millpond-Not-After"
@@ -281,6 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
                 budget,
                 lower,
                 not_after_ms=int(not_after) if not_after is not None else None,
+                after=self.headers.get(AFTER_HEADER),
             )
         except (ValueError, FormatError, InvalidInputError) as err:
             self._reply(400, _refused(str(err)))

@@ -43,6 +43,9 @@ AGING_RETRY = RetryPolicy(
 )
 """The fair pacing of contended appends (issue 11), for the schedules that switch it on."""
 _FLUSH_ROUNDS = 400  # each waits a few real milliseconds and moves the clock on
+# Real seconds each coordinator write takes: a producer uploads its next batches while its
+# append is out, and sends them chained behind it (X-Millpond-After), faults and all.
+_ROUND_WRITE = 0.015
 
 
 class QueueSpec:
@@ -205,7 +208,9 @@ class CoordinatorRole:
 
     def start(self) -> None:
         self.release_port()
-        self.store = RoleStore(self._recorder, "coordinator", self._down, bounded=True)
+        self.store = RoleStore(
+            self._recorder, "coordinator", self._down, bounded=True, cas_delay=_ROUND_WRITE
+        )
         coordinator = AppendCoordinator(
             self.store,
             self.queue.manifest_path,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -264,6 +265,7 @@ class RoleStore(ForwardingStore):
         world_down: Callable[[], bool],
         *,
         bounded: bool = False,
+        cas_delay: float = 0.0,
     ) -> None:
         super().__init__(recorder)
         self.recorder = recorder
@@ -271,6 +273,9 @@ class RoleStore(ForwardingStore):
         self.bounded = bounded
         """Its manifest writes carry a deadline (producers, the coordinator, a Spark driver):
         the recorder's ``in_flight_limit`` holds for them."""
+        self.cas_delay = cas_delay
+        """Real seconds each manifest write takes (the coordinator's: rounds long enough for
+        its producers to upload behind a request that is out, and chain it)."""
         self._down = world_down
         self.faults: list[Fault] = []
         self.dead = False
@@ -349,6 +354,8 @@ class RoleStore(ForwardingStore):
             with self.recorder.lock:
                 self.recorder.held.append(call)
             raise CommitStateUnknownError(f"{path}: injected timeout (request held back)")
+        if op == "cas" and self.cas_delay:
+            time.sleep(self.cas_delay)
         result = call()
         if mode == "land":
             raise CommitStateUnknownError(f"{path}: injected timeout after the write landed")

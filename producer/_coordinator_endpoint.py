@@ -1,0 +1,233 @@
+"""One coordinator as a producer reaches it: a keep-alive connection, a second one for a chained
+request, and when to try it again (:mod:`millpond.producer.coordinator`)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from millpond.errors import FormatError
+from millpond.queue.coordinator import DEFAULT_BUDGET, Outcome
+from millpond.queue.coordinator_http import HEALTH_PATH
+
+__all__ = ["LOST", "SENT", "UNSENT", "CoordinatorOptions", "Endpoint", "not_serving"]
+
+SENT = "sent"
+"""A request went out and a reply came."""
+UNSENT = "unsent"
+"""No connection could be made: nothing was sent."""
+LOST = "lost"
+"""Sent (or perhaps sent), no usable reply."""
+_POLL = 0.01  # seconds between two calls of while_waiting while a reply is awaited
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorOptions:
+    """How a producer talks to its coordinators."""
+
+    budget: float = DEFAULT_BUDGET
+    """Seconds after a request arrives during which a coordinator may write it. Default 2."""
+    grace: float = 3.0
+    """Seconds added to ``budget`` for the request's way to the coordinator before a writer
+    that got no reply and cannot ask appends directly. Default 3. (Should a request take longer
+    than that to arrive, the coordinator still never appends a location twice: a round that
+    reads the manifest drops the entries it finds there.)"""
+    connect_timeout: float = 1.0
+    """Seconds to open a connection. Default 1."""
+    retry_after: float = 5.0
+    """Seconds a coordinator that could not be reached, or refused, is left alone. Default 5."""
+    chain: bool = True
+    """Send the batches uploaded while an append is out right away, to follow it (module
+    docstring, Chaining). Default on."""
+
+
+class Endpoint:
+    """One coordinator: a keep-alive connection, and when to try it again."""
+
+    def __init__(self, url: str, options: CoordinatorOptions) -> None:
+        parts = urlsplit(url)
+        assert parts.hostname is not None
+        assert parts.port is not None
+        self.url = url
+        self._host = parts.hostname
+        self._port = parts.port
+        self._options = options
+        self._conn: http.client.HTTPConnection | None = None
+        self._spare: Endpoint | None = None
+        self.down_until = float("-inf")
+        self.identified = False
+        """A live coordinator of the queue answered here since the endpoint was last down."""
+
+    def spare(self) -> Endpoint:
+        """A second connection to the same coordinator, for a chained request."""
+        if self._spare is None:
+            self._spare = Endpoint(self.url, self._options)
+        return self._spare
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._spare is not None:
+            self._spare.close()
+
+    def _connect(self) -> http.client.HTTPConnection | None:
+        if self._conn is not None and self._conn.sock is not None:
+            return self._conn
+        self.close()
+        conn = http.client.HTTPConnection(
+            self._host, self._port, timeout=self._options.connect_timeout
+        )
+        try:
+            conn.connect()
+        except OSError:
+            conn.close()
+            return None
+        assert conn.sock is not None
+        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
+        conn.sock.settimeout(self._options.budget + self._options.grace)
+        self._conn = conn
+        return conn
+
+    def connected(self) -> bool:
+        """Whether a keep-alive connection is open (the next request reuses it)."""
+        return self._conn is not None and self._conn.sock is not None
+
+    def mark_down(self, until: float) -> None:
+        """Leave this coordinator alone until ``until``; ask who answers before using it again."""
+        self.down_until = until
+        self.identified = False
+
+    def identify(self, queue: str) -> tuple[str, str | None]:
+        """Ask ``GET /v1/health`` whether a live coordinator of ``queue`` answers here:
+        ``(kind, why not)`` with ``kind`` as :meth:`call` gives it, ``why not`` None when
+        one does. Nothing is appended by asking."""
+        # A coordinator answers this at once (no round is waited for): one that does not in
+        # the time a connection may take is frozen or swamped, and the appends go directly.
+        kind, status, data = self._exchange(
+            "GET", HEALTH_PATH, timeout=self._options.connect_timeout
+        )
+        if kind != SENT:
+            return kind, None if kind == UNSENT else f"gave no answer to GET {HEALTH_PATH}"
+        return SENT, not_serving(status, data, queue)
+
+    def call(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        while_waiting: Callable[[], bool] | None = None,
+    ) -> tuple[str, Outcome | None]:
+        """``(kind, outcome)``: ``unsent`` (no connection), ``lost`` (sent, no usable reply)
+        or ``sent`` with the outcome. ``while_waiting`` is called every few milliseconds until
+        the reply starts to arrive or it returns ``True``."""
+        kind = self.send(path, body, headers)
+        if kind != SENT:
+            return kind, None
+        if while_waiting is not None and not self._wait_for_reply(while_waiting):
+            return LOST, None
+        return self.receive()
+
+    def send(self, path: str, body: bytes, headers: dict[str, str]) -> str:
+        """Send a request without waiting for the reply (:meth:`receive`): ``unsent`` or
+        ``lost`` (nothing usable will come) or ``sent``."""
+        conn = self._connect()
+        if conn is None:
+            return UNSENT
+        try:
+            conn.request("POST", path, body, headers)
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return LOST
+        return SENT
+
+    def receive(self) -> tuple[str, Outcome | None]:
+        """The reply to the request :meth:`send` sent: as :meth:`call`."""
+        kind, _, data = self._response(self._conn)
+        if kind != SENT:
+            return kind, None
+        try:
+            return SENT, Outcome.from_json(data)
+        except FormatError:
+            self.close()
+            return LOST, None
+
+    def _wait_for_reply(self, while_waiting: Callable[[], bool]) -> bool:
+        """Call ``while_waiting`` until the reply starts to arrive or it returns ``True``;
+        ``False`` when no reply came within the reply timeout (the connection is closed)."""
+        conn = self._conn
+        assert conn is not None
+        assert conn.sock is not None
+        until = time.monotonic() + self._options.budget + self._options.grace
+        while True:
+            try:
+                readable, _, _ = select.select([conn.sock], [], [], _POLL)
+            except (OSError, ValueError):
+                return True  # the read that follows says what became of the connection
+            if readable or while_waiting():
+                return True
+            if time.monotonic() >= until:
+                self.close()
+                return False
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[str, int, bytes]:
+        """One request on the keep-alive connection: ``(kind, status, body)``. ``timeout``
+        replaces the reply timeout (the coordinator's promise plus the grace) for it alone."""
+        conn = self._connect()
+        if conn is None:
+            return UNSENT, 0, b""
+        reply_timeout = self._options.budget + self._options.grace
+        if timeout is not None and conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        try:
+            conn.request(method, path, body, headers or {})
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return LOST, 0, b""
+        kind, status, data = self._response(conn)
+        if kind == SENT and timeout is not None and conn.sock is not None:
+            conn.sock.settimeout(reply_timeout)
+        return kind, status, data
+
+    def _response(self, conn: http.client.HTTPConnection | None) -> tuple[str, int, bytes]:
+        """Read the reply to the request just sent on ``conn``."""
+        if conn is None:
+            return LOST, 0, b""
+        try:
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return LOST, 0, b""
+        if response.will_close:
+            self.close()
+        return SENT, response.status, data
+
+
+def not_serving(status: int, data: bytes, queue: str) -> str | None:
+    """Why a ``GET /v1/health`` reply is not a live coordinator of ``queue`` (None: it is)."""
+    try:
+        health = json.loads(data)
+    except ValueError:
+        health = None
+    if status != 200 or not isinstance(health, dict) or "queue" not in health:
+        return f"is not a millpond coordinator (GET {HEALTH_PATH}: HTTP {status}, {data[:60]!r})"
+    if health["queue"] != queue:
+        return f"serves {health['queue']!r}, not {queue!r}"
+    if health.get("alive") is not True:
+        return "has stopped appending (its rounds died)"
+    return None
