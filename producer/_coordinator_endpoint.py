@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import select
+import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,16 +165,19 @@ class Endpoint:
         assert conn is not None
         assert conn.sock is not None
         until = time.monotonic() + self._options.budget + self._options.grace
-        while True:
+        # A selector, not select(): a process with more than 1,024 descriptors (a Spark
+        # executor) would have select() refuse the socket.
+        with selectors.DefaultSelector() as selector:
             try:
-                readable, _, _ = select.select([conn.sock], [], [], _POLL)
+                selector.register(conn.sock, selectors.EVENT_READ)
             except (OSError, ValueError):
                 return True  # the read that follows says what became of the connection
-            if readable or while_waiting():
-                return True
-            if time.monotonic() >= until:
-                self.close()
-                return False
+            while True:
+                if selector.select(_POLL) or while_waiting():
+                    return True
+                if time.monotonic() >= until:
+                    self.close()
+                    return False
 
     def _exchange(
         self,
