@@ -28,10 +28,13 @@ class Chain:
         self._sent_at = 0.0
         self._kind = UNSENT
 
-    def poll(self, clock: Clock, after: str, headers: dict[str, str]) -> bool:
+    def poll(
+        self, clock: Clock, may_send: Callable[[], bool], after: str, headers: dict[str, str]
+    ) -> bool:
         """Send what was uploaded since the request ``after`` went out, if anything; ``True``
-        once sent (nothing more to do while its reply is awaited)."""
-        if self.sent:
+        once sent, or once ``may_send()`` says a request sent now could be written after the
+        append's deadline (nothing more to do while the reply is awaited)."""
+        if self.sent or not may_send():
             return True
         entries = list(self._more())
         if not entries:

@@ -256,7 +256,8 @@ class CoordinatedAppender:
             headers[NOT_AFTER_HEADER] = str(not_after)
         while_waiting = None
         if chain is not None and not chain.sent:
-            while_waiting = partial(chain.poll, self._clock, request_id, headers)
+            may_send = partial(self._may_send, deadline)
+            while_waiting = partial(chain.poll, self._clock, may_send, request_id, headers)
         kind, outcome = endpoint.call(APPEND_PATH, body, headers, while_waiting=while_waiting)
         if kind == UNSENT:
             endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)

@@ -206,3 +206,24 @@ def test_a_chained_request_is_refused_unless_the_request_it_follows_was_appended
     assert stats["rounds"] == 1, stats
     tags = [e.metadata[0].payload for e in read_manifest(queue_store, MANIFEST).manifest.entries]
     assert tags == [b"x-0", b"x-1", b"y-0", b"y-1"]
+
+
+def test_nothing_is_chained_that_a_coordinator_could_write_after_the_appends_deadline() -> None:
+    """A request's deadline leaves no room for a chained one's promise: the batches uploaded
+    meanwhile are not taken from the producer (they wait for the next append)."""
+    from millpond.producer._coordinator_chain import Chain
+    from millpond.producer._coordinator_endpoint import CoordinatorOptions, Endpoint
+    from tests.core._helpers import pending
+    from tests.support import ManualClock
+
+    taken: list[int] = []
+
+    def more() -> list[Any]:
+        taken.append(1)
+        return pending(1)
+
+    chain = Chain(Endpoint("http://127.0.0.1:9", CoordinatorOptions()), more)
+    assert chain.poll(ManualClock(), lambda: False, "x", {}) is True
+    assert taken == []
+    assert chain.entries == []
+    assert not chain.sent
