@@ -32,7 +32,8 @@ from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, send_dequeue
 from millpond.queue.coordinator_http import CoordinatorServer
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage.store import ObjectStore, open_store
+from tests.core._helpers import SlowStore
 from tests.producer.producer_support import MANIFEST, PREFIX, claim_queue, config
 from tests.support import unique_root
 
@@ -214,18 +215,6 @@ def test_millpond_consume_with_coordinator_dequeues_through_it(
         assert db.execute("SELECT COUNT(*) FROM millpond_rows").fetchone() == (5,)
 
 
-class _SlowStore(ForwardingStore):
-    """Every manifest read and write takes ``SLOT`` seconds (as at a real store)."""
-
-    def get(self, path: str) -> GetResult:
-        time.sleep(SLOT)
-        return self.inner.get(path)
-
-    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
-        time.sleep(SLOT)
-        return self.inner.put_if_match(path, data, etag)
-
-
 def _keep_busy(
     coordinator: AppendCoordinator, store: ObjectStore, stop: threading.Event, errors: list[str]
 ) -> None:
@@ -250,7 +239,7 @@ def test_a_consumers_takeover_lands_in_the_pause_it_asks_the_coordinator_for() -
     its first read of the manifest left the bump writing over a manifest the rounds had
     changed since: a lost race, then a read and a write that no longer fit in the pause."""
     inner = open_store(f"memory://make-way-{uuid.uuid4().hex}")
-    store = _SlowStore(inner)
+    store = SlowStore(inner, SLOT)
     claim_queue(store)
     coordinator = AppendCoordinator(
         store,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import CommitStateUnknownError, ConflictError
 from millpond.formats.manifest import Metadata, PendingEntry
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 from tests.support import StoreTarget
 
 MANIFEST = "ingest/manifest"
@@ -111,3 +112,20 @@ class FaultyStore(ForwardingStore):
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         return self._conditional(lambda: self.inner.put_if_match(path, data, etag), path)
+
+
+class SlowStore(ForwardingStore):
+    """Every read and every conditional write takes ``delay`` seconds of real time, as each
+    request does at a real store."""
+
+    def __init__(self, inner: ObjectStore, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def get(self, path: str) -> GetResult:
+        time.sleep(self.delay)
+        return self.inner.get(path)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        time.sleep(self.delay)
+        return self.inner.put_if_match(path, data, etag)

@@ -22,25 +22,12 @@ from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.dequeue import QueueConsumer
 from millpond.storage.obstore_store import ObstoreStore
-from millpond.storage.store import ForwardingStore, GetResult
-from tests.core._helpers import FAST_RETRY, MANIFEST, pending
+from tests.core._helpers import FAST_RETRY, MANIFEST, SlowStore, pending
 
 SLOT = 0.03
 QUIET = 3.0  # consumer_yield_interval, seconds: what a takeover that does not ask waits for
 YIELD_SLOTS = 4.0  # generous, so a loaded test machine still fits a read and a write in
 WRITERS = 3
-
-
-class _SlowStore(ForwardingStore):
-    """Every manifest request takes ``SLOT`` seconds."""
-
-    def get(self, path: str) -> GetResult:
-        time.sleep(SLOT)
-        return self.inner.get(path)
-
-    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
-        time.sleep(SLOT)
-        return self.inner.put_if_match(path, data, etag)
 
 
 def _keep_busy(coordinator: AppendCoordinator, stop: threading.Event, errors: list[str]) -> None:
@@ -58,7 +45,7 @@ def _keep_busy(coordinator: AppendCoordinator, stop: threading.Event, errors: li
 def test_a_takeover_that_asks_for_a_pause_lands_at_its_first_attempt() -> None:
     inner = ObstoreStore.from_url(f"memory://make-way-{uuid.uuid4().hex}")
     QueueProducer(inner, MANIFEST, retry=FAST_RETRY).append(pending(1, tag="seed"))
-    store = _SlowStore(inner)
+    store = SlowStore(inner, SLOT)
     coordinator = AppendCoordinator(
         store,
         MANIFEST,
