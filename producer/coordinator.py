@@ -173,15 +173,11 @@ class CoordinatedAppender:
                     more=more,
                     deadline=deadline,
                 )
-            if outcome.status == APPENDED and (
-                len(outcome.sequences) != len(entries) or None in outcome.sequences
-            ):
-                outcome = Outcome(UNKNOWN, reason=f"a reply that does not fit: {outcome}")
+            outcome = fitting(outcome, len(entries))
+            assert outcome is not None
             if outcome.status == APPENDED:
                 self.counters.add("coordinator_appends")
-                if outcome.next_sequence is not None:
-                    self._seen_next = max(self._seen_next, outcome.next_sequence)
-                return tuple(s for s in outcome.sequences if s is not None)
+                return self._appended(outcome)
             if outcome.status == REFUSED:
                 self.counters.add("coordinator_refused")
                 endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)

@@ -266,14 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != APPEND_PATH:
             self._reply(404, _refused(f"no such path {self.path}"))
             return
-        queue = self.headers.get(QUEUE_HEADER, "")
-        if queue != coordinator.queue:
-            self._reply(
-                409,
-                _refused(
-                    f"this coordinator serves {coordinator.queue!r}, the request names {queue!r}"
-                ),
-            )
+        if self._other_queue():
             return
         try:
             budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
