@@ -253,7 +253,14 @@ class QueueProducer:
                 _check_deadline(cas, deadline)
                 peek = self._peek(current)
                 try:
-                    etag = cas.write(current, data)
+                    if peek is not None and current is not None and current.etag is not None:
+                        etag = peek.outrun(
+                            partial(cas.write, current, data),
+                            current.etag,
+                            partial(_is_written, data),
+                        )
+                    else:
+                        etag = cas.write(current, data)
                 except (ConflictError, CommitStateUnknownError) as err:
                     # Either way our write may be in the manifest (a retried request can fail
                     # its precondition on our own landed write): look before appending again.
@@ -439,6 +446,11 @@ def _older_than_winners(
     winners = locations_from(data, from_sequence, resume=resume)
     theirs = _oldest(loc for loc in winners if loc not in ours)
     return True if theirs is None else mine < theirs
+
+
+def _is_written(data: bytes, state: RawManifest) -> bool:
+    """Whether ``state`` is the manifest as ``data`` wrote it (nothing has followed it yet)."""
+    return state.data == data
 
 
 def _oldest(locations: Iterable[str]) -> str | None:
