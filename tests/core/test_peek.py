@@ -17,6 +17,7 @@ import pytest
 
 from millpond.common.retry import RetryPolicy
 from millpond.errors import ConflictError, StorageError
+from millpond.formats.manifest import PendingEntry
 from millpond.queue import QueueProducer, read_manifest
 from millpond.queue import append as append_module
 from millpond.queue.cas import RawManifest
@@ -89,11 +90,25 @@ def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
     rival.append(pending(1, tag="rival-first"))
     mine.append(pending(1, tag="lost-once"))
     assert mine.counters.get("cas_conflicts") == 1
-    if isinstance(store, FaultyStore) and isinstance(store.inner, _HeldReads):
+    if isinstance(store, ForwardingStore) and isinstance(store.inner, _HeldReads):
         # The retry above won, and a read was sent alongside it (the writer was contended
         # by then): answer it, so that it cannot stand in for the read the test is about.
         store.inner.rearm(sent=1)
     return mine
+
+
+def _answer_then_append(
+    reads: _HeldReads, rival: QueueProducer, entries: list[PendingEntry]
+) -> Callable[[], None]:
+    """A hook for our write: the read alongside is answered first, on the state the write is
+    conditional on; only then does the rival's append land, so the write loses."""
+
+    def hook() -> None:
+        reads.release.set()
+        assert reads.answered.wait(_WAIT)
+        rival.append(entries)
+
+    return hook
 
 
 def _locations(store: ObjectStore) -> list[str]:
@@ -129,15 +144,7 @@ def test_a_read_answered_before_the_rival_wrote_is_dropped(store: ObjectStore) -
     rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
     mine = _contended(faulty, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
-
-    def answer_then_rival_writes() -> None:
-        # The read alongside is answered first, on the state our write is conditional on;
-        # only then does the rival's append land, so our write loses.
-        held.release.set()
-        assert held.answered.wait(_WAIT)
-        rival.append(theirs)
-
-    faulty.fail_next(land=True, error=None, before=answer_then_rival_writes)
+    faulty.fail_next(land=True, error=None, before=_answer_then_append(held, rival, theirs))
     reads = held.own_reads
     sequences = mine.append(group)
     assert mine.counters.get("cas_conflicts") == 2
@@ -237,13 +244,7 @@ def test_a_write_held_back_is_looked_past_by_a_later_read(store: ObjectStore) ->
     rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
     mine = _contended(held, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
-
-    def answer_then_rival_writes() -> None:
-        reads.release.set()
-        assert reads.answered.wait(_WAIT)
-        rival.append(theirs)
-
-    held.hold_next(answer_then_rival_writes)
+    held.hold_next(_answer_then_append(reads, rival, theirs))
     own_reads = reads.own_reads
     try:
         mine.append(group)
