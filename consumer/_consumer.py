@@ -225,6 +225,7 @@ class Consumer:
                 f"last_acked_sequence: expected None or an integer >= 0, "
                 f"found {last_acked_sequence!r}"
             )
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_open()
             preflight(self._store, write=True)  # fail fast on what no retry fixes
@@ -349,6 +350,7 @@ class Consumer:
             FormatError, NotFoundError: as :meth:`next_batch`; the ack is kept.
             ClosedError: the consumer was closed.
         """
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_ready()
             if ack_through is not None:
@@ -379,6 +381,7 @@ class Consumer:
         a caller with a backlog uses it to gather several batches into one database
         transaction without waiting for more.
         """
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             if self._closed or self._fenced is not None:
                 return False
@@ -400,6 +403,7 @@ class Consumer:
                 the next ack, ``flush()`` or ``close()`` dequeues again).
             ClosedError: the consumer was closed.
         """
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_ready()
             expected = self._acked + 1
@@ -416,6 +420,7 @@ class Consumer:
             InvalidInputError: ``sequence`` is not past the last acked, or was not delivered.
             FencedError, StorageError, ClosedError: as :meth:`ack`.
         """
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_ready()
             self._check_ack_through(sequence)
@@ -489,6 +494,7 @@ class Consumer:
                 call found this consumer's epoch: ``acked_sequence`` tells).
             ClosedError: the consumer was closed.
         """
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_ready()
             if ack_through is not None:
@@ -536,11 +542,13 @@ class Consumer:
     def next_entry(self) -> ManifestEntry | None:
         """The entry :meth:`next_batch` delivers next (the one it failed on, after a failure),
         or ``None`` when none is read yet; from the manifest or the backlog index."""
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             return self._ahead.head()
 
     def backlog(self) -> Backlog:
         """Undelivered entries as of the last manifest read (for lag reporting)."""
+        self._process.check()  # before the lock (_check_open)
         with self._lock:
             head = self._ahead.head()
             oldest = (
@@ -571,6 +579,8 @@ class Consumer:
     # -- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        # Every public call also checks the process before taking the lock: in a child forked
+        # while one of the parent's threads (the backlog mover) held it, nothing releases it.
         self._process.check()
         if self._closed:
             raise ClosedError("consumer is closed")

@@ -270,6 +270,9 @@ class Producer:
             BackpressureError: no buffer room within ``timeout``.
             ClosedError: the producer is closed or stopped after a permanent failure.
         """
+        # Before any lock: one of the parent's threads may have held it at the fork, and
+        # nothing in this process would ever release it.
+        self._process.check()
         items, meta, nbytes, record_size = self._validate(entries, metadata)
         state = self._state
         handle = WriteHandle(len(items), self._handle_lock, self._process)
@@ -327,6 +330,7 @@ class Producer:
             TimeoutError: not everything was published within ``timeout``.
             ClosedError: the producer is closed or stopped after a permanent failure.
         """
+        self._process.check()  # before the lock, as in produce()
         state = self._state
         deadline = None if timeout is None else state.clock.monotonic() + timeout
         with state.cond:

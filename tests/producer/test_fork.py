@@ -8,9 +8,12 @@ no thread makes, or deliver beside its parent under one epoch. The parent goes o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from millpond.consumer import Consumer, ConsumerConfig
@@ -23,6 +26,11 @@ def _in_child(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
+        # A call that hangs (on a lock a parent's thread held at the fork) ends the child
+        # by SIGALRM (its default action, not pytest-timeout's handler, which would have to
+        # run on the hung thread): the parent then reads no report and sees the signal.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(_CHILD_SECONDS)
         outcome: dict[str, str] = {}
         for name, call in calls.items():
             try:
@@ -36,8 +44,32 @@ def _in_child(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
     with os.fdopen(read_end, "rb") as pipe:
         report = pipe.read()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child hung or failed: status {status}"
     return json.loads(report)  # type: ignore[no-any-return]
+
+
+_CHILD_SECONDS = 20  # a child's calls are refused at once; this long means one hung
+
+
+@contextlib.contextmanager
+def _held_by_a_thread(lock: threading.Condition | threading.RLock) -> Iterator[None]:
+    """``lock`` held by another thread of this process for the duration (as a producer's or
+    consumer's background thread holds it at any moment)."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            holding.set()
+            done.wait(_CHILD_SECONDS * 2)
+
+    thread = threading.Thread(target=hold, name="holds-the-lock")
+    thread.start()
+    try:
+        assert holding.wait(_CHILD_SECONDS)
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _refused(outcome: dict[str, str], instead: str) -> None:
@@ -93,3 +125,51 @@ def test_a_forked_child_is_refused_by_the_consumer_and_the_parent_goes_on(
         rest = consumer.next_batches(10)
         assert [e for b in [*first, *rest] for e in b.entries] == [b"a", b"b", b"c"]
         assert consumer.epoch is not None
+
+
+def test_a_child_forked_while_a_producer_thread_held_its_lock_is_refused_not_hung(
+    tmp_path: Path,
+) -> None:
+    # Before the fix produce() and flush() took the producer's lock before looking at the
+    # process: a child forked while a writer or sealer thread held it waited for ever.
+    store = fresh_memory()
+    with Producer(config(store, tmp_path / "wal")) as producer:
+        with _held_by_a_thread(producer._state.cond):
+            outcome = _in_child(
+                {
+                    "produce": lambda: producer.produce([b"child"]),
+                    "flush": lambda: producer.flush(timeout=5),
+                }
+            )
+        _refused(outcome, "Open a Producer in this process after the fork")
+        producer.produce([b"after"]).wait(timeout=30)
+    assert all_entries(store) == [b"after"]
+
+
+def test_a_child_forked_while_a_consumer_thread_held_its_lock_is_refused_not_hung(
+    tmp_path: Path,
+) -> None:
+    # The consumer's backlog mover takes the consumer's lock on a thread of its own.
+    store = fresh_memory()
+    with Producer(config(store, tmp_path / "wal")) as producer:
+        producer.produce([b"a"]).wait(timeout=30)
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    with consumer:
+        consumer.initialize()
+        first = consumer.next_batches(1)
+        with _held_by_a_thread(consumer._lock):
+            outcome = _in_child(
+                {
+                    "initialize": lambda: consumer.initialize(),
+                    "next_batches": lambda: consumer.next_batches(1),
+                    "has_ready_batch": consumer.has_ready_batch,
+                    "ack": lambda: consumer.ack(first[0].sequence),
+                    "ack_through": lambda: consumer.ack_through(first[0].sequence),
+                    "flush": lambda: consumer.flush(),
+                    "next_entry": consumer.next_entry,
+                    "backlog": consumer.backlog,
+                }
+            )
+        _refused(outcome, "Open a Consumer in this process after the fork")
+        consumer.ack(first[0].sequence)
+        assert [e for b in first for e in b.entries] == [b"a"]
