@@ -411,7 +411,12 @@ class Producer:
         Also every metric :meth:`register_metrics` exports, under its Prometheus name
         (``millpond_manifest_writes_total``, ...; histograms as ``{"count", "sum",
         "buckets"}``).
+
+        Raises:
+            ClosedError: called in a process forked from the producer's (its figures stopped
+                at the fork).
         """
+        self._process.check()  # before the lock, as in produce()
         state = self._state
         values: dict[str, Any] = dict(state.counters.snapshot())
         values.update(flatten(producer_samples(state, self._wal)))

@@ -139,6 +139,7 @@ def test_a_child_forked_while_a_producer_thread_held_its_lock_is_refused_not_hun
                 {
                     "produce": lambda: producer.produce([b"child"]),
                     "flush": lambda: producer.flush(timeout=5),
+                    "metrics": producer.metrics,
                 }
             )
         _refused(outcome, "Open a Producer in this process after the fork")
