@@ -85,7 +85,9 @@ class Consumer:
     """Reads batches from the queue in sequence order under epoch fencing.
 
     Thread-safe; every public method takes one lock. Use as a context manager, or call
-    :meth:`close`, which dequeues what was acked.
+    :meth:`close`, which dequeues what was acked. In a process forked from the one that
+    opened it, every method raises ``ClosedError`` at once (its threads did not survive the
+    fork).
     """
 
     def __init__(self, config: ConsumerConfig) -> None:
