@@ -73,9 +73,12 @@ class ProducerRole:
         down: Callable[[], bool],
         coordinator: str | None = None,
         retry: RetryPolicy = RETRY,
+        late_conflict: float = 0.0,
     ) -> None:
         self.source = f"{queue.name}p{index}"
         self.retry = retry
+        self.late_conflict = late_conflict
+        """Real seconds its store holds the answer to a lost manifest write (``RoleStore``)."""
         self.coordinator = coordinator
         """The ``millpond coordinator`` URL its appends go through, if any."""
         self.queue = queue
@@ -95,7 +98,13 @@ class ProducerRole:
         return self.producer is not None and self.store is not None and not self.store.dead
 
     def start(self) -> None:
-        self.store = RoleStore(self._recorder, self.source, self._down, bounded=True)
+        self.store = RoleStore(
+            self._recorder,
+            self.source,
+            self._down,
+            bounded=True,
+            late_conflict=self.late_conflict,
+        )
         config = ProducerConfig(
             store=self.store,
             wal_dir=self._wal_dir,

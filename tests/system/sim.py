@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.errors import CommitStateUnknownError, ConflictError, StorageError
 from millpond.formats.manifest import decode_manifest
 from millpond.queue.index import decode_head
 from millpond.storage.store import (
@@ -266,6 +266,7 @@ class RoleStore(ForwardingStore):
         *,
         bounded: bool = False,
         cas_delay: float = 0.0,
+        late_conflict: float = 0.0,
     ) -> None:
         super().__init__(recorder)
         self.recorder = recorder
@@ -276,6 +277,10 @@ class RoleStore(ForwardingStore):
         self.cas_delay = cas_delay
         """Real seconds each manifest write takes (the coordinator's: rounds long enough for
         its producers to upload behind a request that is out, and chain it)."""
+        self.late_conflict = late_conflict
+        """Real seconds a manifest write that lost its compare-and-swap waits before it is
+        answered, as SeaweedFS answers some: a writer reading alongside its writes goes on
+        without the answer (``Peek.outrun``)."""
         self._down = world_down
         self.faults: list[Fault] = []
         self.dead = False
@@ -356,7 +361,12 @@ class RoleStore(ForwardingStore):
             raise CommitStateUnknownError(f"{path}: injected timeout (request held back)")
         if op == "cas" and self.cas_delay:
             time.sleep(self.cas_delay)
-        result = call()
+        try:
+            result = call()
+        except ConflictError:
+            if op == "cas" and self.late_conflict:
+                time.sleep(self.late_conflict)
+            raise
         if mode == "land":
             raise CommitStateUnknownError(f"{path}: injected timeout after the write landed")
         if mode == "crash_after":
