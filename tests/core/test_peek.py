@@ -83,6 +83,11 @@ class _HeldReads(ForwardingStore):
         self.release, self.answered = threading.Event(), threading.Event()
 
 
+def _rival(store: ObjectStore) -> QueueProducer:
+    """Another writer on the plain store, whose appends beat ours."""
+    return QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+
+
 def _contended(store: ObjectStore, rival: QueueProducer) -> QueueProducer:
     """A writer on ``store`` that has just lost a race (so it reads alongside its writes)."""
     mine = QueueProducer(store, MANIFEST, retry=AGING, clock=FakeClock())
@@ -118,7 +123,7 @@ def _locations(store: ObjectStore) -> list[str]:
 def test_a_read_answered_after_the_lost_write_replaces_the_reread(store: ObjectStore) -> None:
     held = _HeldReads(store)
     faulty = FaultyStore(held)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(faulty, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
     # The rival appends just before our write is sent, and only then is the read alongside
@@ -141,7 +146,7 @@ def test_a_read_answered_after_the_lost_write_replaces_the_reread(store: ObjectS
 def test_a_read_answered_before_the_rival_wrote_is_dropped(store: ObjectStore) -> None:
     held = _HeldReads(store)
     faulty = FaultyStore(held)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(faulty, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
     faulty.fail_next(land=True, error=None, before=_answer_then_append(held, rival, theirs))
@@ -165,7 +170,7 @@ def test_a_write_that_landed_but_reported_a_conflict_is_not_appended_twice(
     # the state the write was conditional on and is dropped. Either way the look settles it.
     held = _HeldReads(store)
     faulty = FaultyStore(held)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(faulty, rival)
     group = pending(3, tag="group")
     if read_first:
@@ -220,7 +225,7 @@ def test_a_write_the_read_behind_it_shows_lost_is_not_waited_for(store: ObjectSt
     # the read sent behind it already shows the rival's state, so the write cannot land:
     # the append goes on without its answer.
     held = _HeldWrite(store)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(held, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
     held.hold_next(lambda: rival.append(theirs))
@@ -241,7 +246,7 @@ def test_a_write_held_back_is_looked_past_by_a_later_read(store: ObjectStore) ->
     # still holds our write. A read made while the answer is late shows the rival's state.
     reads = _HeldReads(store)
     held = _HeldWrite(reads)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(held, rival)
     theirs, group = pending(2, tag="theirs"), pending(2, tag="group")
     held.hold_next(_answer_then_append(reads, rival, theirs))
@@ -265,7 +270,7 @@ def test_a_write_the_read_behind_it_shows_landed_is_answered_as_a_win(
     # keeps the ETag.
     reads = _HeldReads(store)
     faulty = FaultyStore(reads)
-    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    rival = _rival(store)
     mine = _contended(faulty, rival)
     weighed = threading.Event()
     is_written = append_module._is_written
