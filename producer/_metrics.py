@@ -7,6 +7,7 @@ registers a collector that reads them on every scrape of the caller's ``Collecto
 from __future__ import annotations
 
 from millpond.common.exposition import MetricsCollector, Sample
+from millpond.common.forks import OwnProcess
 from millpond.producer._state import State
 from millpond.wal import Wal
 
@@ -55,9 +56,15 @@ def producer_samples(state: State, wal: Wal) -> list[Sample]:
 
 
 def producer_collector(
-    state: State, wal: Wal, const_labels: dict[str, str] | None = None
+    state: State, wal: Wal, process: OwnProcess, const_labels: dict[str, str] | None = None
 ) -> MetricsCollector:
-    """A ``prometheus_client`` collector over :func:`producer_samples`."""
+    """A ``prometheus_client`` collector over :func:`producer_samples`.
+
+    In a process forked from the producer's it yields nothing: the figures stopped at the
+    fork, and the lock they are read under may have been held by a thread the child lacks.
+    """
     return MetricsCollector(
-        lambda: producer_samples(state, wal), PRODUCER_METRICS, const_labels=const_labels
+        lambda: producer_samples(state, wal) if process.is_current() else [],
+        PRODUCER_METRICS,
+        const_labels=const_labels,
     )

@@ -464,7 +464,7 @@ class Producer:
         target = registry if registry is not None else REGISTRY
         if self._registered is not None:
             raise ValueError("producer metrics: already registered; call close() first")
-        collector = producer_collector(self._state, self._wal, dict(labels or {}))
+        collector = producer_collector(self._state, self._wal, self._process, dict(labels or {}))
         target.register(collector)
         self._registered = (target, collector)
 

@@ -31,6 +31,11 @@ class OwnProcess:
         self._what = what
         self._instead = instead
 
+    def is_current(self) -> bool:
+        """Whether the calling process is the owner (for what must not raise, as a metrics
+        scrape, which in a child shows nothing of the parent's object)."""
+        return os.getpid() == self._pid
+
     def check(self) -> None:
         """Raise :class:`ClosedError` when called from a process forked from the owner."""
         pid = os.getpid()

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.producer import Producer
 from tests.producer.producer_support import FAST_RETRY, all_entries, config, fresh_memory
@@ -145,6 +147,29 @@ def test_a_child_forked_while_a_producer_thread_held_its_lock_is_refused_not_hun
         _refused(outcome, "Open a Producer in this process after the fork")
         producer.produce([b"after"]).wait(timeout=30)
     assert all_entries(store) == [b"after"]
+
+
+def test_a_scrape_in_a_child_forked_while_a_producer_thread_held_its_lock_shows_no_producer(
+    tmp_path: Path,
+) -> None:
+    # A registry the parent registered the producer in is copied into the child (a worker
+    # that serves its own metrics): before the fix its scrape read the producer's counters
+    # under the lock a thread of the parent held at the fork, and hung.
+    store = fresh_memory()
+    registry = CollectorRegistry()
+    with Producer(config(store, tmp_path / "wal")) as producer:
+        producer.register_metrics(registry)
+        producer.produce([b"a"]).wait(timeout=30)
+        assert b"millpond_producer_entries_total 1.0" in generate_latest(registry)
+
+        def scrape_without_producer() -> None:
+            text = generate_latest(registry)
+            assert b"millpond_producer_" not in text, text
+
+        with _held_by_a_thread(producer._state.cond):
+            outcome = _in_child({"scrape": scrape_without_producer})
+        assert outcome == {"scrape": "returned"}
+        assert b"millpond_producer_entries_total 1.0" in generate_latest(registry)
 
 
 def test_a_child_forked_while_a_consumer_thread_held_its_lock_is_refused_not_hung(
