@@ -219,7 +219,7 @@ class QueueProducer:
                         if lost:
                             pause = backoff.before_write(
                                 partial(
-                                    _older_than_winners,
+                                    _oldest_against_winners,
                                     current.data,
                                     lost_from,
                                     entries,
@@ -426,26 +426,27 @@ class QueueProducer:
         return [todo[position] for position in landing.missing]
 
 
-def _older_than_winners(
+def _oldest_against_winners(
     data: bytes,
     from_sequence: int,
     entries: Sequence[PendingEntry],
     todo: Sequence[int],
     resume: Resume | None = None,
-) -> bool | None:
-    """Whether the oldest of ``todo`` was minted before every batch appended from
-    ``from_sequence`` on (the race's winners); ``None`` when batch names do not tell.
+) -> tuple[str, str | None] | None:
+    """The ULIDs of the oldest of ``todo`` and of the oldest batch appended from
+    ``from_sequence`` on by others (the race's winners; ``None`` when none is named by a
+    ULID); ``None`` when the batch names of ``todo`` do not tell.
 
     Batch names carry their mint time (ULIDs): a writer that lost to younger batches than its
-    own has waited longest and should write at once, one that lost to older ones lets them go.
+    own has waited longest and should write at once, one that lost to older ones lets them go
+    first, the longer the younger its own (:meth:`~millpond.common.retry.Backoff.before_write`).
     """
     mine = _oldest(entries[i].location for i in todo)
     if mine is None:
         return None
     ours = {entries[i].location for i in todo}
     winners = locations_from(data, from_sequence, resume=resume)
-    theirs = _oldest(loc for loc in winners if loc not in ours)
-    return True if theirs is None else mine < theirs
+    return mine, _oldest(loc for loc in winners if loc not in ours)
 
 
 def _is_written(data: bytes, state: RawManifest) -> bool:

@@ -26,11 +26,14 @@ def open_target(target: StoreTarget) -> ObjectStore:
     return open_store(target.url, target.options)
 
 
-def pending(n: int, *, tag: str = "p", now_ms: int = 1_700_000_000_000) -> list[PendingEntry]:
-    """``n`` entries at fresh ULID batch locations, each with one metadata item naming it."""
+def pending(
+    n: int, *, tag: str = "p", now_ms: int = 1_700_000_000_000, minter: UlidMinter | None = None
+) -> list[PendingEntry]:
+    """``n`` entries at fresh ULID batch locations (minted by ``minter``, default on the real
+    clock), each with one metadata item naming it."""
     out = []
     for i in range(n):
-        location = batch_location("ingest", _minter.mint())
+        location = batch_location("ingest", (minter or _minter).mint())
         out.append(PendingEntry(location, (Metadata(0, now_ms + i, f"{tag}-{i}".encode()),)))
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import UlidMinter
 from millpond.errors import CommitStateUnknownError, InvalidInputError
 from millpond.formats.manifest import PendingEntry
 from millpond.queue import QueueProducer, read_manifest
@@ -94,14 +95,24 @@ def test_more_may_not_repeat_a_location(store: ObjectStore) -> None:
     assert not set(_locations(store)) & {e.location for e in group}
 
 
-def _pause_after_losing(store: ObjectStore, *, winners_are_older: bool) -> float:
-    """Seconds an aging writer sleeps in an append whose first write loses a race."""
+def _pause_after_losing(store: ObjectStore, *, mine_minted: float) -> float:
+    """Seconds an aging writer sleeps in an append whose first write loses a race to a batch
+    minted one second ago on the writer's clock; the writer's own batch was minted
+    ``mine_minted`` seconds after that one (before it, when negative)."""
     clock = FakeClock()
+    minter = UlidMinter(clock)
     mine = QueueProducer(store, MANIFEST, retry=AGING, clock=clock)
     mine.append(pending(1, tag="first"))
     clock.sleep(100.0)  # long idle: no back-to-back yield, no contention remembered
-    older, younger = pending(1, tag="older"), pending(1, tag="younger")  # minted in this order
-    group, theirs = (younger, older) if winners_are_older else (older, younger)
+    if mine_minted < 0:
+        group = pending(1, tag="mine", minter=minter)
+        clock.sleep(-mine_minted)
+        theirs = pending(1, tag="theirs", minter=minter)
+    else:
+        theirs = pending(1, tag="theirs", minter=minter)
+        clock.sleep(mine_minted)
+        group = pending(1, tag="mine", minter=minter)
+        clock.sleep(1.0 - mine_minted)
     QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock()).append(theirs)
     clock.slept.clear()
     mine.append(group)
@@ -109,16 +120,28 @@ def _pause_after_losing(store: ObjectStore, *, winners_are_older: bool) -> float
     return sum(clock.slept)
 
 
+# Requests take no time on the fake clock, so the slot stays at base_delay, and the loop has
+# just started: it waits 80-100 % of conflict_spread slots times how much younger its batch is
+# than the winners', as a share of their age.
+_SPREAD = AGING.conflict_spread * AGING.base_delay
+
+
 def test_a_loser_writes_at_once_when_younger_batches_won(store: ObjectStore) -> None:
-    assert _pause_after_losing(store, winners_are_older=False) == 0.0
+    assert _pause_after_losing(store, mine_minted=-0.5) == 0.0
 
 
-def test_a_loser_lets_older_batches_go_first(store: ObjectStore) -> None:
-    pause = _pause_after_losing(store, winners_are_older=True)
-    # Requests take no time on the fake clock, so the slot stays at base_delay, and a loop
-    # that has just started waits 80-100 % of conflict_spread slots.
-    slot = AGING.base_delay
-    assert 0.8 * AGING.conflict_spread * slot <= pause <= AGING.conflict_spread * slot
+def test_a_loser_minted_just_now_lets_older_batches_go_first(store: ObjectStore) -> None:
+    pause = _pause_after_losing(store, mine_minted=1.0)
+    assert 0.8 * _SPREAD <= pause <= _SPREAD
+
+
+def test_a_loser_nearly_as_old_as_the_winners_lets_them_go_first_only_for_a_moment(
+    store: ObjectStore,
+) -> None:
+    # Minted 100 ms after batches one second old: a tenth of the pause of a fresh batch, so
+    # the writers line up by age instead of the ones that happen to read first going first.
+    pause = _pause_after_losing(store, mine_minted=0.1)
+    assert 0.8 * 0.1 * _SPREAD - 1e-12 <= pause <= 0.1 * _SPREAD + 1e-12
 
 
 def test_what_became_ready_while_a_writer_let_others_go_first_joins_its_write(

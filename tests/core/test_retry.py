@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from millpond.common.retry import AgingPacer, Backoff, Pacer, RetryPolicy
+from millpond.common.ulids import UlidMinter
 from millpond.errors import ConfigError
 
 from ._helpers import FakeClock
@@ -50,6 +51,8 @@ def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() ->
     clock = FakeClock()
     pacer = _measured_pacer(clock)
     policy = AGING
+    minter = UlidMinter(clock)
+    oldest = minter.mint()
     backoff = pacer.start(cached=False)
     ceilings = []
     pauses = []
@@ -57,11 +60,15 @@ def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() ->
         _request(clock, 2)  # the attempt that lost
         assert backoff.next_delay(conflict=True) == 0.0  # read the winners' manifest at once
         _request(clock)
-        assert backoff.before_write(lambda: True) == 0.0  # lost to younger batches: write at once
+        younger = minter.mint()
+        # Lost to younger batches (or to none named by a ULID): write at once.
+        assert backoff.before_write(lambda: (oldest, younger)) == 0.0  # noqa: B023
+        assert backoff.before_write(lambda: (oldest, None)) == 0.0
         waited = clock.monotonic() - backoff.started  # type: ignore[attr-defined]
         share = max(0.0, 1 - waited / (policy.aging_horizon * pacer.slot))
         ceilings.append(policy.conflict_spread * pacer.slot * share)
-        pause = backoff.before_write(lambda: False)  # lost to older batches: let them go first
+        # Lost to older batches with one minted just now: let them go first, the whole spread.
+        pause = backoff.before_write(lambda: (younger, oldest))  # noqa: B023
         pauses.append(pause)
         clock.sleep(pause)
     assert all(0.8 * c - 1e-12 <= p <= c + 1e-12 for p, c in zip(pauses, ceilings, strict=True))
