@@ -37,11 +37,10 @@ $(AZURITE): localstack/package.json localstack/package-lock.json
 demo: $(STAMP)
 	$(PY) -m millpond.localstack.demo
 
-# Three workers, a test file per worker at a time (its session servers start once per worker):
-# most tests wait on servers and processes, so three share two cores well (the whole suite on
-# this 2-core machine: 555 s with three, 595-620 s with two). TEST_WORKERS=0 runs everything
-# in one process.
-TEST_WORKERS ?= 3
+# Two workers, a test file per worker at a time (its session servers start once per worker):
+# most tests wait on servers and processes, so two share two cores well. TEST_WORKERS=0 runs
+# everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) postgres-binaries $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
