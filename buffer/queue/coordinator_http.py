@@ -369,6 +369,9 @@ class CoordinatorServer:
         self._server = _Server((host, port), _Handler)
         self._server.coordinator = coordinator
         self._thread: threading.Thread | None = None
+        self._serving = False
+        """Whether a serving loop was started: only one can answer a shutdown request, which
+        otherwise waits for it for ever."""
 
     @property
     def port(self) -> int:
@@ -383,6 +386,7 @@ class CoordinatorServer:
     def start(self) -> CoordinatorServer:
         """Start the rounds and serve requests on a daemon thread; returns ``self``."""
         self.coordinator.start()
+        self._serving = True
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.02},  # close() and crash tests wait at most this
@@ -397,25 +401,29 @@ class CoordinatorServer:
         """Serve on the calling thread until :meth:`close` (from another thread or a signal)."""
         self.coordinator.start()
         logger.info("coordinator of %s serving on %s", self.coordinator.queue, self.url)
+        self._serving = True
         self._server.serve_forever(poll_interval=0.1)
 
     def close_listener(self) -> None:
         """Stop accepting connections at once (requests on open connections still get their
         outcomes); :meth:`close` stops the rounds too."""
-        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
-        stopper.start()
-        stopper.join(5.0)
+        self._stop_serving(5.0)
         self._server.server_close()
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop: refuse what has not started, finish the round under way, close the socket."""
         self.coordinator.stop(timeout)
-        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
-        stopper.start()
-        stopper.join(timeout)
+        self._stop_serving(timeout)
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _stop_serving(self, timeout: float | None) -> None:
+        if not self._serving:  # never served: nothing would answer the shutdown request
+            return
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(timeout)
 
     def __enter__(self) -> CoordinatorServer:
         return self.start()

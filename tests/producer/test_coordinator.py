@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -217,6 +218,22 @@ class _NotACoordinator(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         del format, args
+
+
+def test_a_server_closed_before_it_served_closes_at_once(queue_store: ObjectStore) -> None:
+    """A server made and closed without ever serving (its owner failed in between, or only
+    wanted its port): ``close`` does not wait for a serving loop that never ran, which took
+    the whole 30 s timeout; ``close_listener`` likewise (5 s)."""
+    for close in ("close", "close_listener"):
+        server = CoordinatorServer(
+            AppendCoordinator(queue_store, MANIFEST, queue=queue_identity(queue_store.url, MANIFEST))
+        )
+        closer = threading.Thread(target=getattr(server, close), daemon=True)
+        closer.start()
+        closer.join(3.0)  # closing a socket takes milliseconds; the loops waited 5 and 30 s
+        assert not closer.is_alive(), f"{close}() still waiting after 3 s"
+        with pytest.raises(OSError):  # the port is closed: nothing listens any more
+            socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE).close()
 
 
 def test_a_url_where_no_coordinator_answers_takes_no_append(
