@@ -106,6 +106,15 @@ class QueueWriter:
         """One batch whose entries are the table's record batches as IPC streams."""
         return self.append(encode_ipc(table), payload=payload)
 
+    def append_arrow_all(self, tables: Sequence[pa.Table]) -> tuple[int, ...]:
+        """One batch per table, all enqueued in one append (one compare-and-swap); returns
+        their sequences."""
+        locations = [self.upload(encode_ipc(table)) for table in tables]
+        now = _now_ms(self.clock)
+        return self.queue.append(
+            [PendingEntry(location, (Metadata(0, now, b""),)) for location in locations]
+        )
+
 
 def numbered(start: int, count: int) -> pa.Table:
     """Rows ``n = start .. start + count - 1`` with a text column."""

@@ -232,9 +232,7 @@ def s3(request: pytest.FixtureRequest) -> Any:
 
 def _queue(s3: Any) -> ObjectStore:
     store = open_store(s3.url_for(unique_root()), s3.store_options())
-    writer = QueueWriter(store)
-    for b in range(BATCHES):
-        writer.append_arrow(numbered(b * ROWS, ROWS))
+    QueueWriter(store).append_arrow_all([numbered(b * ROWS, ROWS) for b in range(BATCHES)])
     return store
 
 
