@@ -226,7 +226,9 @@ def test_a_server_closed_before_it_served_closes_at_once(queue_store: ObjectStor
     the whole 30 s timeout; ``close_listener`` likewise (5 s)."""
     for close in ("close", "close_listener"):
         server = CoordinatorServer(
-            AppendCoordinator(queue_store, MANIFEST, queue=queue_identity(queue_store.url, MANIFEST))
+            AppendCoordinator(
+                queue_store, MANIFEST, queue=queue_identity(queue_store.url, MANIFEST)
+            )
         )
         closer = threading.Thread(target=getattr(server, close), daemon=True)
         closer.start()
