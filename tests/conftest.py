@@ -42,20 +42,12 @@ from millpond.localstack import (
     start_postgres,
     start_seaweedfs,
 )
+from tests.spark.class_archive import SPARK_TEST_JVM_OPTIONS
 from tests.support import StoreTarget, unique_root
 
 # ---------------------------------------------------------------------------------------------
 # 1. Local services
 # ---------------------------------------------------------------------------------------------
-
-
-SPARK_TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-"""JVM options for every Spark driver the suite starts (in-process and in the job processes
-it runs, which inherit the environment): the tests' Spark jobs are short, so the JVM's
-optimising compiler and parallel collector only compete with the other test worker for the
-two cores. Measured on ``tests/spark`` with two workers: 392 s of test time without, 298 s
-with. Nothing a test asserts depends on how the JVM compiles; the benchmarks, the demo and
-users' sessions keep the JVM's defaults."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
