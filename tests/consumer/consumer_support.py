@@ -204,13 +204,7 @@ class Database:
             path = self.url.removeprefix("sqlite://")
             with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn:
                 return conn.execute(sql).fetchall()
-        import adbc_driver_postgresql.dbapi as pg
-
-        with pg.connect(self.url) as conn, conn.cursor() as cur:
-            cur.execute(sql)
-            rows: list[tuple[Any, ...]] = cur.fetchall()
-            conn.rollback()
-            return rows
+        return _postgres_query(self.url, sql)
 
     def count(self) -> int:
         """Rows in the target table (0 before it exists)."""
@@ -218,6 +212,45 @@ class Database:
             return int(self.query(f'SELECT count(*) FROM "{self.table}"')[0][0])
         except Exception:  # the table does not exist yet
             return 0
+
+
+_query_connections: dict[str, Any] = {}
+_query_lock = threading.Lock()
+
+
+def _postgres_query(url: str, sql: str) -> list[tuple[Any, ...]]:
+    """``sql``'s rows, on a connection kept per database for the process.
+
+    Opening an ADBC PostgreSQL connection costs about 50 ms of CPU (the driver loads the
+    server's types), and tests query in loops. Each query ends its transaction (no snapshot or
+    lock is held between queries); a kept connection the server dropped (a restart, a
+    terminated backend) is replaced once.
+    """
+    import adbc_driver_postgresql.dbapi as pg
+
+    with _query_lock:
+        for attempt in range(2):
+            conn = _query_connections.get(url)
+            kept = conn is not None
+            if conn is None:
+                conn = _query_connections[url] = pg.connect(url)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(sql)
+                    rows: list[tuple[Any, ...]] = cur.fetchall()
+                conn.rollback()
+                return rows
+            except pg.Error:
+                try:
+                    conn.rollback()
+                except pg.Error:  # the connection is gone: open another
+                    del _query_connections[url]
+                    with contextlib.suppress(pg.Error):
+                        conn.close()
+                    if kept and attempt == 0:
+                        continue
+                raise
+    raise AssertionError("unreachable")
 
 
 class ForwardingSink:
