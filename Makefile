@@ -47,8 +47,9 @@ demo: $(STAMP)
 # Two workers, a test file per worker at a time (its session servers start once per worker):
 # most tests wait on servers and processes, so two share two cores well. TEST_WORKERS=0 runs
 # everything in one process.
-# First, once per machine: the class archive the Spark tests' JVMs map (about 50 s of one core,
-# against 7 s of class loading saved at each of their dozen drivers; tests/spark/class_archive.py).
+# Before them: bytecode, and (once per machine and virtualenv) the class archive the Spark tests'
+# JVMs map: about 50 s of one core, against 7 s of class loading saved at each of their dozen
+# drivers (tests/spark/class_archive.py).
 TEST_WORKERS ?= 2
 test: $(STAMP) postgres-binaries $(AZURITE)
 	$(COMPILE)
