@@ -265,7 +265,10 @@ class _AgingBackoff(Backoff):
         if ulids is not None and ulids[1] is not None:
             share *= _younger_by(ulids[0], ulids[1], self._clock.now_ms())
         delay = policy.conflict_spread * slot * share * random.uniform(0.8, 1.0)
-        return max(0.0, min(delay, self._deadline - now))
+        delay = max(0.0, min(delay, self._deadline - now))
+        # The pause is the caller's, not the store's: the slot measures requests only.
+        self.attempt_started += delay
+        return delay
 
 
 def _younger_by(mine: str, theirs: str, now_ms: int) -> float:

@@ -47,6 +47,25 @@ def test_slot_is_measured_per_request() -> None:
     assert pacer.slot == pytest.approx(REQUEST)
 
 
+def test_a_pause_before_a_write_is_not_counted_as_store_time() -> None:
+    clock = FakeClock()
+    pacer = _measured_pacer(clock)
+    minter = UlidMinter(clock)
+    winners = minter.mint()
+    clock.sleep(10 * REQUEST)
+    mine = minter.mint()  # younger than the winners': lets them go first
+    backoff = pacer.start(cached=True)
+    _request(clock)  # the write that lost
+    assert backoff.next_delay(conflict=True) == 0.0
+    _request(clock)  # the read of the winners' manifest
+    pause = backoff.before_write(lambda: (mine, winners))
+    assert pause > 0
+    clock.sleep(pause)
+    _request(clock)  # the write that wins
+    pacer.won(backoff)
+    assert pacer.slot == pytest.approx(REQUEST)
+
+
 def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() -> None:
     clock = FakeClock()
     pacer = _measured_pacer(clock)
