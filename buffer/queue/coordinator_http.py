@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import socket
 import threading
 from collections.abc import Sequence
@@ -242,9 +243,12 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length", "0") or 0)
-        if length > _MAX_BODY:
-            self._reply(400, _refused(f"body of {length} bytes is over {_MAX_BODY}"))
+        declared = self.headers.get("Content-Length", "0") or "0"
+        length = int(declared) if declared.isdigit() else -1
+        if not 0 <= length <= _MAX_BODY:
+            # The body's end is unknown (or too far): nothing more is read from the connection.
+            reason = f"expected a Content-Length from 0 to {_MAX_BODY} bytes, found {declared!r}"
+            self._reply(400, _refused(reason))
             self.close_connection = True
             return
         body = self.rfile.read(length) if length else b""
@@ -270,6 +274,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
+            if math.isnan(budget):
+                # Every comparison with NaN is false: it would be a deadline that never comes.
+                raise ValueError(f"{BUDGET_HEADER}: expected a number of seconds, found nan")
             lower = int(self.headers.get(FROM_HEADER, "0"))
             not_after = self.headers.get(NOT_AFTER_HEADER)
             entries = decode_entries(body)

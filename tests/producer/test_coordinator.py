@@ -26,8 +26,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from millpond.common.ulids import UlidMinter
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.errors import FencedError
+from millpond.errors import FencedError, NotFoundError
+from millpond.formats.manifest import PendingEntry
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer
@@ -35,7 +37,13 @@ from millpond.producer.coordinator import CoordinatorOptions
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
+from millpond.queue.coordinator_http import (
+    APPEND_PATH,
+    QUEUE_HEADER,
+    REQUEST_HEADER,
+    CoordinatorServer,
+    encode_entries,
+)
 from millpond.storage.store import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
 from tests.support import ClockOff, ManualClock, unique_root
@@ -684,3 +692,54 @@ def test_a_coordinated_producer_does_not_hold_an_uploaded_batch_for_uploads_in_f
         producer.close(timeout=DEADLINE)
         server.close()
     assert all_entries(queue_store) == [b"first", b"second"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "names"),
+    [
+        ({"Content-Length": "many"}, "Content-Length"),
+        ({"Content-Length": "-1"}, "Content-Length"),
+        ({"X-Millpond-Budget": "nan"}, "X-Millpond-Budget"),
+    ],
+    ids=["length-not-a-number", "length-negative", "budget-nan"],
+)
+def test_a_malformed_append_is_refused_with_400_and_nothing_is_appended(
+    queue_store: ObjectStore, headers: dict[str, str], names: str
+) -> None:
+    """A request no client of ours sends (another program, a proxy mangling headers) gets a
+    400 naming the header, and the coordinator serves on. A budget that is not a number was
+    taken as a deadline that never comes (every comparison with NaN is false): the entries
+    were appended with no promise left about when; a negative Content-Length read the
+    connection to its end."""
+    server = _serve(queue_store)
+    location = f"{PREFIX}/{UlidMinter().mint()}.batch"
+    body = encode_entries([PendingEntry(location=location)])
+    request_headers = {
+        "Content-Length": str(len(body)),
+        QUEUE_HEADER: server.coordinator.queue,
+        REQUEST_HEADER: "r-1",
+        **headers,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+    try:
+        conn.putrequest("POST", APPEND_PATH)
+        for key, value in request_headers.items():
+            conn.putheader(key, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 400, answer
+        assert answer["status"] == "refused"
+        assert names in answer["reason"]
+        health = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE)
+        health.request("GET", "/v1/health")
+        assert health.getresponse().status == 200
+        health.close()
+        try:
+            appended = _locations(queue_store)
+        except NotFoundError:  # no manifest: nothing was ever appended
+            appended = []
+        assert location not in appended
+    finally:
+        conn.close()
+        server.close()
