@@ -273,10 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._other_queue():
             return
         try:
-            budget = float(self.headers.get(BUDGET_HEADER, str(DEFAULT_BUDGET)))
-            if math.isnan(budget):
-                # Every comparison with NaN is false: it would be a deadline that never comes.
-                raise ValueError(f"{BUDGET_HEADER}: expected a number of seconds, found nan")
+            budget = _budget(self.headers.get(BUDGET_HEADER))
             lower = int(self.headers.get(FROM_HEADER, "0"))
             not_after = self.headers.get(NOT_AFTER_HEADER)
             entries = decode_entries(body)
@@ -351,6 +348,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _budget(value: str | None) -> float:
+    """A request's budget header in seconds (``DEFAULT_BUDGET`` when absent).
+
+    Raises:
+        ValueError: not a number, or NaN: every comparison with NaN is false, so it would be
+            a deadline that never comes.
+    """
+    if value is None:
+        return DEFAULT_BUDGET
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = math.nan
+    if math.isnan(budget):
+        raise ValueError(f"{BUDGET_HEADER}: expected a number of seconds, found {value!r}")
+    return budget
 
 
 def _refused(reason: str) -> dict[str, Any]:
