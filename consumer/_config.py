@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from millpond.common.clock import Clock
+from millpond.common.durations import check_duration
 from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError
 from millpond.queue.coordinator_http import parse_coordinator_urls
 from millpond.storage.store import ObjectStore
 
-__all__ = ["ConsumerConfig", "check_duration", "check_paths"]
+__all__ = ["ConsumerConfig", "check_paths"]
 
 _MAX_READ_AHEAD = 256
 
@@ -142,19 +142,6 @@ def check_paths(manifest_path: str, data_path_prefix: str) -> None:
         )
     if not isinstance(data_path_prefix, str):
         raise ConfigError("data_path_prefix", f"expected a path, found {data_path_prefix!r}")
-
-
-def check_duration(key: str, value: float, *, allow_zero: bool) -> None:
-    """Validate a duration in seconds.
-
-    Raises:
-        ConfigError: not a finite number, negative, or zero when that is not allowed.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(key, f"expected a finite number of seconds, found {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(key, f"expected {bound} seconds, found {value}")
 
 
 def _check_int(key: str, value: int, low: int, high: int) -> None:

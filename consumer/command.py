@@ -16,6 +16,7 @@ from millpond.cli.common import (
     add_store_arguments,
     parse_options,
     require_queue_unless_create,
+    seconds,
     serving_metrics,
 )
 from millpond.common.signals import stop_on_signals
@@ -27,7 +28,6 @@ from millpond.consumer.quarantine import quarantine_command
 from millpond.consumer.service import ConsumerService
 from millpond.consumer.service import logger as service_logger
 from millpond.consumer.sinks import open_sink
-from millpond.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
@@ -90,10 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most batches written in one transaction when there is a backlog (default 16)",
     )
     parser.add_argument(
-        "--poll-interval", type=float, default=1.0, help="longest pause between idle polls (s)"
+        "--poll-interval",
+        type=seconds(allow_zero=False),
+        default=1.0,
+        help="longest pause between idle polls (s)",
     )
     parser.add_argument(
-        "--progress-interval", type=float, default=10.0, help="seconds between progress lines"
+        "--progress-interval",
+        type=seconds(allow_zero=False),
+        default=10.0,
+        help="seconds between progress lines",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
@@ -107,9 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="run the garbage collector in this process (default on)",
     )
-    parser.add_argument("--gc-interval", type=float, default=300.0, help="seconds (default 300)")
     parser.add_argument(
-        "--gc-grace-period", type=float, default=600.0, help="seconds (default 600)"
+        "--gc-interval", type=seconds(allow_zero=False), default=300.0, help="seconds (default 300)"
+    )
+    parser.add_argument(
+        "--gc-grace-period",
+        type=seconds(allow_zero=True),
+        default=600.0,
+        help="seconds (default 600)",
     )
     _metrics.add_arguments(parser)
     parser.add_argument(
@@ -139,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--report-interval",
-        type=float,
+        type=seconds(allow_zero=True),
         default=5.0,
         help="seconds between reports for millpond status (default 5; 0: at start and stop)",
     )
@@ -170,10 +181,6 @@ def run(args: argparse.Namespace) -> int:
         gc_grace_period=args.gc_grace_period,
         coordinator=args.coordinator,
     )
-    if args.poll_interval <= 0:
-        raise ConfigError("poll-interval", f"expected > 0 seconds, found {args.poll_interval}")
-    if args.report_interval < 0:
-        raise ConfigError("report-interval", f"expected >= 0 seconds, found {args.report_interval}")
     stop = threading.Event()
     with (
         stop_on_signals(stop, what="finishing the current batch"),

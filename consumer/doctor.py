@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from millpond.cli.common import add_store_arguments, emit, open_store_from_args
+from millpond.cli.common import add_store_arguments, emit, open_store_from_args, seconds
 from millpond.cli.main import EXIT_ERROR
 from millpond.common.clock import Clock
 from millpond.consumer.sinks import SinkError, open_sink, redact
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress-table", default="millpond_progress")
     parser.add_argument(
         "--max-clock-skew",
-        type=float,
+        type=seconds(allow_zero=True),
         default=MAX_CLOCK_SKEW,
         metavar="S",
         help=f"seconds of clock skew against the store that still pass (default "

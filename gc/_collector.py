@@ -9,7 +9,6 @@ the grace period. Failed deletes are logged and simply eligible again on the nex
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.durations import check_duration
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ClosedError, ConfigError, MillpondError
 from millpond.queue.gc_rules import GcReport, collect_once
@@ -65,8 +65,8 @@ class GarbageCollectorConfig:
             raise ConfigError(
                 "data_path_prefix", f"expected a path, found {self.data_path_prefix!r}"
             )
-        _check_seconds("gc_interval", self.gc_interval, allow_zero=False)
-        _check_seconds("gc_grace_period", self.gc_grace_period, allow_zero=True)
+        check_duration("gc_interval", self.gc_interval, allow_zero=False)
+        check_duration("gc_grace_period", self.gc_grace_period, allow_zero=True)
         if not isinstance(self.dry_run, bool):
             raise ConfigError("dry_run", f"expected True or False, found {self.dry_run!r}")
 
@@ -210,11 +210,3 @@ class GarbageCollector:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _check_seconds(key: str, value: float, *, allow_zero: bool) -> None:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if number and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
-        return
-    bound = ">= 0" if allow_zero else "> 0"
-    raise ConfigError(key, f"expected a finite number of seconds {bound}, found {value!r}")

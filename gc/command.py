@@ -18,6 +18,7 @@ from millpond.cli.common import (
     emit,
     parse_options,
     require_queue,
+    seconds,
     serving_metrics,
 )
 from millpond.common.exposition import MetricsCollector, Sample
@@ -33,12 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="run one pass and exit (default)")
     mode.add_argument(
-        "--interval", type=float, metavar="S", help="run a pass every S seconds until stopped"
+        "--interval",
+        type=seconds(allow_zero=False),
+        metavar="S",
+        help="run a pass every S seconds until stopped",
     )
     parser.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     parser.add_argument(
         "--grace-period",
-        type=float,
+        type=seconds(allow_zero=True),
         default=600.0,
         metavar="S",
         help="minimum age in seconds of a deletable batch object (default 600)",

@@ -50,14 +50,42 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["gc", "URL", "--interval", "soon"], "argument --interval: invalid float value: 'soon'"),
+        (
+            ["gc", "URL", "--interval", "soon"],
+            "argument --interval: expected a finite number of seconds > 0, found 'soon'",
+        ),
         (["status", "URL", "--output", "yaml"], "argument --output: invalid choice: 'yaml'"),
         (["inspect", "URL", "--store-option", "novalue"], "store-option: expected KEY=VALUE"),
         (["inspect", "ftp://host/x"], "store: expected an s3://bucket[/root], az://"),
         (
             ["consume", "URL", "--sink", "sqlite:///x.db", "--poll-interval", "-1"],
-            "poll-interval: expected > 0 seconds, found -1.0",
+            "argument --poll-interval: expected a finite number of seconds > 0, found '-1'",
         ),
+        # NaN passes every "< 0" test and infinity makes a wait endless: the service polled
+        # without pause, or never again, and its reporter thread died of an OverflowError.
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--poll-interval", "nan"],
+            "argument --poll-interval: expected a finite number of seconds > 0, found 'nan'",
+        ),
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--report-interval", "inf"],
+            "argument --report-interval: expected a finite number of seconds >= 0, found 'inf'",
+        ),
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--progress-interval", "0"],
+            "argument --progress-interval: expected a finite number of seconds > 0",
+        ),
+        # The coordinator's round thread died on sleep(nan) or sleep(-1) once it first paused.
+        (
+            ["coordinator", "URL", "--yield-slots", "nan"],
+            "argument --yield-slots: expected a finite number of store requests >= 0",
+        ),
+        (
+            ["coordinator", "URL", "--busy-seconds", "-1"],
+            "argument --busy-seconds: expected a finite number of seconds >= 0, found '-1'",
+        ),
+        (["gc", "URL", "--grace-period", "inf"], "argument --grace-period: expected a finite"),
+        (["doctor", "URL", "--max-clock-skew", "nan"], "argument --max-clock-skew: expected a"),
         (["consume", "URL", "--sink", "mysql://db/x"], "sink: "),
         (["doctor", "URL", "--max-clock-skew", "much"], "argument --max-clock-skew"),
         (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from millpond.common.durations import check_duration
 from millpond.common.exposition import MetricsServer
 from millpond.errors import ConfigError, NotFoundError
 from millpond.storage.checks import preflight
@@ -135,6 +136,24 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDRESS",
         help="address the metrics server binds (default 127.0.0.1; 0.0.0.0 for every interface)",
     )
+
+
+def seconds(*, allow_zero: bool, unit: str = "seconds") -> Callable[[str], float]:
+    """An argparse ``type`` for a duration: a finite number above 0 (or 0 when allowed), so
+    ``nan``, ``inf`` and negative values are usage errors, not waits that never end."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+            check_duration("value", value, allow_zero=allow_zero, unit=unit)
+        except ValueError:  # a ConfigError is one too
+            bound = ">= 0" if allow_zero else "> 0"
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number of {unit} {bound}, found {text!r}"
+            ) from None
+        return value
+
+    return parse
 
 
 def _port(text: str) -> int:

@@ -18,7 +18,7 @@ import signal
 import threading
 from types import FrameType
 
-from millpond.cli.common import add_store_arguments, open_store_from_args, require_queue
+from millpond.cli.common import add_store_arguments, open_store_from_args, require_queue, seconds
 from millpond.common.retry import STRATEGIES, RetryPolicy
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import DEFAULT_BUDGET, AppendCoordinator
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quiet-yield-interval",
-        type=float,
+        type=seconds(allow_zero=True),
         default=1.0,
         metavar="SECONDS",
         help="while nobody else has written lately: seconds of back-to-back rounds between two "
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--consumer-yield-interval",
-        type=float,
+        type=seconds(allow_zero=True),
         default=10.0,
         metavar="SECONDS",
         help="the same while a consumer sends its dequeues here (it asks for a moment before its "
@@ -60,14 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--busy-seconds",
-        type=float,
+        type=seconds(allow_zero=True),
         default=10.0,
         metavar="SECONDS",
         help="how long after another writer's write the coordinator counts as shared (default 10)",
     )
     parser.add_argument(
         "--yield-slots",
-        type=float,
+        type=seconds(allow_zero=True, unit="store requests"),
         default=1.5,
         metavar="REQUESTS",
         help="how long that moment is, in store requests' time (default 1.5)",

@@ -28,7 +28,7 @@ import pytest
 
 from millpond.common.ulids import UlidMinter
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.errors import FencedError, NotFoundError
+from millpond.errors import ConfigError, FencedError, NotFoundError
 from millpond.formats.manifest import PendingEntry
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
@@ -743,3 +743,24 @@ def test_a_malformed_append_is_refused_with_400_and_nothing_is_appended(
     finally:
         conn.close()
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("yield_every", 0),
+        ("yield_slots", float("nan")),
+        ("yield_slots", -1.0),
+        ("quiet_yield_interval", float("inf")),
+        ("busy_seconds", float("nan")),
+        ("consumer_yield_interval", -0.5),
+    ],
+)
+def test_a_pacing_value_that_is_not_a_finite_number_is_refused_at_once(
+    queue_store: ObjectStore, setting: str, value: float
+) -> None:
+    """Taken as given, these stopped the rounds at their first pause (``sleep(nan)`` raises)
+    or made the coordinator pause forever; refused when the coordinator is made, naming the
+    setting."""
+    with pytest.raises(ConfigError, match=setting):
+        AppendCoordinator(queue_store, MANIFEST, queue="q", **{setting: value})
