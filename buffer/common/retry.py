@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.durations import check_duration
 from millpond.common.ulids import ulid_time_ms
 from millpond.errors import ConfigError
 
@@ -91,8 +92,8 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError("max_attempts", f"expected >= 1, found {self.max_attempts}")
-        if self.max_elapsed <= 0:
-            raise ConfigError("max_elapsed", f"expected > 0 seconds, found {self.max_elapsed}")
+        # A NaN or infinite time budget would let a loop of lost races go on for ever.
+        check_duration("max_elapsed", self.max_elapsed, allow_zero=False)
         if not 0 < self.base_delay <= self.max_delay:
             raise ConfigError(
                 "base_delay",
@@ -103,9 +104,7 @@ class RetryPolicy:
                 "strategy", f"expected one of {', '.join(STRATEGIES)}, found {self.strategy!r}"
             )
         for name in ("aging_horizon", "conflict_spread", "contended_yield", "back_to_back_yield"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ConfigError(name, f"expected >= 0 slots, found {value!r}")
+            check_duration(name, getattr(self, name), allow_zero=True, unit="slots")
 
     def start(self, clock: Clock | None = None) -> Backoff:
         """A fresh backoff state for one retry loop (exponential, whatever the strategy)."""

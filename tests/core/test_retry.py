@@ -7,6 +7,8 @@ simulated by sleeping its duration, then ``slept`` is cleared to see only the pa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from millpond.common.retry import AgingPacer, Backoff, Pacer, RetryPolicy
@@ -183,3 +185,19 @@ def test_strategy_and_aging_fields_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         RetryPolicy(strategy="aging", contended_yield=-1.0)
     assert info.value.key == "contended_yield"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_elapsed", math.nan),  # no deadline: lost races retried for ever
+        ("max_elapsed", math.inf),
+        ("contended_yield", math.inf),  # sleep(inf) raises OverflowError in the writer
+        ("conflict_spread", math.nan),
+    ],
+)
+def test_a_time_that_is_not_a_finite_number_is_refused(field: str, value: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        RetryPolicy(strategy="aging", **{field: value})
+    assert info.value.key == field
+    assert "finite" in str(info.value)
