@@ -244,7 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         declared = self.headers.get("Content-Length", "0") or "0"
-        length = int(declared) if declared.isdigit() else -1
+        # isdigit() alone takes "²" (a latin-1 header byte), which int() refuses.
+        length = int(declared) if declared.isascii() and declared.isdigit() else -1
         if not 0 <= length <= _MAX_BODY:
             # The body's end is unknown (or too far): nothing more is read from the connection.
             reason = f"expected a Content-Length from 0 to {_MAX_BODY} bytes, found {declared!r}"

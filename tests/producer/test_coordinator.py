@@ -699,9 +699,10 @@ def test_a_coordinated_producer_does_not_hold_an_uploaded_batch_for_uploads_in_f
     [
         ({"Content-Length": "many"}, "Content-Length"),
         ({"Content-Length": "-1"}, "Content-Length"),
+        ({"Content-Length": "\u00b2"}, "Content-Length"),  # a digit to isdigit(), not to int()
         ({"X-Millpond-Budget": "nan"}, "X-Millpond-Budget"),
     ],
-    ids=["length-not-a-number", "length-negative", "budget-nan"],
+    ids=["length-not-a-number", "length-negative", "length-superscript", "budget-nan"],
 )
 def test_a_malformed_append_is_refused_with_400_and_nothing_is_appended(
     queue_store: ObjectStore, headers: dict[str, str], names: str
