@@ -94,7 +94,7 @@ def _segment_path(data_path_prefix: str, first: int, last: int, epoch: int) -> s
 def _segment_epoch(path: str) -> int:
     """The epoch in a segment's name; a name that is not a segment's is never an orphan."""
     _, _, epoch = path.rpartition("-e")
-    return int(epoch) if epoch.isdigit() else 1 << 64
+    return int(epoch) if epoch.isascii() and epoch.isdigit() else 1 << 64  # not "²"
 
 
 @dataclass(frozen=True, slots=True)

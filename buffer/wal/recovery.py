@@ -318,7 +318,8 @@ def _file_numbers(directory: Path) -> list[int]:
     numbers = []
     for entry in directory.iterdir():
         stem = entry.name[: -len(_SUFFIX)]
-        if entry.name.endswith(_SUFFIX) and stem.isdigit() and entry.is_file():
+        # isascii(): isdigit() also takes digits such as "²", which int() refuses.
+        if entry.name.endswith(_SUFFIX) and stem.isascii() and stem.isdigit() and entry.is_file():
             numbers.append(int(stem))
     return sorted(numbers)
 

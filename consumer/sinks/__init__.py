@@ -77,7 +77,7 @@ def open_sink(
         if unknown:
             raise ConfigError("sink", f"expected only busy_timeout_ms in {url!r}, found {unknown}")
         timeout = query.get("busy_timeout_ms", [str(DEFAULT_BUSY_TIMEOUT_MS)])[-1]
-        if not timeout.isdigit():
+        if not (timeout.isascii() and timeout.isdigit()):  # not "²"
             raise ConfigError(
                 "busy_timeout_ms", f"expected milliseconds (an integer), found {timeout!r}"
             )

@@ -296,3 +296,22 @@ def test_the_backlog_moves_while_nothing_is_delivered(store: ObjectStore) -> Non
     finally:
         consumer.close()
     assert _indexed(store) == []
+
+
+def test_an_object_whose_name_only_looks_like_a_segment_is_left_alone(
+    store: ObjectStore,
+) -> None:
+    """``-e²`` passes ``str.isdigit`` but not ``int``: a consumer taking the index over raised
+    ValueError while it looked for orphaned segments."""
+    writer = QueueWriter(store)
+    _fill(writer, 0, 12)
+    first = quiet_consumer(store, backlog_index=True, backlog_index_threshold=5)
+    first.initialize()
+    assert _indexed(store) == list(range(12))
+    stray = internal_path(PREFIX, "index/segments/not-a-segment-e\u00b2")
+    store.put(stray, b"someone else's")
+    successor = quiet_consumer(store, backlog_index=True, backlog_index_threshold=5)
+    successor.initialize()  # takes the index over: looks for orphans
+    assert _drain(successor) == _expected(0, 11)
+    successor.close()
+    assert _segments(store) == [stray]

@@ -86,6 +86,18 @@ def test_roundtrip_and_sequence_numbers(tmp_path: Path) -> None:
         assert sizes == [data_record_size(len(m), [len(x) for x in e]) for _, m, e in items]
 
 
+def test_a_file_whose_name_only_looks_numbered_is_not_a_wal_file(tmp_path: Path) -> None:
+    """``"².wal"`` passes ``str.isdigit`` but not ``int``: opening the WAL raised ValueError."""
+    with Wal.open(tmp_path) as wal:
+        wal.append_data(_items(3))
+        wal.sync()
+    stray = tmp_path / "\u00b2.wal"
+    stray.write_bytes(b"not a wal file")
+    with Wal.open(tmp_path) as wal:
+        assert _data(wal) == _expected(_items(3))
+    assert stray.exists()
+
+
 def test_release_writes_sidecar_and_deletes_whole_files(tmp_path: Path) -> None:
     with Wal.open(tmp_path, rotate_bytes=1024) as wal:
         for i in range(40):
