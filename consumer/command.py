@@ -14,6 +14,7 @@ import threading
 
 from millpond.cli.common import (
     add_store_arguments,
+    count,
     parse_options,
     require_queue_unless_create,
     seconds,
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-group",
-        type=int,
+        type=count,
         default=16,
         help="most batches written in one transaction when there is a backlog (default 16)",
     )
@@ -137,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quarantine-limit",
-        type=int,
+        type=count,
         default=10,
         help="with --on-bad-batch quarantine, stop after this many in a row (default 10)",
     )

@@ -85,6 +85,16 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
             "argument --busy-seconds: expected a finite number of seconds >= 0, found '-1'",
         ),
         (["gc", "URL", "--grace-period", "inf"], "argument --grace-period: expected a finite"),
+        # Taken as 1 without a word before.
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--max-group", "0"],
+            "argument --max-group: expected an integer >= 1, found '0'",
+        ),
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--quarantine-limit", "-1"],
+            "argument --quarantine-limit: expected an integer >= 1, found '-1'",
+        ),
+        (["coordinator", "URL", "--yield-every", "0"], "argument --yield-every: expected an"),
         (["doctor", "URL", "--max-clock-skew", "nan"], "argument --max-clock-skew: expected a"),
         (["consume", "URL", "--sink", "mysql://db/x"], "sink: "),
         (["doctor", "URL", "--max-clock-skew", "much"], "argument --max-clock-skew"),

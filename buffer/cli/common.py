@@ -156,6 +156,17 @@ def seconds(*, allow_zero: bool, unit: str = "seconds") -> Callable[[str], float
     return parse
 
 
+def count(text: str) -> int:
+    """An argparse ``type`` for how many of something: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)

@@ -18,7 +18,13 @@ import signal
 import threading
 from types import FrameType
 
-from millpond.cli.common import add_store_arguments, open_store_from_args, require_queue, seconds
+from millpond.cli.common import (
+    add_store_arguments,
+    count,
+    open_store_from_args,
+    require_queue,
+    seconds,
+)
 from millpond.common.retry import STRATEGIES, RetryPolicy
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import DEFAULT_BUDGET, AppendCoordinator
@@ -35,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=7411, help="default 7411; 0: a free port")
     parser.add_argument(
         "--yield-every",
-        type=int,
+        type=count,
         default=3,
         metavar="ROUNDS",
         help="while another writer (the consumer, a producer appending directly) has written "
