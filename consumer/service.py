@@ -40,6 +40,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.durations import check_count, check_duration
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._consumer import Consumer
 from millpond.consumer._report import ServiceReporter, ServiceState
@@ -118,8 +119,21 @@ class ConsumerService:
 
         Raises:
         ConfigError: ``on_bad_batch`` is not ``stop`` or ``quarantine``, or ``quarantine``
-            with a sink that cannot record quarantines.
+            with a sink that cannot record quarantines; ``max_group`` or
+            ``quarantine_limit`` is not an integer >= 1; a duration is not a finite number
+            of seconds > 0 (``progress_interval`` >= 0).
         """
+        check_count("max_group", max_group)
+        check_count("quarantine_limit", quarantine_limit)
+        for key, seconds in (
+            ("poll_min", poll_min),
+            ("poll_max", poll_max),
+            ("retry_initial_delay", retry_initial_delay),
+            ("retry_max_delay", retry_max_delay),
+        ):
+            check_duration(key, seconds, allow_zero=False)
+        # 0: a progress line after every group.
+        check_duration("progress_interval", progress_interval, allow_zero=True)
         try:
             self._on_bad_batch = BadBatchPolicy(on_bad_batch)
         except ValueError:
@@ -137,14 +151,14 @@ class ConsumerService:
         self._dead_letter = dead_letter_prefix or default_dead_letter_prefix(
             consumer.config.data_path_prefix
         )
-        self._quarantine_limit = max(1, quarantine_limit)
+        self._quarantine_limit = quarantine_limit
         self._bad_in_a_row = 0
         self._reporter = reporter
         self._consumer = consumer
         self._sink = sink
         self._poll_min = poll_min
         self._poll_max = max(poll_min, poll_max)
-        self._max_group = max(1, max_group)
+        self._max_group = max_group
         self._retry_initial = retry_initial_delay
         self._retry_max = max(retry_initial_delay, retry_max_delay)
         self._progress_interval = progress_interval

@@ -67,13 +67,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.durations import check_duration
+from millpond.common.durations import check_count, check_duration
 from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import parse_batch_name
 from millpond.errors import (
     CommitStateUnknownError,
-    ConfigError,
     InvalidInputError,
     MillpondError,
     StorageError,
@@ -183,8 +182,7 @@ class AppendCoordinator:
             ConfigError: a bad retry policy, or a pacing value that is not a finite number
                 (``yield_every`` an integer >= 1; the rest >= 0).
         """
-        if isinstance(yield_every, bool) or not isinstance(yield_every, int) or yield_every < 1:
-            raise ConfigError("yield_every", f"expected an integer >= 1, found {yield_every!r}")
+        check_count("yield_every", yield_every)
         check_duration("yield_slots", yield_slots, allow_zero=True, unit="store requests")
         check_duration("quiet_yield_interval", quiet_yield_interval, allow_zero=True)
         check_duration("busy_seconds", busy_seconds, allow_zero=True)

@@ -15,7 +15,7 @@ from consumer_support import FAST_RETRY, MANIFEST, Database, ForwardingSink, Que
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
 from millpond.consumer.sinks import SinkError
-from millpond.errors import FormatError
+from millpond.errors import ConfigError, FormatError
 from millpond.queue import read_manifest
 from millpond.storage.store import ObjectStore, open_store
 
@@ -189,3 +189,31 @@ def test_write_many_is_all_or_nothing(database: Database) -> None:
         assert sink.write_many([good, repeat]) == [True, False]
         assert sink.last_sequence("") == 2
     assert database.query(f'SELECT n FROM "{database.table}"') == [(1,)]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("max_group", 0),
+        ("max_group", -3),
+        ("max_group", 2.5),
+        ("quarantine_limit", 0),
+        ("poll_min", float("nan")),
+        ("poll_min", 0.0),
+        ("poll_max", float("inf")),
+        ("retry_initial_delay", -1.0),
+        ("retry_max_delay", float("nan")),
+        ("progress_interval", -1.0),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_by_name(
+    store: ObjectStore, database: Database, setting: str, value: float
+) -> None:
+    # Clamping 0 groups to 1, or sleeping NaN seconds in the loop's first idle poll, would
+    # run something other than what the caller asked for, without a word.
+    sink = database.sink()
+    try:
+        with pytest.raises(ConfigError, match=setting):
+            ConsumerService(_consumer(store), sink, **{setting: value})
+    finally:
+        sink.close()
