@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
@@ -60,6 +60,7 @@ from millpond.errors import (
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
+from millpond.queue.epoch_mark import check_not_replaced, read_epoch_mark, write_epoch_mark
 from millpond.queue.index import BacklogIndex, queue_view
 from millpond.storage.checks import preflight
 from millpond.storage.store import ObjectStore, open_store
@@ -203,14 +204,16 @@ class Consumer:
 
         Nothing is written, and no other consumer is fenced, when the queue refuses this one:
         its claim names another manifest (two queues on one data prefix), its GC grace period
-        is shorter than the queue's, or ``last_acked_sequence`` is not below the queue's
-        ``next_sequence``.
+        is shorter than the queue's, ``last_acked_sequence`` is not below the queue's
+        ``next_sequence``, or the manifest's epoch is below one a consumer of this queue held
+        (:mod:`millpond.queue.epoch_mark`: the manifest was replaced).
 
         Raises:
             ConfigError: the queue refuses this consumer (see above), naming the setting.
             InvalidInputError: ``last_acked_sequence`` is negative, not below the manifest's
                 ``next_sequence`` (the sink is ahead of this queue), or below the queue's
-                first entry minus one (entries it never saw were dequeued).
+                first entry minus one (entries it never saw were dequeued); or the manifest
+                was replaced (deleted and created again, or restored from an older copy).
             FencedError: yet another consumer initialized meanwhile.
             FormatError: the manifest is corrupt.
             StorageError: the store failed past the retry budget.
@@ -236,18 +239,31 @@ class Consumer:
                 # Its rounds would keep the epoch bump out: the read below and the bump on
                 # what it read both go in the pause asked for here.
                 self._coordinator.make_way()
-            # The claim and the manifest are read side by side (one round trip, not two);
-            # the manifest read is where the epoch bump starts from.
-            with ThreadPoolExecutor(1, thread_name_prefix="millpond-peek") as peek:
-                peeked = peek.submit(self._queue.peek_next_sequence)
-                try:
-                    self._open_claim()
-                finally:
-                    wait([peeked])
-            # Refuse a sink that is ahead of the queue before taking over: an operator's
-            # mistake must not fence the consumer that is right.
-            self._check_ahead(last_acked_sequence, peeked.result())
+            # The claim, the manifest and the epoch last recorded are read side by side (one
+            # round trip, not three); the manifest read is where the epoch bump starts from.
+            with ThreadPoolExecutor(2, thread_name_prefix="millpond-peek") as peek:
+                peeked = peek.submit(self._queue.peek)
+                marked = peek.submit(read_epoch_mark, self._store, self._prefix)
+                self._open_claim()  # leaving the block waits for both reads, raise or not
+            next_sequence, manifest_epoch = peeked.result()
+            recorded = marked.result()
+            if recorded is not None and manifest_epoch < recorded:
+                # Another consumer may have taken over between the two reads (its record is
+                # written after its bump lands): a manifest read after the record tells.
+                next_sequence, manifest_epoch = self._queue.peek()
+            # Refuse a sink that is ahead of the queue, or a manifest that was replaced,
+            # before taking over: an operator's mistake must not fence the consumer that is
+            # right.
+            self._check_ahead(last_acked_sequence, next_sequence)
+            check_not_replaced(
+                recorded,
+                manifest_epoch,
+                queue=self.queue,
+                store_url=self._store.url,
+                data_path_prefix=self._prefix,
+            )
             held = self._queue.initialize()
+            write_epoch_mark(self._store, self._prefix, self._config.manifest_path, held)
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.
             index = BacklogIndex(

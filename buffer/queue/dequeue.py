@@ -73,8 +73,9 @@ class QueueConsumer:
         during a call knows the epoch was checked in that call, even if the call failed."""
         return self._confirmations
 
-    def peek_next_sequence(self) -> int:
-        """The manifest's ``next_sequence`` (0 when there is none), without any epoch check.
+    def peek(self) -> tuple[int, int]:
+        """The manifest's ``next_sequence`` and epoch (0 and 0 when there is none), without
+        any epoch check.
 
         What it read is where the next :meth:`initialize` starts its compare-and-swap.
 
@@ -85,16 +86,17 @@ class QueueConsumer:
         current = self._cas.read()
         self._raw = current
         if current is None:
-            return 0
+            return 0, 0
         # Decoded whole: a corrupt manifest is refused before its epoch is bumped.
-        return decode_manifest(current.data, name=self._cas.path).next_sequence
+        manifest = decode_manifest(current.data, name=self._cas.path)
+        return manifest.next_sequence, manifest.epoch
 
     def initialize(self) -> int:
         """Increment the manifest epoch (creating an empty manifest if none exists).
 
         An ambiguous write is never taken as ours: another consumer may have written the same
         epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
-        Right after :meth:`peek_next_sequence`, the first attempt writes over what it read
+        Right after :meth:`peek`, the first attempt writes over what it read
         (conditional on its ETag, so only if nothing changed since) instead of reading again.
 
         Returns:
@@ -276,6 +278,15 @@ class QueueConsumer:
     def _check_epoch(self, found: int) -> None:
         if self._epoch is None:
             raise MillpondError("consumer is not initialized: call initialize() first")
+        if found < self._epoch:
+            raise FencedError(
+                f"{self._cas.path}: fenced: this consumer holds epoch {self._epoch}, the "
+                f"manifest has epoch {found}: epochs only grow, so the manifest was replaced "
+                "(deleted and created again, or restored from an older copy) and its "
+                "sequences may no longer match what was written; stopping",
+                expected_epoch=self._epoch,
+                found_epoch=found,
+            )
         if found != self._epoch:
             raise FencedError(
                 f"{self._cas.path}: fenced: this consumer holds epoch {self._epoch}, the "

@@ -60,6 +60,7 @@ from millpond.queue.claim import (
     internal_path,
     open_claim,
 )
+from millpond.queue.epoch_mark import check_not_replaced, read_epoch_mark
 from millpond.queue.holds import held_locations
 from millpond.queue.index import read_indexed
 from millpond.storage.store import DeleteFailure, ObjectInfo, ObjectStore
@@ -259,6 +260,8 @@ def collect_once(
         ConfigError: the queue's claim names another manifest, or asks for a longer grace
             period than ``grace_period`` (nothing is deleted).
         FormatError: the manifest, the claim or a hold is corrupt (nothing is deleted).
+        InvalidInputError: the manifest was replaced (deleted and created again, or restored
+            from an older copy: :mod:`millpond.queue.epoch_mark`); nothing is deleted.
         StorageError: the store failed before any delete (nothing is deleted).
     """
     prefix = data_path_prefix.strip("/")
@@ -277,6 +280,9 @@ def collect_once(
     # Only objects directly under the prefix: nested prefixes may hold other queues.
     listing = store.list(prefix, recursive=False)
     held = held_locations(store, prefix)
+    # Read before the manifest: a record written by a takeover after the manifest read would
+    # be newer than the manifest read, without anything being wrong.
+    recorded = read_epoch_mark(store, prefix)
     try:
         snapshot = read_manifest(store, manifest_path)
     except NotFoundError:
@@ -288,6 +294,14 @@ def collect_once(
             kept={KeepReason.NO_MANIFEST: len(listing)} if listing else {},
             dry_run=dry_run,
         )
+    # A replaced manifest no longer names what was appended to the one it replaced.
+    check_not_replaced(
+        recorded,
+        snapshot.manifest.epoch,
+        queue=f"{store.url}/{manifest_path}",
+        store_url=store.url,
+        data_path_prefix=prefix,
+    )
     if check_manifest is not None:
         check_manifest(snapshot.manifest)
     _head, indexed = read_indexed(store, prefix)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -28,7 +29,7 @@ from millpond.errors import (
 from millpond.formats.arrow import encode_ipc
 from millpond.formats.manifest import PendingEntry
 from millpond.queue import read_manifest
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
 
 
 @pytest.fixture
@@ -223,6 +224,115 @@ def test_resume_point_that_does_not_fit_the_queue_is_refused(store: ObjectStore)
             consumer.initialize(last_acked_sequence=6)
         with pytest.raises(InvalidInputError, match="expected None or an integer"):
             consumer.initialize(last_acked_sequence=-1)
+
+
+def test_a_manifest_created_again_is_refused_not_resumed_into(store: ObjectStore) -> None:
+    """A manifest deleted and created again starts its sequences over at 0. Before the fix a
+    consumer resuming after the sink's last sequence (5) took entries 0..5 of the new
+    manifest, which the sink never saw, as written and dequeued them: six batches lost."""
+    writer = QueueWriter(store)
+    for i in range(6):
+        writer.append([b"old%d" % i])
+    with quiet_consumer(store) as consumer:
+        consumer.initialize()
+        assert [b.sequence for b in _drain(consumer)] == list(range(6))
+    assert not store.delete_many([MANIFEST])
+    again = QueueWriter(store)
+    for i in range(10):
+        again.append([b"new%d" % i])  # sequences 0..9: past the sink's 5
+    refused = "epoch is 0, but a consumer of this queue held epoch 1"
+    with quiet_consumer(store) as consumer, pytest.raises(InvalidInputError, match=refused):
+        consumer.initialize(last_acked_sequence=5)
+    # Nothing was written: every new entry is still queued and no epoch was bumped.
+    snapshot = read_manifest(store, MANIFEST)
+    assert [e.sequence for e in snapshot.manifest.entries] == list(range(10))
+    assert snapshot.manifest.epoch == 0
+
+
+def test_a_manifest_restored_from_an_older_copy_is_refused(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"0"])
+    older = store.get(MANIFEST).data  # epoch 0, entry 0
+    with quiet_consumer(store) as first, quiet_consumer(store) as second:
+        first.initialize()
+        second.initialize()  # epoch 2 recorded
+    writer.append([b"1"])
+    store.put(MANIFEST, older)  # entry 1, appended since, is gone from it
+    with quiet_consumer(store) as consumer, pytest.raises(InvalidInputError, match="epoch 2"):
+        consumer.initialize(last_acked_sequence=None)
+
+
+def test_a_manifest_replaced_under_a_running_consumer_stops_it(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(3):
+        writer.append([b"%d" % i])
+    with quiet_consumer(store, read_ahead=1) as consumer:
+        consumer.initialize()
+        batch = consumer.next_batch()
+        assert batch is not None
+        consumer.ack(batch.sequence)
+        assert not store.delete_many([MANIFEST])
+        QueueWriter(store).append([b"new"])
+        with pytest.raises(FencedError, match="epochs only grow, so the manifest was replaced"):
+            consumer.flush()
+
+
+class _TakeoverBetweenReads(ForwardingStore):
+    """Runs ``takeover`` (another consumer's initialize) after this consumer's first read of
+    the manifest and before its read of the epoch record answers: its record is then newer
+    than the manifest this consumer read."""
+
+    def __init__(self, inner: ObjectStore, takeover: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._takeover: Callable[[], None] | None = takeover
+        self._manifest_read = threading.Event()
+
+    def get(self, path: str) -> GetResult:
+        if path.endswith("_millpond/epoch") and self._takeover is not None:
+            assert self._manifest_read.wait(10), "the manifest was not read alongside"
+            takeover, self._takeover = self._takeover, None
+            takeover()
+        got = self.inner.get(path)
+        if path == MANIFEST:
+            self._manifest_read.set()
+        return got
+
+
+def test_a_takeover_between_the_two_reads_is_not_taken_for_a_replaced_manifest(
+    store: ObjectStore,
+) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"0"])
+    with quiet_consumer(store) as first:
+        first.initialize()  # epoch 1 recorded
+    other = quiet_consumer(store)
+    racing = _TakeoverBetweenReads(store, other.initialize)  # epoch 2, recorded
+    with quiet_consumer(racing) as consumer:
+        consumer.initialize()
+        assert consumer.epoch == 3
+        assert [b.entries for b in _drain(consumer)] == [(b"0",)]
+    with pytest.raises(FencedError, match="another consumer took over"):
+        other.next_batch()
+    other.close()
+
+
+def test_a_queue_started_over_on_purpose_is_consumed_once_the_record_is_removed(
+    store: ObjectStore,
+) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"old"])
+    with quiet_consumer(store) as consumer:
+        consumer.initialize()
+    assert not store.delete_many([MANIFEST])
+    QueueWriter(store).append([b"new"])
+    with quiet_consumer(store) as consumer, pytest.raises(InvalidInputError) as refused:
+        consumer.initialize()
+    record = str(refused.value).rsplit(" and ", 1)[1]
+    assert record.endswith("_millpond/epoch")
+    assert not store.delete_many([record])
+    with quiet_consumer(store) as consumer:
+        consumer.initialize()
+        assert [b.entries for b in _drain(consumer)] == [(b"new",)]
 
 
 def test_a_newer_consumer_fences_the_older(store: ObjectStore) -> None:

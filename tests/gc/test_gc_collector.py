@@ -30,7 +30,7 @@ from gc_support import (
 
 from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.errors import ConfigError, FormatError, NotFoundError
+from millpond.errors import ConfigError, FormatError, InvalidInputError, NotFoundError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig, KeepReason
@@ -136,6 +136,24 @@ def test_corrupt_manifest_stops_the_pass_before_deleting(store: ObjectStore) -> 
     with pytest.raises(FormatError):
         _collector(store, ManualClock(T0 + HOUR_MS)).run_once()
     assert orphan in paths(store)
+
+
+def test_a_manifest_restored_from_an_older_copy_stops_the_pass_before_deleting(
+    store: ObjectStore,
+) -> None:
+    """Restored from a copy older than a consumer's takeover, the manifest no longer names
+    what was appended since; before the fix GC deleted those batches as unreferenced."""
+    first, appended_since = put_batch(store, T0), put_batch(store, T0 + 1)
+    enqueue(store, first)
+    older = store.get(MANIFEST).data  # epoch 0
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    consumer.initialize()  # epoch 1, recorded
+    consumer.close()
+    enqueue(store, appended_since)
+    store.put(MANIFEST, older)
+    with pytest.raises(InvalidInputError, match="held epoch 1"):
+        _collector(store, ManualClock(T0 + HOUR_MS)).run_once()
+    assert {first, appended_since} <= paths(store)
 
 
 def test_failed_deletes_are_reported_and_retried_next_pass(store: ObjectStore) -> None:
