@@ -309,6 +309,29 @@ def test_corrupt_manifest_stops_the_service(
     assert database.count() == 0
 
 
+def test_a_manifest_created_again_stops_the_service_naming_the_record(
+    shared_store_target: Any, database: Database, services: Callable[..., Service]
+) -> None:
+    """Before the fix the second run resumed after the sink's sequence 2 in a manifest whose
+    sequences had started over: the new batches 0..2 were dequeued unwritten (30 rows lost)."""
+    store = open_target(shared_store_target)
+    writer = QueueWriter(store)
+    for i in range(3):
+        writer.append_arrow(numbered(i * 10, 10))
+    first = services(shared_store_target, database, "--exit-when-idle")
+    assert first.wait() == 0, first.stderr
+    assert not store.delete_many([MANIFEST])
+    again = QueueWriter(store)
+    for i in range(6):
+        again.append_arrow(numbered(100 + i * 10, 10))  # sequences 0..5
+    second = services(shared_store_target, database, "--exit-when-idle")
+    assert second.wait() == 1, second.stderr
+    assert "deleted and created again" in second.stderr
+    assert "_millpond/epoch" in second.stderr
+    assert database.query(f'SELECT count(*), max(n) FROM "{database.table}"') == [(30, 29)]
+    assert [e.sequence for e in read_manifest(store, MANIFEST).manifest.entries] == list(range(6))
+
+
 def test_sigterm_flushes_acks_and_exits_zero(
     shared_store_target: Any, database: Database, services: Callable[..., Service]
 ) -> None:
