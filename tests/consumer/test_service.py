@@ -309,6 +309,11 @@ def test_corrupt_manifest_stops_the_service(
     assert database.count() == 0
 
 
+@pytest.mark.parametrize(
+    ("shared_store_target", "database"),
+    [(SHARED_STORE_KINDS[0], "postgres"), (SHARED_STORE_KINDS[1], "sqlite")],
+    indirect=True,
+)
 def test_a_manifest_created_again_stops_the_service_naming_the_record(
     shared_store_target: Any, database: Database, services: Callable[..., Service]
 ) -> None:
