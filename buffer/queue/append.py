@@ -192,7 +192,7 @@ class QueueProducer:
                             continue
                     if current is not None:
                         footer = decode_footer(current.data, name=cas.path)
-                        self._seen_next = max(self._seen_next, footer.next_sequence)
+                        self._note_next_sequence(footer.next_sequence)
                         if present_from is not None:
                             low = present_from
                             if maybe_landed_from is not None:
@@ -349,6 +349,23 @@ class QueueProducer:
                 continue
             self._cached = RawManifest(data, etag) if etag is not None else None
             return True
+
+    def _note_next_sequence(self, found: int) -> None:
+        """Keep :attr:`seen_next_sequence` up to date with a manifest as read.
+
+        ``next_sequence`` never goes back in one manifest, so a lower one means the manifest
+        was replaced: said once, and the new manifest's taken as the bound from then on."""
+        if found < self._seen_next:
+            logger.warning(
+                "append to %s: the manifest's next_sequence is %s, below %s seen before: it "
+                "was replaced (deleted and created again, or restored from an older copy). "
+                "Appending to it; a millpond consumer refuses it until an operator decides "
+                "(README, 'A replaced manifest is refused')",
+                self._cas.path,
+                found,
+                self._seen_next,
+            )
+        self._seen_next = found
 
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
         """Under contention, a read of the manifest sent just behind the write."""

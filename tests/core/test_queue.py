@@ -69,6 +69,24 @@ def test_uncontended_append_uses_the_cached_manifest(store: ObjectStore) -> None
     assert len(_locations(store)) == 7
 
 
+def test_a_producer_says_so_when_the_manifest_was_replaced_and_appends_to_it(
+    store: ObjectStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = _producer(store)
+    assert first.append(pending(3)) == (0, 1, 2)
+    assert not store.delete_many([MANIFEST])  # deleted; another producer creates it again
+    assert _producer(store).append(pending(1)) == (0,)
+    with caplog.at_level("WARNING", logger="millpond.queue.append"):
+        assert first.append(pending(1)) == (1,)
+        # The new manifest's, a bound for what this writer appends next (not the old 3).
+        assert first.seen_next_sequence == 2
+        store.put(MANIFEST, store.get(MANIFEST).data)  # a new ETag: the next append reads
+        assert first.append(pending(1)) == (2,)
+    replaced = [r for r in caplog.records if "was replaced" in r.getMessage()]
+    assert len(replaced) == 1, caplog.text  # once, not on every read after
+    assert "next_sequence is 1, below 3" in replaced[0].getMessage()
+
+
 def test_append_rejects_bad_groups_before_writing(store: ObjectStore) -> None:
     producer = _producer(store)
     with pytest.raises(InvalidInputError):
