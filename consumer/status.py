@@ -26,6 +26,7 @@ from millpond.consumer._watch import watch
 from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
 from millpond.queue import read_manifest
+from millpond.queue.epoch_mark import read_epoch_mark
 from millpond.queue.index import queue_view, read_indexed
 from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
@@ -58,6 +59,15 @@ class QueueStatus:
     """Entries past ``consumed_through`` (every entry when that is not known)."""
     indexed_entries: int = 0
     """Of ``queue_length``, the entries the consumer moved into its backlog index."""
+    recorded_epoch: int | None = None
+    """The epoch a consumer of this queue recorded when it took over
+    (:mod:`millpond.queue.epoch_mark`); above ``epoch``, the manifest was replaced."""
+
+    @property
+    def replaced(self) -> bool:
+        """The manifest's epoch is below one a consumer of this queue held: it was deleted
+        and created again, or restored from an older copy (a consumer refuses it)."""
+        return self.recorded_epoch is not None and self.epoch < self.recorded_epoch
 
 
 def queue_status(
@@ -69,9 +79,9 @@ def queue_status(
     data_path_prefix: str = "ingest",
     consumed_through: int | None = None,
 ) -> QueueStatus:
-    """Measure a queue: one GET of the manifest and one of the backlog index head (with its
-    segments when it holds entries), plus one listing of the data prefix (a request per 1000
-    objects) with ``measure_bytes``.
+    """Measure a queue: one GET of the manifest, one of the epoch a consumer recorded, one of
+    the backlog index head (with its segments when it holds entries), plus one listing of the
+    data prefix (a request per 1000 objects) with ``measure_bytes``.
 
     ``consumed_through`` is the last sequence the sink recorded, when known: entries up to it
     are in the database already (acknowledged, not yet dequeued) and count neither as
@@ -82,6 +92,9 @@ def queue_status(
         FormatError: the manifest is corrupt.
         StorageError: the store failed.
     """
+    # Before the manifest: a takeover between the two reads then cannot look like a
+    # replaced manifest.
+    recorded = read_epoch_mark(store, data_path_prefix)
     snapshot = read_manifest(store, manifest_path)
     # After the manifest: an entry moved meanwhile is in the index by then.
     head, indexed = read_indexed(store, data_path_prefix)
@@ -115,6 +128,7 @@ def queue_status(
         consumer_lag_seconds=waiting.lag_seconds(now_ms),
         unconsumed_entries=waiting.length,
         indexed_entries=len(indexed),
+        recorded_epoch=recorded,
     )
 
 
@@ -165,6 +179,7 @@ def status_record(
     (``sink``, with ``--sink``), and under ``metrics`` the same figures under the names the
     consumer exports them."""
     record: dict[str, Any] = asdict(status)
+    record["replaced"] = status.replaced
     record["metrics"] = {
         "millpond_queue_length": status.unconsumed_entries,
         "millpond_queue_bytes": status.bytes_referenced,
@@ -257,7 +272,13 @@ def _text(url: str, record: Mapping[str, Any]) -> list[str]:
     first = record["first_sequence"]
     return [
         f"queue            {url}/{record['manifest_path']}",
-        f"epoch            {record['epoch']}",
+        f"epoch            {record['epoch']}"
+        + (
+            f" (MANIFEST REPLACED: a consumer of this queue held epoch "
+            f"{record['recorded_epoch']}; consumers refuse it, README 'A replaced manifest')"
+            if record.get("replaced")
+            else ""
+        ),
         f"queue length     {record['queue_length']} entries "
         f"(sequences {first if first is not None else '-'}..{record['next_sequence'] - 1}"
         + (

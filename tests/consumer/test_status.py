@@ -102,3 +102,34 @@ def test_status_command_text_and_json(tmp_path: Path) -> None:
     missing = cli("--manifest-path", "nowhere/manifest")
     assert missing.returncode == 1
     assert "nowhere/manifest" in missing.stderr
+
+
+def test_status_flags_a_replaced_manifest(tmp_path: Path) -> None:
+    url = (tmp_path / "store").as_uri()
+    from millpond.consumer import Consumer, ConsumerConfig
+    from millpond.storage.store import open_store
+
+    store = open_store(url)
+    QueueWriter(store).append([b"old"])
+    with Consumer(ConsumerConfig(store=store, gc_enabled=False)) as consumer:
+        consumer.initialize()  # epoch 1, recorded
+    healthy = queue_status(store, MANIFEST)
+    assert (healthy.epoch, healthy.recorded_epoch, healthy.replaced) == (1, 1, False)
+    assert not store.delete_many([MANIFEST])
+    QueueWriter(store).append([b"new"])  # created again, epoch 0
+    replaced = queue_status(store, MANIFEST)
+    assert (replaced.epoch, replaced.recorded_epoch, replaced.replaced) == (0, 1, True)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "millpond.cli", "status", url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+
+    assert json.loads(cli("--output", "json").stdout)["replaced"] is True
+    assert "epoch            0 (MANIFEST REPLACED: a consumer of this queue held epoch 1" in (
+        cli().stdout
+    )

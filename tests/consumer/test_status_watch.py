@@ -41,11 +41,12 @@ def test_the_default_reads_manifest_and_index_head_bytes_cost_one_listing(tmp_pa
     cheap = queue_status(store, MANIFEST)
     assert cheap.queue_length == 40
     assert cheap.bytes_referenced is None
-    # The manifest and the backlog index head (none here): two requests, whatever the backlog.
-    assert store.calls == {f"get:{MANIFEST}": 1, "get": 1}
+    # The manifest, the epoch record and the backlog index head (none here): three requests,
+    # whatever the backlog.
+    assert store.calls == {f"get:{MANIFEST}": 1, "get": 2}
     store.calls.clear()
     measured = queue_status(store, MANIFEST, measure_bytes=True)
-    assert store.calls == {f"get:{MANIFEST}": 1, "get": 1, "list": 1}  # no HEAD per entry
+    assert store.calls == {f"get:{MANIFEST}": 1, "get": 2, "list": 1}  # no HEAD per entry
     plain = open_store(url)
     sizes = {e.location: plain.head(e.location).size for e in _entries(url)}
     assert measured.bytes_referenced == sum(sizes.values())
