@@ -67,6 +67,16 @@ def test_status_without_a_manifest(store: ObjectStore) -> None:
         queue_status(store, MANIFEST)
 
 
+def _status_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "millpond.cli", "status", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_status_command_text_and_json(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     from millpond.storage.store import open_store
@@ -75,16 +85,7 @@ def test_status_command_text_and_json(tmp_path: Path) -> None:
     for i in range(3):
         writer.append([b"payload-%d" % i])
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "millpond.cli", "status", url, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-
-    as_json = cli("--output", "json", "--bytes")
+    as_json = _status_cli(url, "--output", "json", "--bytes")
     assert as_json.returncode == 0, as_json.stderr
     record = json.loads(as_json.stdout)
     assert record["queue_length"] == 3
@@ -92,14 +93,16 @@ def test_status_command_text_and_json(tmp_path: Path) -> None:
     assert record["epoch"] == 0
     assert record["metrics"]["millpond_queue_length"] == 3
     assert record["metrics"]["millpond_queue_bytes"] == record["bytes_referenced"]
-    cheap = json.loads(cli("--output", "json").stdout)  # the default reads the manifest only
+    cheap = json.loads(
+        _status_cli(url, "--output", "json").stdout
+    )  # the default reads the manifest only
     assert cheap["bytes_referenced"] is None
     assert cheap["queue_length"] == 3
-    text = cli()
+    text = _status_cli(url)
     assert text.returncode == 0, text.stderr
     for label in ("queue length", "bytes referenced", "oldest entry", "consumer lag", "epoch"):
         assert label in text.stdout
-    missing = cli("--manifest-path", "nowhere/manifest")
+    missing = _status_cli(url, "--manifest-path", "nowhere/manifest")
     assert missing.returncode == 1
     assert "nowhere/manifest" in missing.stderr
 
@@ -120,16 +123,9 @@ def test_status_flags_a_replaced_manifest(tmp_path: Path) -> None:
     replaced = queue_status(store, MANIFEST)
     assert (replaced.epoch, replaced.recorded_epoch, replaced.replaced) == (0, 1, True)
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "millpond.cli", "status", url, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-
-    assert json.loads(cli("--output", "json").stdout)["replaced"] is True
+    assert json.loads(_status_cli(url, "--output", "json").stdout)["replaced"] is True
+    text = _status_cli(url)
+    assert text.returncode == 0, text.stderr
     assert "epoch            0 (MANIFEST REPLACED: a consumer of this queue held epoch 1" in (
-        cli().stdout
+        text.stdout
     )
