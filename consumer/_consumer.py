@@ -60,7 +60,12 @@ from millpond.errors import (
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
-from millpond.queue.epoch_mark import check_not_replaced, read_epoch_mark, write_epoch_mark
+from millpond.queue.epoch_mark import (
+    check_not_replaced,
+    is_replaced,
+    read_epoch_mark,
+    write_epoch_mark,
+)
 from millpond.queue.index import BacklogIndex, queue_view
 from millpond.storage.checks import preflight
 from millpond.storage.store import ObjectStore, open_store
@@ -247,7 +252,7 @@ class Consumer:
                 self._open_claim()  # leaving the block waits for both reads, raise or not
             next_sequence, manifest_epoch = peeked.result()
             recorded = marked.result()
-            if recorded is not None and manifest_epoch < recorded:
+            if is_replaced(recorded, manifest_epoch):
                 # Another consumer may have taken over between the two reads (its record is
                 # written after its bump lands): a manifest read after the record tells.
                 next_sequence, manifest_epoch = self._queue.peek()

@@ -26,7 +26,7 @@ from millpond.consumer._watch import watch
 from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
 from millpond.queue import read_manifest
-from millpond.queue.epoch_mark import read_epoch_mark
+from millpond.queue.epoch_mark import is_replaced, read_epoch_mark
 from millpond.queue.index import queue_view, read_indexed
 from millpond.queue.observe import referenced_bytes, waiting_after
 from millpond.storage.store import ObjectStore
@@ -67,7 +67,7 @@ class QueueStatus:
     def replaced(self) -> bool:
         """The manifest's epoch is below one a consumer of this queue held: it was deleted
         and created again, or restored from an older copy (a consumer refuses it)."""
-        return self.recorded_epoch is not None and self.epoch < self.recorded_epoch
+        return is_replaced(self.recorded_epoch, self.epoch)
 
 
 def queue_status(

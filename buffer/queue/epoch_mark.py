@@ -38,6 +38,7 @@ __all__ = [
     "EPOCH_MARK_NAME",
     "check_not_replaced",
     "epoch_mark_path",
+    "is_replaced",
     "read_epoch_mark",
     "write_epoch_mark",
 ]
@@ -99,6 +100,11 @@ def write_epoch_mark(
         )
 
 
+def is_replaced(recorded: int | None, epoch: int) -> bool:
+    """Whether a manifest read at ``epoch`` is below the ``recorded`` one (module docstring)."""
+    return recorded is not None and epoch < recorded
+
+
 def check_not_replaced(
     recorded: int | None, epoch: int, *, queue: str, store_url: str, data_path_prefix: str
 ) -> None:
@@ -108,7 +114,7 @@ def check_not_replaced(
         InvalidInputError: the manifest was replaced (module docstring), naming both epochs,
             the queue and what to do.
     """
-    if recorded is None or epoch >= recorded:
+    if not is_replaced(recorded, epoch):
         return
     path = epoch_mark_path(data_path_prefix)
     raise InvalidInputError(
