@@ -47,6 +47,12 @@ class FencedError(MillpondError):
         self.expected_epoch = expected_epoch
         self.found_epoch = found_epoch
 
+    @property
+    def replaced(self) -> bool:
+        """The epoch went back instead: nobody took over, the manifest was replaced (deleted
+        and created again, or restored from an older copy). Epochs only grow."""
+        return self.found_epoch < self.expected_epoch
+
 
 class FormatError(MillpondError):
     """Corrupt, truncated or unsupported bytes. Names the object, field and byte offset."""

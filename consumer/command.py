@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the service until SIGTERM or SIGINT.
 
     Raises:
-        FencedError: another consumer took over (the CLI exits 3).
+        FencedError: another consumer took over (the CLI exits 3), or the manifest was
+            replaced (exit 1).
         MillpondError: bad data, a bad configuration or a refusing database (exit 1).
     """
     if not args.quiet:

@@ -140,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = module.run(args)
     except FencedError as err:
+        if err.replaced:  # no newer consumer to leave the queue to: the operator must act
+            print(f"millpond {args.command}: {err}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"millpond {args.command}: another consumer took over: {err}", file=sys.stderr)
         return EXIT_FENCED
     except ConfigError as err:

@@ -318,13 +318,20 @@ def test_a_manifest_created_again_stops_the_service_naming_the_record(
     shared_store_target: Any, database: Database, services: Callable[..., Service]
 ) -> None:
     """Before the fix the second run resumed after the sink's sequence 2 in a manifest whose
-    sequences had started over: the new batches 0..2 were dequeued unwritten (30 rows lost)."""
+    sequences had started over: the new batches 0..2 were dequeued unwritten (30 rows lost).
+    The first run, replaced under it, said "another consumer took over" and exited 3 (the
+    code a supervisor reads as "leave it to the newer one"): there is no newer one."""
     store = open_target(shared_store_target)
     writer = QueueWriter(store)
     for i in range(3):
         writer.append_arrow(numbered(i * 10, 10))
-    first = services(shared_store_target, database, "--exit-when-idle")
-    assert first.wait() == 0, first.stderr
+    older_copy = store.get(MANIFEST).data  # epoch 0: no consumer yet
+    first = services(shared_store_target, database)
+    _wait_for(lambda: database.count() == 30, 60, "30 rows")
+    store.put(MANIFEST, older_copy)  # restored under the running service
+    assert first.wait() == 1, first.stderr
+    assert "the manifest was replaced" in first.stderr
+    assert "another consumer took over" not in first.stderr
     assert not store.delete_many([MANIFEST])
     again = QueueWriter(store)
     for i in range(6):
