@@ -50,10 +50,10 @@ demo: $(STAMP)
 # Before them: bytecode, and (once per machine and virtualenv) the class archive the Spark tests'
 # JVMs map: about 50 s of one core, against 7 s of class loading saved at each of their dozen
 # drivers (tests/spark/class_archive.py).
-# On a fresh machine the set-up steps that do not need each other run side by side: npm's install
-# of Azurite (about 35 s) beside pip's install and then the archive (about 100 s and 50 s).
+# On a fresh machine, after pip's install (about 100 s), npm's install of Azurite (about 35 s,
+# mostly waiting on the registry) runs beside the archive (about 50 s of one core).
 TEST_WORKERS ?= 2
-test: postgres-binaries
+test: $(STAMP) postgres-binaries
 	$(MAKE) --no-print-directory --output-sync=target -j2 spark-archive $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
