@@ -21,7 +21,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, InvalidInputError
 from millpond.formats.batch import CompressionType
 from millpond.producer.coordinator import parse_coordinator_urls
-from millpond.storage.store import STORE_URL_FORMS, STORE_URL_SCHEMES, ObjectStore
+from millpond.storage.store import ObjectStore, check_store_url
 
 __all__ = ["ProducerConfig", "parse_duration", "parse_size"]
 
@@ -346,10 +346,7 @@ def _parse(key: str, value: str, parser: Callable[[str], Any]) -> Any:
 
 def _check_store(store: object) -> None:
     if isinstance(store, str):
-        scheme, sep, _ = store.partition("://")
-        if not sep or scheme.lower() not in STORE_URL_SCHEMES:
-            found = f"{scheme}://" if sep else "no scheme"
-            raise ConfigError("store", f"expected {STORE_URL_FORMS}, found {found}")
+        check_store_url(store)
         return
     if isinstance(store, ObjectStore):
         return

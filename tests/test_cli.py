@@ -57,6 +57,8 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
         (["status", "URL", "--output", "yaml"], "argument --output: invalid choice: 'yaml'"),
         (["inspect", "URL", "--store-option", "novalue"], "store-option: expected KEY=VALUE"),
         (["inspect", "ftp://host/x"], "store: expected an s3://bucket[/root], az://"),
+        # The root ended at the '?': the queue was created at .../q.
+        (["consume", "URL?x", "--sink", "sqlite:///x.db", "--create"], "takes no '?' or '#'"),
         (
             ["consume", "URL", "--sink", "sqlite:///x.db", "--poll-interval", "-1"],
             "argument --poll-interval: expected a finite number of seconds > 0, found '-1'",
@@ -105,7 +107,7 @@ def test_every_bad_value_is_a_one_line_usage_error(
     tmp_path: Path, args: list[str], expected: str
 ) -> None:
     url = (tmp_path / "q").as_uri()
-    line = _one_line(_run(*[url if a == "URL" else a for a in args]), 2)
+    line = _one_line(_run(*[a.replace("URL", url) if a.startswith("URL") else a for a in args]), 2)
     assert line.startswith("millpond")
     assert "error: " in line
     assert expected in line

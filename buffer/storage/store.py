@@ -29,6 +29,7 @@ __all__ = [
     "GetResult",
     "ObjectInfo",
     "ObjectStore",
+    "check_store_url",
     "open_store",
     "s3_options_from_env",
 ]
@@ -266,16 +267,14 @@ def open_store(
     if isinstance(store, ObjectStore):
         return store
     if isinstance(store, str):
-        scheme = urlsplit(store).scheme
-        if scheme == "file":
+        check_store_url(store)
+        if urlsplit(store).scheme == "file":
             from millpond.storage.file_store import FileStore
 
             return FileStore.from_url(store)
-        if scheme in BACKENDS or scheme == "memory":
-            from millpond.storage.obstore_store import ObstoreStore
+        from millpond.storage.obstore_store import ObstoreStore
 
-            return ObstoreStore.from_url(store, options)
-        raise ConfigError("store", f"expected {STORE_URL_FORMS}, found {_redact(store)!r}")
+        return ObstoreStore.from_url(store, options)
     from millpond.storage.obstore_store import ObstoreStore
 
     return ObstoreStore.wrap(store)
@@ -288,6 +287,27 @@ STORE_URL_FORMS = (
 """What a store URL may look like, for error messages and help texts."""
 STORE_URL_SCHEMES = (*BACKENDS, "file", "memory")
 """Every scheme :func:`open_store` opens."""
+
+
+def check_store_url(url: str) -> None:
+    """Refuse a store URL :func:`open_store` would not open, or would open somewhere else.
+
+    A ``?`` or ``#`` would end the root there (``s3://b/q?x`` and ``s3://b/q#y`` are both the
+    queue at ``s3://b/q``): two queues meant to be apart would silently be one.
+
+    Raises:
+        ConfigError: an unsupported scheme, or a query or fragment.
+    """
+    scheme = urlsplit(url).scheme
+    if scheme not in STORE_URL_SCHEMES or "://" not in url:
+        raise ConfigError("store", f"expected {STORE_URL_FORMS}, found {_redact(url)!r}")
+    if "?" in url or "#" in url:
+        raise ConfigError(
+            "store",
+            f"{_redact(url)!r}: a store URL takes no '?' or '#' (the root would end there); "
+            "write one that belongs to the root as %3F or %23, and give options as store "
+            "options (--store-option KEY=VALUE)",
+        )
 
 
 def _redact(url: str) -> str:

@@ -280,3 +280,23 @@ def test_file_store_lock_survives_its_file_being_removed_under_waiters(tmp_path:
     assert int(store.get("counter").data) == 400
     assert sorted(wins) == list(range(400))  # no two writers ever won from the same value
     assert _hidden_files(tmp_path / "root") == []
+
+
+def test_a_query_or_fragment_in_a_store_url_is_refused_not_cut_off(
+    any_store_target: StoreTarget,
+) -> None:
+    """``s3://b/q?x`` and ``s3://b/q#y`` were both opened at ``s3://b/q``: two queues meant to
+    be apart were silently one (and ``file:///…/q?x`` was the directory ``q``)."""
+    url, options = any_store_target.url, dict(any_store_target.options)
+    for tail in ("?x", "#y", "?"):
+        with pytest.raises(ConfigError) as info:
+            open_store(f"{url}/q{tail}", options)
+        assert info.value.key == "store"
+        assert "%3F" in str(info.value)
+    # Written as %3F and %23 they belong to the root: three roots, three places.
+    roots = {root: open_store(f"{url}/{root}", options) for root in ("q", "q%3Fx", "q%23y")}
+    for root, store in roots.items():
+        store.put("k", root.encode())
+    assert {root: store.get("k").data for root, store in roots.items()} == {
+        root: root.encode() for root in roots
+    }
