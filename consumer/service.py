@@ -230,9 +230,12 @@ class ConsumerService:
             raise
         except BaseException as err:
             if isinstance(err, MillpondError):
+                last = self.stats.last_sequence
                 logger.error(  # noqa: TRY400 - the message is the point; the CLI prints it too
-                    "stopping after sequence %s; nothing after it is written: %s",
-                    self.stats.last_sequence,
+                    "%s: %s",
+                    "stopping before writing anything"
+                    if last is None
+                    else f"stopping after sequence {last}; nothing after it is written",
                     err,
                 )
             # Dequeue what was written and acked, even when stopping on bad data; a failure

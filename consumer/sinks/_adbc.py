@@ -79,8 +79,11 @@ class AdbcSink(QuarantineLedger, ABC):
         entry_format: EntryFormat | str,
         sequence_column: str | None,
         progress_table: str,
+        secrets: Sequence[str] = (),
     ) -> None:
         self._description = description
+        # Credentials the driver may quote in its messages (a URL it could not parse).
+        self._secrets = tuple(secrets)
         self._table = TableName.parse("table", table)
         self._progress = TableName.parse("progress_table", progress_table)
         self._quarantine = self._progress.sibling(QUARANTINE_SUFFIX)
@@ -522,6 +525,8 @@ class AdbcSink(QuarantineLedger, ABC):
     def _translate(self, err: Exception) -> SinkError:
         error_class = self._classify(err)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        for secret in self._secrets:
+            first = first.replace(secret, "***")
         return SinkError(
             f"{self._description} table {self._table}: {type(err).__name__}: {first} "
             f"[{error_class}]",

@@ -20,6 +20,7 @@ class. A ``vendor_code``, should a driver version fill it, wins over the text.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -126,8 +127,22 @@ _SQLITE_MESSAGES: tuple[tuple[str, int], ...] = (
 )
 
 
+# What libpq says of a connection URL it cannot parse, before it tries any server: retrying
+# cannot help (fe-connect.c's URI and option parsers).
+_BAD_CONNECTION_URL = re.compile(
+    r"invalid (?:URI|percent-encoded token|connection option|integer value|port number"
+    r"|\w+ value)|(?:missing|extra) key/value separator|unexpected character .* in URI"
+    r"|end of string reached when looking for matching|IPv6 host address may not be empty"
+    r"|forbidden value %00"
+)
+
+
 def classify_postgres(
-    sqlstate: str | None, *, connection_level: bool, constraint: str | None = None
+    sqlstate: str | None,
+    *,
+    connection_level: bool,
+    constraint: str | None = None,
+    message: str = "",
 ) -> ErrorClass:
     """The class of a PostgreSQL error.
 
@@ -136,6 +151,8 @@ def classify_postgres(
         connection_level: the driver failed below SQL (ADBC ``OperationalError`` or
             ``InterfaceError``); used only when there is no SQLSTATE.
         constraint: the constraint a violation names (``PG_DIAG_CONSTRAINT_NAME``).
+        message: the driver's message; tells a connection URL libpq cannot parse (permanent)
+            from a server it cannot reach (transient).
     """
     if sqlstate:
         if sqlstate == "23505" and constraint and constraint.startswith("pg_"):
@@ -148,6 +165,8 @@ def classify_postgres(
             name, transient = POSTGRES_CLASSES.get(sqlstate[:2], ("unclassified", P))
         return ErrorClass(sqlstate, name, transient)
     if connection_level:
+        if _BAD_CONNECTION_URL.search(message):
+            return ErrorClass("connection", "a connection URL libpq cannot parse", P)
         return ErrorClass("connection", "connection failure (no SQLSTATE)", T)
     return ErrorClass("driver", "refused by the driver (no SQLSTATE)", P)
 

@@ -12,8 +12,9 @@ error classes: :mod:`millpond.consumer.sinks.errors`.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 
@@ -62,6 +63,7 @@ class PostgresSink(AdbcSink):
         self._url = url
         super().__init__(
             description=redact(url),
+            secrets=_secrets(url),
             table=table,
             entry_format=entry_format,
             sequence_column=sequence_column,
@@ -151,6 +153,7 @@ class PostgresSink(AdbcSink):
                 err, adbc_driver_manager.OperationalError | adbc_driver_manager.InterfaceError
             ),
             constraint=constraint.decode(errors="replace") if constraint else None,
+            message=str(err),
         )
 
     def _driver_errors(self) -> tuple[type[Exception], ...]:
@@ -160,11 +163,33 @@ class PostgresSink(AdbcSink):
 
 
 def redact(url: str) -> str:
-    """The URL without its password (credentials never reach logs or errors)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
+    """The URL without its passwords (credentials never reach logs or errors).
+
+    Done on the text, not on a parse: a password with a ``#``, ``?`` or ``/`` left unescaped
+    ends the URL's authority early for :func:`~urllib.parse.urlsplit`, which then finds no
+    password at all. Everything between ``user:`` and the last ``@`` goes, and the value of a
+    ``password`` or ``sslpassword`` query parameter (libpq reads both).
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        userinfo, at, host = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***{at}{host}" if colon else rest
+    return _PASSWORD_PARAMETER.sub(r"\1***", f"{scheme}{sep}{rest}")
+
+
+def _secrets(url: str) -> list[str]:
+    """What of ``url`` :func:`redact` hides, as written and percent-decoded (libpq's messages
+    quote a value it could not decode)."""
+    found: list[str] = []
+    _, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        userinfo = rest.rpartition("@")[0]
+        if ":" in userinfo:
+            found.append(userinfo.partition(":")[2])
+    found += [m.group(2) for m in _PASSWORD_PARAMETER.finditer(url)]
+    found += [unquote(secret) for secret in found]
+    return sorted({secret for secret in found if secret}, key=len, reverse=True)
+
+
+_PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)([^&#]*)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote as urlquote
+from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 import pytest
@@ -31,6 +32,7 @@ from consumer_support import Database, QueueWriter, numbered, open_target
 from test_service import Service, _wait_for
 
 from millpond.consumer.sinks.errors import classify_postgres, classify_sqlite
+from millpond.consumer.sinks.postgres import redact
 from millpond.localstack import PostgresServer
 
 ROWS = 10
@@ -91,6 +93,16 @@ def test_the_tables_classify_what_each_database_reports() -> None:
     assert classify_postgres("53100", connection_level=False).transient
     assert classify_postgres("57P01", connection_level=False).transient
     assert classify_postgres(None, connection_level=True).transient
+    refused = 'Failed to connect: connection to server at "db", port 1 failed: Connection refused'
+    assert classify_postgres(None, connection_level=True, message=refused).transient
+    # A URL libpq cannot parse was retried for ever as a connection failure.
+    for unparsable in (
+        'Failed to connect: invalid percent-encoded token: "x%ZZ"',
+        'Failed to connect: invalid integer value "s" for connection option "port"',
+        'Failed to connect: invalid sslmode value: "bogus"',
+        'Failed to connect: invalid URI query parameter: "x"',
+    ):
+        assert not classify_postgres(None, connection_level=True, message=unparsable).transient
     # 42701 duplicate column was transient before: the service retried it forever.
     assert not classify_postgres("42701", connection_level=False).transient
     assert not classify_postgres("23514", connection_level=False).transient
@@ -352,3 +364,59 @@ def test_postgres_permanent_error_stops_the_service_naming_the_batch(
     assert "23514" in service.stderr
     assert not any("retrying" in line for line in service.lines)
     assert database.count() == ROWS
+
+
+# A password with a '#', '?' or '/' left unescaped ended the URL's authority early for the
+# parser redact() used, which then found no password and printed the URL whole; libpq reads a
+# password from the query too; and libpq quotes a value it cannot decode in its message.
+_SECRET_URLS = [
+    ("postgresql://app:se#cret@db:5432/x", "se#cret"),
+    ("postgresql://app:se?cret@db:5432/x", "se?cret"),
+    ("postgresql://app:se/cret@db:5432/x", "se/cret"),
+    ("postgresql://app:a@b@db:5432/x", "a@b"),
+    ("postgresql://app@db:5432/x?sslmode=disable&password=se_cret", "se_cret"),
+    ("postgresql://db:5432/x?user=app&PASSWORD=se_cret&sslpassword=k3y", "k3y"),
+]
+
+
+@pytest.mark.parametrize(("url", "secret"), _SECRET_URLS)
+def test_redact_hides_the_password_however_the_url_is_written(url: str, secret: str) -> None:
+    shown = redact(url)
+    assert secret not in shown
+    assert "***" in shown
+    assert "db:5432/x" in shown  # where it points stays readable
+
+
+@pytest.mark.parametrize(
+    ("password", "query"),
+    [("se#cret", ""), ("se?cret", ""), ("", "?password=se_cret"), ("se%ZZcret", "")],
+    ids=["hash", "question-mark", "query", "bad-escape"],
+)
+def test_a_sink_url_never_shows_its_password_and_a_malformed_one_stops_the_service(
+    queue: tuple[Any, QueueWriter],
+    postgres_server: PostgresServer,
+    services: Callable[..., Service],
+    password: str,
+    query: str,
+) -> None:
+    """A database missing at connect time is retried (libpq gives no SQLSTATE there), each
+    retry's line naming the URL; a URL libpq cannot parse stops the service at once. The bad
+    escape was retried for ever, libpq quoting the password in every retry's line."""
+    target, writer = queue
+    writer.append_arrow(numbered(0, ROWS))
+    server = urlsplit(postgres_server.url)
+    auth = f"{server.username}:{password}@" if password else f"{server.username}@"
+    url = f"postgresql://{auth}127.0.0.1:{server.port}/no_such_database{query}"
+    service = services(target, Database("postgres", url))
+    malformed = "%ZZ" in password
+    if malformed:
+        assert service.wait() == 1, service.stderr
+        assert "cannot parse, permanent" in service.stderr
+        assert "stopping before writing anything" in service.stderr  # was "after sequence None"
+    else:
+        _wait_for(_retried(service, "no_such_database"), 60, "a retry naming the database")
+        assert service.stop() == 0, service.stderr
+    secret = password or "se_cret"
+    assert secret not in service.stderr
+    assert unquote(secret) not in service.stderr
+    assert f"127.0.0.1:{server.port}/no_such_database" in service.stderr
