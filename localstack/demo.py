@@ -297,6 +297,8 @@ def run(args: argparse.Namespace, progress: Progress) -> DemoReport:
         raise ValueError("--rows and --partitions: expected at least 1")
     if not _TABLE_NAME.match(args.table):
         raise ValueError(f"--table: expected name or schema.name, found {args.table!r}")
+    from millpond.consumer.sinks.postgres import redact
+
     run_id = uuid.uuid4().hex[:12]
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -306,7 +308,7 @@ def run(args: argparse.Namespace, progress: Progress) -> DemoReport:
         report = DemoReport(
             rows_requested=args.rows,
             store=target.description,
-            sink=_redact(sink_url),
+            sink=redact(sink_url),
             table=args.table,
             run_id=run_id,
         )
@@ -552,10 +554,6 @@ def _count_rows(sink_url: str, table: str, run_id: str) -> tuple[int, int, int, 
             row = cur.fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2]), int(row[3])
-
-
-def _redact(url: str) -> str:
-    return re.sub(r"//([^/@:]+):[^/@]*@", r"//\1:***@", url)
 
 
 if __name__ == "__main__":
