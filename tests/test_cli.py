@@ -57,6 +57,11 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
         (["status", "URL", "--output", "yaml"], "argument --output: invalid choice: 'yaml'"),
         (["inspect", "URL", "--store-option", "novalue"], "store-option: expected KEY=VALUE"),
         (["inspect", "ftp://host/x"], "store: expected an s3://bucket[/root], az://"),
+        # obstore panicked on the first request: a Rust trace, exit code 1.
+        (
+            ["status", "s3://b/q", "--store-option", "aws_endpoint=127.0.0.1:9000"],
+            "aws_endpoint: expected an http:// or https:// URL",
+        ),
         # The root ended at the '?': the queue was created at .../q.
         (["consume", "URL?x", "--sink", "sqlite:///x.db", "--create"], "takes no '?' or '#'"),
         (

@@ -22,6 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from millpond.errors import ConfigError
 
 __all__ = ["BACKENDS", "BackendOptions", "backend_of", "prepare"]
 
@@ -162,6 +165,7 @@ def prepare(
         if allow_http is not None:
             client.setdefault("allow_http", str(allow_http).strip().lower() in _TRUE)
     bare = _bare_keys(backend, config)
+    _check_endpoints(backend, config, from_env, env)
     if _plain_http(backend, bare, env):
         client.setdefault("allow_http", True)
     return BackendOptions(
@@ -171,6 +175,47 @@ def prepare(
         credential_source=_credential_source(backend, bare, from_env, env),
         credential_hint=_HINTS[backend],
     )
+
+
+def _check_endpoints(
+    backend: str, config: Mapping[str, Any], from_env: Mapping[str, str], env: Mapping[str, str]
+) -> None:
+    """Refuse an S3 endpoint or a GCS base URL that is not an absolute http(s) URL.
+
+    obstore takes ``127.0.0.1:9000`` (the scheme left out, as is easy to do for MinIO) and
+    panics on the first request: a trace instead of an error, in whichever thread made it.
+    (Azure's builder refuses such a URL itself.)
+
+    Raises:
+        ConfigError: naming the option or variable the value came from.
+    """
+    if backend == "s3":
+        variables = {key: name for name, key in AWS_ENV.items() if env.get(name)}
+        for key, value in config.items():
+            if _bare(backend, key) in ("endpoint", "endpoint_url"):
+                source = variables.get(key, key) if key in from_env else key
+                _check_endpoint(source, value)
+    elif backend == "gcs":
+        given = _bare_keys(backend, config).get("base_url")
+        if given is not None:
+            _check_endpoint("google_base_url", given)
+        elif env.get("GOOGLE_BASE_URL"):
+            _check_endpoint("GOOGLE_BASE_URL", env["GOOGLE_BASE_URL"])
+
+
+def _check_endpoint(source: str, value: Any) -> None:
+    text = str(value)
+    try:
+        parts = urlsplit(text)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = ok and (parts.port is None or parts.port > 0) and text == text.strip()
+    except ValueError:  # a bad port or IPv6 literal
+        ok = False
+    if not ok:
+        raise ConfigError(
+            source,
+            f"expected an http:// or https:// URL such as http://127.0.0.1:9000, found {text!r}",
+        )
 
 
 def _bare(backend: str, key: str) -> str:

@@ -80,3 +80,38 @@ def test_opening_azure_and_gcs_urls_sends_nothing() -> None:
     with pytest.raises(ConfigError) as info:
         open_store("az://container", {"azure_no_such_option": "x"})
     assert info.value.key in ("store", "store_options")
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "env", "named"),
+    [
+        ("s3://b/q", {"aws_endpoint": "127.0.0.1:9000"}, {}, "aws_endpoint"),
+        ("s3://b/q", {"endpoint_url": "http://127.0.0.1:99999"}, {}, "endpoint_url"),
+        ("s3://b/q", {"aws_endpoint": "http://[::1"}, {}, "aws_endpoint"),
+        ("s3://b/q", {"aws_endpoint": ""}, {}, "aws_endpoint"),
+        ("s3://b/q", {}, {"AWS_ENDPOINT_URL": "minio:9000"}, "AWS_ENDPOINT_URL"),
+        ("gs://b/q", {"google_base_url": "127.0.0.1:4443"}, {}, "google_base_url"),
+        ("gs://b/q", {}, {"GOOGLE_BASE_URL": "http//127.0.0.1:4443"}, "GOOGLE_BASE_URL"),
+    ],
+)
+def test_an_endpoint_that_is_not_an_http_url_is_refused_at_open(
+    monkeypatch: pytest.MonkeyPatch,
+    url: str,
+    options: dict[str, str],
+    env: dict[str, str],
+    named: str,
+) -> None:
+    """obstore took these and panicked on the first request (a Rust trace, not an error)."""
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as info:
+        open_store(
+            url,
+            {**options, "aws_access_key_id": "a", "aws_secret_access_key": "b"}
+            if url.startswith("s3")
+            else {**options, "google_skip_signature": "true"},
+        )
+    assert info.value.key == named
+    assert "expected an http:// or https:// URL" in str(info.value)
+    for fine in ("http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com"):
+        assert prepare("s3", {"aws_endpoint": fine}, {}).config["aws_endpoint"] == fine
