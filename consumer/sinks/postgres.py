@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 import pyarrow as pa
 
 from millpond.consumer.sinks._adbc import AdbcSink, quote
+from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX
 from millpond.consumer.sinks._schema import postgres_identifier
 from millpond.consumer.sinks._values import for_postgres
 from millpond.consumer.sinks.base import EntryFormat, SinkError
@@ -69,6 +70,23 @@ class PostgresSink(AdbcSink):
             sequence_column=sequence_column,
             progress_table=progress_table,
         )
+        # PostgreSQL cuts a longer name without a word: two spellings of one table would key
+        # its progress apart (a batch written twice), and a progress table's quarantine
+        # sibling could be cut back onto it.
+        progress = self._progress.name
+        for key, name, what in (
+            ("table", self._table.schema, "schema"),
+            ("table", self._table.name, "table"),
+            ("progress_table", self._progress.schema, "schema"),
+            ("progress_table", progress + QUARANTINE_SUFFIX, "quarantine table"),
+            ("progress_table", progress + "_location", "index"),
+        ):
+            if name and postgres_identifier(name) != name:
+                raise ConfigError(
+                    key,
+                    f"the {what} name {name!r} is {len(name.encode())} bytes, and PostgreSQL "
+                    "keeps the first 63 bytes of a name",
+                )
 
     def _open(self) -> Any:
         import adbc_driver_postgresql.dbapi as pg_dbapi

@@ -265,6 +265,23 @@ def test_errors_never_show_the_password() -> None:
     assert "s3cret" not in repr(sink)
 
 
+def test_a_name_postgresql_would_cut_is_refused(postgres_server: Any) -> None:
+    """PostgreSQL cut it without a word: a 70-byte table name and its first 63 bytes were one
+    table whose progress the sink kept under two keys, so a consumer whose configuration
+    changed from one spelling to the other wrote the batches still queued a second time."""
+    long = "rows_" + "x" * 65
+    for options, key in (
+        ({"table": long}, "table"),
+        ({"table": "s" * 64 + ".rows"}, "table"),
+        ({"progress_table": "p" * 53}, "progress_table"),  # its "_quarantine" table: 64
+    ):
+        with pytest.raises(ConfigError) as info:
+            open_sink(postgres_server.url, **options)
+        assert info.value.key == key
+        assert "keeps the first 63 bytes" in str(info.value)
+    open_sink(postgres_server.url, table=long[:63], progress_table="p" * 52).close()
+
+
 @pytest.mark.parametrize("table", ["", "1abc", "a;drop", "a.b.c", "x y"])
 def test_table_names_are_plain_identifiers(tmp_path: Path, table: str) -> None:
     with pytest.raises(ConfigError, match="table"):
