@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _QUICK_RETRIES = 3
 _OWNERS = "millpond_owners"
+_SECRET_ANYWHERE = 4  # characters; a secret this long is hidden wherever a message has it
 
 
 class _RolledBack(Exception):
@@ -526,7 +527,11 @@ class AdbcSink(QuarantineLedger, ABC):
         error_class = self._classify(err)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         for secret in self._secrets:
-            first = first.replace(secret, "***")
+            # The driver quotes what it cannot parse; a short secret is hidden only there, or
+            # a one-letter password would take every such letter out of the message.
+            first = first.replace(f'"{secret}"', '"***"')
+            if len(secret) >= _SECRET_ANYWHERE:
+                first = first.replace(secret, "***")
         return SinkError(
             f"{self._description} table {self._table}: {type(err).__name__}: {first} "
             f"[{error_class}]",

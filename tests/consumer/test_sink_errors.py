@@ -31,6 +31,7 @@ import pytest
 from consumer_support import Database, QueueWriter, numbered, open_target
 from test_service import Service, _wait_for
 
+from millpond.consumer.sinks import PostgresSink, SinkError
 from millpond.consumer.sinks.errors import classify_postgres, classify_sqlite
 from millpond.consumer.sinks.postgres import redact
 from millpond.localstack import PostgresServer
@@ -420,3 +421,15 @@ def test_a_sink_url_never_shows_its_password_and_a_malformed_one_stops_the_servi
     assert secret not in service.stderr
     assert unquote(secret) not in service.stderr
     assert f"127.0.0.1:{server.port}/no_such_database" in service.stderr
+
+
+def test_a_short_password_is_hidden_where_quoted_without_mangling_the_message() -> None:
+    """Hiding every occurrence of a one-letter password took that letter out of every word of
+    the driver's message ("F***iled to connect")."""
+    with pytest.raises(SinkError) as info:
+        PostgresSink("postgresql://app:a@127.0.0.1:1/db").last_sequence("q")
+    assert "Failed to connect" in str(info.value)
+    with pytest.raises(SinkError) as info:
+        PostgresSink("postgresql://app:%Z@127.0.0.1:1/db").last_sequence("q")
+    assert 'invalid percent-encoded token: "***"' in str(info.value)
+    assert "%Z" not in str(info.value)
