@@ -26,6 +26,7 @@ from millpond.formats.manifest import (
     with_epoch,
 )
 from millpond.queue.cas import CasLoop, ManifestSnapshot, RawManifest
+from millpond.queue.epoch_mark import is_replaced
 from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueConsumer"]
@@ -278,7 +279,7 @@ class QueueConsumer:
     def _check_epoch(self, found: int) -> None:
         if self._epoch is None:
             raise MillpondError("consumer is not initialized: call initialize() first")
-        if found < self._epoch:
+        if is_replaced(self._epoch, found):
             raise FencedError(
                 f"{self._cas.path}: fenced: this consumer holds epoch {self._epoch}, the "
                 f"manifest has epoch {found}: epochs only grow, so the manifest was replaced "

@@ -52,13 +52,15 @@ from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
 from millpond.formats.arrow import unify_tables
 
-__all__ = ["AdbcSink", "TableName", "quote"]
+__all__ = ["LOCATION_INDEX_SUFFIX", "AdbcSink", "TableName", "quote"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _QUICK_RETRIES = 3
 _OWNERS = "millpond_owners"
+LOCATION_INDEX_SUFFIX = "_location"
+"""The progress table's unique index on locations is named after it with this."""
 _SECRET_ANYWHERE = 4  # characters; a secret this long is hidden wherever a message has it
 
 
@@ -560,8 +562,9 @@ class AdbcSink(QuarantineLedger, ABC):
                 "row_count BIGINT NOT NULL, duplicate BOOLEAN NOT NULL, "
                 "committed_at_ms BIGINT NOT NULL, PRIMARY KEY (target_table, sequence))"
             )
+            index = quote(self._progress.name + LOCATION_INDEX_SUFFIX)
             cur.execute(
-                f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(self._progress.name + '_location')} "
+                f"CREATE UNIQUE INDEX IF NOT EXISTS {index} "
                 f"ON {self._progress.sql} (target_table, location) WHERE NOT duplicate"
             )
             cur.execute(

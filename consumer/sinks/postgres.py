@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 
-from millpond.consumer.sinks._adbc import AdbcSink, quote
+from millpond.consumer.sinks._adbc import LOCATION_INDEX_SUFFIX, AdbcSink, quote
 from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX
 from millpond.consumer.sinks._schema import postgres_identifier
 from millpond.consumer.sinks._values import for_postgres
@@ -79,7 +79,7 @@ class PostgresSink(AdbcSink):
             ("table", self._table.name, "table"),
             ("progress_table", self._progress.schema, "schema"),
             ("progress_table", progress + QUARANTINE_SUFFIX, "quarantine table"),
-            ("progress_table", progress + "_location", "index"),
+            ("progress_table", progress + LOCATION_INDEX_SUFFIX, "index"),
         ):
             if name and postgres_identifier(name) != name:
                 raise ConfigError(
@@ -188,26 +188,30 @@ def redact(url: str) -> str:
     password at all. Everything between ``user:`` and the last ``@`` goes, and the value of a
     ``password`` or ``sslpassword`` query parameter (libpq reads both).
     """
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        userinfo, at, host = rest.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        rest = f"{user}:***{at}{host}" if colon else rest
-    return _PASSWORD_PARAMETER.sub(r"\1***", f"{scheme}{sep}{rest}")
+    split = _split_password(url)
+    if split is not None:
+        url = f"{split[0]}***{split[2]}"
+    return _PASSWORD_PARAMETER.sub(r"\1***", url)
 
 
 def _secrets(url: str) -> list[str]:
     """What of ``url`` :func:`redact` hides, as written and percent-decoded (libpq's messages
     quote a value it could not decode)."""
-    found: list[str] = []
-    _, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        userinfo = rest.rpartition("@")[0]
-        if ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
+    split = _split_password(url)
+    found = [split[1]] if split is not None else []
     found += [m.group(2) for m in _PASSWORD_PARAMETER.finditer(url)]
     found += [unquote(secret) for secret in found]
     return sorted({secret for secret in found if secret}, key=len, reverse=True)
+
+
+def _split_password(url: str) -> tuple[str, str, str] | None:
+    """``(up to "user:", the password, from the last "@")``, or ``None`` without one."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return None
+    userinfo, at, host = rest.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    return (f"{scheme}{sep}{user}:", password, f"{at}{host}") if colon else None
 
 
 _PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)([^&#]*)")
