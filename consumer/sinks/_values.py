@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from millpond.consumer.sinks._json import plain_json, scalar_json
+from millpond.consumer.sinks._json_columns import columnar, json_column
 from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.consumer.sinks.types import ColumnType, Kind
 
@@ -117,13 +118,16 @@ def decimal_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
 def json_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
     """Nested values as JSON text, one document per row (NULL stays NULL).
 
-    Structs and lists of strings, numbers, booleans, binary, dates and times go through
-    the standard library's C encoder: 3.4x the rows/s of the writer below for a struct of
-    14 fields with an instant, 5.5x for lists of strings. The writer takes maps, decimals,
-    variants and a row holding NaN or ±Infinity; both write the same text
+    Most types are written a column at a time (:mod:`millpond.consumer.sinks._json_columns`).
+    The rest (float16, nanosecond times, month-day-nano intervals, list views, a struct with
+    two fields of one name) go row by row: through the standard library's C encoder where it
+    writes what the writer below writes, else the writer. All three write the same text
     (``tests/consumer/test_json_text.py``).
     """
     dtype = values.type
+    if columnar(dtype):
+        chunks = [json_column(chunk) for chunk in values.chunks]
+        return pa.chunked_array(chunks, pa.string())
     rows = values.to_pylist()
     if not _encodable(dtype):
         out = [None if value is None else _dumps(value, dtype) for value in rows]
