@@ -19,6 +19,8 @@ from typing import Any
 __all__ = ["plain_json", "scalar_json"]
 
 _UTC = dt.UTC
+# json.dumps(value, ensure_ascii=False) for a str, without building an encoder each time.
+_encode_string = json.encoder.encode_basestring
 
 
 def scalar_json(value: Any, what: object = "") -> str:
@@ -42,7 +44,7 @@ def scalar_json(value: Any, what: object = "") -> str:
     if isinstance(value, Decimal):
         return format(value, "f")
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+        return _encode_string(value)
     if isinstance(value, bytes | dt.date | dt.time | dt.timedelta):
         return json.dumps(plain_json(value, what))
     raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {what}")

@@ -16,8 +16,10 @@ order the encoding keeps them (sorted by key, as Spark's ``to_json`` writes them
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import struct
 import uuid
+from collections.abc import Sequence
 from decimal import Context, Decimal
 from typing import Any
 
@@ -57,10 +59,23 @@ def variant_json(value: bytes, metadata: bytes) -> str:
     Raises:
         FormatError: the bytes are not a variant this decoder knows (naming the byte offset).
     """
-    keys = _keys(metadata)
+    keys = _json_keys(metadata) if len(metadata) <= _CACHED_METADATA else _quote(metadata)
     out: list[str] = []
     _write(memoryview(value), 0, keys, out)
     return "".join(out)
+
+
+_CACHED_METADATA = 4096  # bytes: a column's rows mostly share a few small dictionaries
+
+
+@functools.lru_cache(maxsize=256)
+def _json_keys(metadata: bytes) -> tuple[str, ...]:
+    """The dictionary's keys as JSON strings, decoded once for every row that shares it."""
+    return _quote(metadata)
+
+
+def _quote(metadata: bytes) -> tuple[str, ...]:
+    return tuple(scalar_json(key) for key in _keys(metadata))
 
 
 def _keys(metadata: bytes) -> list[str]:
@@ -85,7 +100,7 @@ def _keys(metadata: bytes) -> list[str]:
     ]
 
 
-def _write(data: memoryview, at: int, keys: list[str], out: list[str]) -> None:
+def _write(data: memoryview, at: int, keys: tuple[str, ...], out: list[str]) -> None:
     if at >= len(data):
         raise FormatError(f"variant value: expected a header at byte {at}, found the end")
     header = data[at]
@@ -96,11 +111,17 @@ def _write(data: memoryview, at: int, keys: list[str], out: list[str]) -> None:
         _write_object(data, at, rest, keys, out)
     elif basic == _ARRAY:
         _write_array(data, at, rest, keys, out)
+    elif rest in _INTS:  # the commonest primitives, written without a Python value between
+        out.append(str(_int(data, at + 1, _INTS[rest])))
+    elif rest in _LITERALS:
+        out.append(_LITERALS[rest])
     else:
         out.append(scalar_json(_primitive(data, at, rest)))
 
 
-def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: list[str]) -> None:
+def _write_object(
+    data: memoryview, at: int, rest: int, keys: tuple[str, ...], out: list[str]
+) -> None:
     offset_size = (rest & 0x03) + 1
     id_size = ((rest >> 2) & 0x03) + 1
     count_size = 4 if (rest >> 4) & 0x01 else 1
@@ -108,9 +129,10 @@ def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: li
     ids_at = at + 1 + count_size
     offsets_at = ids_at + count * id_size
     values_at = offsets_at + (count + 1) * offset_size
+    ids = _uints(data, ids_at, id_size, count)
+    offsets = _uints(data, offsets_at, offset_size, count)
     out.append("{")
-    for i in range(count):
-        key_id = _uint(data, ids_at + i * id_size, id_size)
+    for i, key_id in enumerate(ids):
         if key_id >= len(keys):
             raise FormatError(
                 f"variant value: field id at byte {ids_at + i * id_size}: expected below "
@@ -118,24 +140,36 @@ def _write_object(data: memoryview, at: int, rest: int, keys: list[str], out: li
             )
         if i:
             out.append(",")
-        out.append(scalar_json(keys[key_id]))
+        out.append(keys[key_id])
         out.append(":")
-        _write(data, values_at + _uint(data, offsets_at + i * offset_size, offset_size), keys, out)
+        _write(data, values_at + offsets[i], keys, out)
     out.append("}")
 
 
-def _write_array(data: memoryview, at: int, rest: int, keys: list[str], out: list[str]) -> None:
+def _write_array(
+    data: memoryview, at: int, rest: int, keys: tuple[str, ...], out: list[str]
+) -> None:
     offset_size = (rest & 0x03) + 1
     count_size = 4 if (rest >> 2) & 0x01 else 1
     count = _uint(data, at + 1, count_size)
     offsets_at = at + 1 + count_size
     values_at = offsets_at + (count + 1) * offset_size
     out.append("[")
-    for i in range(count):
+    for i, offset in enumerate(_uints(data, offsets_at, offset_size, count)):
         if i:
             out.append(",")
-        _write(data, values_at + _uint(data, offsets_at + i * offset_size, offset_size), keys, out)
+        _write(data, values_at + offset, keys, out)
     out.append("]")
+
+
+def _uints(data: memoryview, at: int, size: int, count: int) -> Sequence[int]:
+    """``count`` unsigned little-endian integers of ``size`` bytes from ``at``."""
+    end = at + size * count
+    if end > len(data):
+        raise FormatError(f"variant: expected {end - at} bytes at byte {at}, found the end")
+    if size == 1:
+        return data[at:end]  # a memoryview of bytes: its items are the integers
+    return [int.from_bytes(data[i : i + size], "little") for i in range(at, end, size)]
 
 
 def _primitive(data: memoryview, at: int, type_id: int) -> Any:
@@ -181,6 +215,7 @@ def _primitive(data: memoryview, at: int, type_id: int) -> Any:
 
 
 _INTS = {3: 1, 4: 2, 5: 4, 6: 8}
+_LITERALS = {0: "null", 1: "true", 2: "false"}
 _DECIMALS = {8: 4, 9: 8, 10: 16}
 
 
@@ -194,6 +229,8 @@ def _string(raw: bytes, at: int) -> str:
 def _uint(data: bytes | memoryview, at: int, size: int) -> int:
     if at + size > len(data):
         raise FormatError(f"variant: expected {size} bytes at byte {at}, found the end")
+    if size == 1:
+        return data[at]
     return int.from_bytes(data[at : at + size], "little")
 
 
