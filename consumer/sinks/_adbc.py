@@ -36,6 +36,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -73,6 +74,10 @@ class AdbcSink(QuarantineLedger, ABC):
 
     Quarantined batches (set aside, replayed) are recorded by :class:`QuarantineLedger`.
     """
+
+    _INSERT_SLICE_ROWS: int | None = None
+    """Rows conformed at a time while the slice before is inserted (:meth:`_insert_rows`);
+    ``None``: every row at once."""
 
     def __init__(
         self,
@@ -361,8 +366,7 @@ class AdbcSink(QuarantineLedger, ABC):
         ]
         if tables:
             combined = tables[0] if len(tables) == 1 else unify_tables(tables)
-            combined = self._prepare(cur, combined)
-            self._ingest(cur, combined)
+            self._insert_rows(cur, combined)
         return [batch.sequence in claimed for batch in batches]
 
     def _insert_progress(
@@ -397,8 +401,44 @@ class AdbcSink(QuarantineLedger, ABC):
             tuple(params),
         )
 
-    def _prepare(self, cur: Any, rows: pa.Table) -> pa.Table:
-        """Create or evolve the target table for ``rows``; return them conformed to it.
+    def _insert_rows(self, cur: Any, rows: pa.Table) -> None:
+        """Create or evolve the target table for ``rows``, then bulk-insert them into it.
+
+        With :attr:`_INSERT_SLICE_ROWS` set, the rows are conformed a slice at a time, the
+        next slice on a thread while the database takes the last: the driver lets go of the
+        GIL while it copies, and conforming (JSON text above all) is most of the Python work
+        of a write.
+
+        Raises:
+            SinkError: as :meth:`_prepare_table` and :meth:`_conform`; the driver's errors.
+        """
+        rows, columns = self._prepare_table(cur, rows)
+        size = self._INSERT_SLICE_ROWS
+        if size is None or rows.num_rows <= size:
+            self._ingest(cur, self._conform(rows, columns))
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="millpond-conform") as pool:
+            ahead = pool.submit(self._conform, rows.slice(0, size), columns)
+            for start in range(size, rows.num_rows, size):
+                conformed = self._conformed(ahead, rows, columns)
+                ahead = pool.submit(self._conform, rows.slice(start, size), columns)
+                self._ingest(cur, conformed)
+            self._ingest(cur, self._conformed(ahead, rows, columns))
+
+    def _conformed(
+        self, ahead: Future[pa.Table], rows: pa.Table, columns: dict[str, ColumnType]
+    ) -> pa.Table:
+        try:
+            return ahead.result()
+        except SinkError:
+            # Say it as conforming every row at once says it (row positions in the group,
+            # not in a slice): the same error, or, should that pass, the slice's.
+            self._conform(rows, columns)
+            raise
+
+    def _prepare_table(self, cur: Any, rows: pa.Table) -> tuple[pa.Table, dict[str, ColumnType]]:
+        """Create or evolve the target table for ``rows``; return them named as its columns,
+        and the columns (:meth:`_conform` makes the values what the columns take).
 
         Raises:
             SinkError: permanent when the rows cannot go into the table (see
@@ -429,7 +469,7 @@ class AdbcSink(QuarantineLedger, ABC):
         self._columns = columns
         kept = [name for name in rows.column_names if plan.targets.get(name) is not None]
         rows = rows.select(kept).rename_columns([str(plan.targets[name]) for name in kept])
-        return self._conform(rows, columns)
+        return rows, columns
 
     def _plan(self, rows: pa.Table, columns: dict[str, ColumnType] | None) -> SchemaPlan:
         return plan_schema(

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 class PostgresSink(AdbcSink):
     """Writes batches into a PostgreSQL table."""
 
+    # Binary COPY runs in the driver without the GIL: a slice of this many rows is made into
+    # what the columns take while the one before is copied.
+    _INSERT_SLICE_ROWS = 32_768
+
     def __init__(
         self,
         url: str,

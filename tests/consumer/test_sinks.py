@@ -129,7 +129,7 @@ def test_a_failed_transaction_leaves_nothing(
         def explode(cur: Any, rows: pa.Table) -> pa.Table:
             raise RuntimeError("crash between the progress row and the rows")
 
-        monkeypatch.setattr(sink, "_prepare", explode)
+        monkeypatch.setattr(sink, "_prepare_table", explode)
         with pytest.raises(RuntimeError):
             sink.write(_arrow_batch(1, pa.table({"n": [2]})))
         assert sink.last_sequence("") == 0

@@ -1,0 +1,108 @@
+"""The PostgreSQL sink conforms a large write a slice at a time, the next slice on a thread
+while the database copies the last: the rows arrive as one write would put them, in one
+transaction, and an error names the row as it would without slices."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from consumer_support import Database
+
+from millpond.consumer import ConsumedBatch, Metadata
+from millpond.consumer.sinks import PostgresSink, SinkError
+from millpond.formats.arrow import encode_ipc
+
+ROWS = 23  # slices of 4: five whole ones and a short one
+
+
+def _batch(sequence: int, table: pa.Table) -> ConsumedBatch:
+    return ConsumedBatch(
+        entries=tuple(encode_ipc(table)),
+        sequence=sequence,
+        location=f"ingest/{sequence:026d}.batch",
+        metadata=(Metadata(0, 1_000 + sequence, b"meta"),),
+    )
+
+
+def _rows(first: int, count: int) -> pa.Table:
+    ids = list(range(first, first + count))
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "s": [f'row "{i}"\n' for i in ids],
+            "st": pa.array(
+                [None if i % 5 == 0 else {"x": i, "m": [("k", i)]} for i in ids],
+                pa.struct([("x", pa.int64()), ("m", pa.map_(pa.string(), pa.int64()))]),
+            ),
+            "l": pa.array([[i, None] for i in ids], pa.list_(pa.int32())),
+        }
+    )
+
+
+def _read(database: Database) -> list[tuple[Any, ...]]:
+    return database.query(f'SELECT id, s, st::text, l::text FROM "{database.table}" ORDER BY id')
+
+
+@pytest.fixture
+def sliced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Slices of 4 rows; records the row count of every insert the sink makes, and checks
+    that a slice is made while the one before is inserted (on another thread)."""
+    monkeypatch.setattr(PostgresSink, "_INSERT_SLICE_ROWS", 4)
+    inserted: list[int] = []
+    original_ingest = PostgresSink._ingest
+    original_conform = PostgresSink._conform
+    conforming: set[int] = set()
+
+    def ingest(self: PostgresSink, cur: Any, rows: pa.Table) -> None:
+        inserted.append(rows.num_rows)
+        original_ingest(self, cur, rows)
+
+    def conform(self: PostgresSink, rows: pa.Table, columns: Any) -> pa.Table:
+        conforming.add(threading.get_ident())
+        return original_conform(self, rows, columns)
+
+    monkeypatch.setattr(PostgresSink, "_ingest", ingest)
+    monkeypatch.setattr(PostgresSink, "_conform", conform)
+    yield inserted
+    assert conforming - {threading.get_ident()}, "no slice was made on the sink's thread"
+
+
+def test_a_write_larger_than_a_slice_reads_back_as_one_write_puts_it(
+    postgres_database: Database, sliced: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with postgres_database.sink(sequence_column=None) as sink:
+        assert sink.write_many([_batch(0, _rows(0, 10)), _batch(1, _rows(10, ROWS - 10))])
+    assert sliced == [4, 4, 4, 4, 4, 3]
+    got = _read(postgres_database)
+    assert [row[0] for row in got] == list(range(ROWS))
+    assert got[3] == (3, 'row "3"\n', '{"x":3,"m":{"k":3}}', "[3,null]")
+    assert got[5][2] is None
+    assert all(json.loads(row[2])["x"] == row[0] for row in got if row[2] is not None)
+    # One slice of every row at once reads the same.
+    other = Database("postgres", postgres_database.url)
+    monkeypatch.setattr(PostgresSink, "_INSERT_SLICE_ROWS", None)
+    with other.sink(sequence_column=None) as sink:
+        sink.write_many([_batch(0, _rows(0, 10)), _batch(1, _rows(10, ROWS - 10))])
+    assert _read(other) == got
+
+
+def test_a_bad_value_in_a_late_slice_names_its_row_in_the_write_and_writes_nothing(
+    postgres_database: Database, sliced: list[int]
+) -> None:
+    rows = _rows(0, ROWS)
+    text = rows.column("s").to_pylist()
+    text[21] = "nul \x00 here"  # in the sixth slice: row 1 of it, row 21 of the write
+    rows = rows.set_column(1, "s", pa.array(text))
+    with postgres_database.sink(sequence_column=None) as sink:
+        with pytest.raises(SinkError, match=r"first at row 21 of the batch") as caught:
+            sink.write(_batch(0, rows))
+        assert not caught.value.transient
+        assert "column 's'" in str(caught.value)
+        assert sink.last_sequence("") is None
+    assert postgres_database.count() == 0
+    assert sliced[:5] == [4, 4, 4, 4, 4]  # the slices before it went in, then were rolled back
