@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 AZURITE := $(VENV)/npm/node_modules/.bin/azurite-blob
 
-.PHONY: demo test soak bench lint typecheck clean postgres-binaries azurite spark-archive
+.PHONY: demo test soak bench lint typecheck clean postgres-binaries postgres-jdbc azurite spark-archive
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ postgres-binaries:
 	  { echo "installing PostgreSQL server binaries"; \
 	    (apt-get update -qq && apt-get install -y -qq postgresql >/dev/null) || \
 	    { echo "PostgreSQL binaries missing and apt-get failed" >&2; exit 1; }; }
+
+# PostgreSQL's JDBC driver, for the baseline of the Spark -> PostgreSQL benchmark (Spark's own
+# JDBC writer), from Debian's packages when missing; without it that benchmark alone fails.
+postgres-jdbc:
+	@test -f /usr/share/java/postgresql.jar || test -n "$$MILLPOND_BENCH_JDBC_JAR" || \
+	  { echo "installing PostgreSQL's JDBC driver"; \
+	    (apt-get update -qq && apt-get install -y -qq libpostgresql-jdbc-java >/dev/null) || \
+	    echo "PostgreSQL's JDBC driver missing and apt-get failed" >&2; }
 
 # Azurite (the Azure Blob emulator the tests run against) from npm, at the version
 # localstack/package-lock.json pins, into .venv/npm where millpond.localstack finds it.
@@ -68,7 +76,7 @@ soak: $(STAMP)
 	MILLPOND_CHECKER_SCHEDULES=$(SOAK_SCHEDULES) MILLPOND_CHECKER_FIRST_SEED=$(SOAK_FIRST_SEED) \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/system $(PYTEST_ARGS)
 
-bench: $(STAMP) postgres-binaries
+bench: $(STAMP) postgres-binaries postgres-jdbc
 	$(PY) -m bench $(BENCH_ARGS); plain=$$?; \
 	if [ "$(BENCH_LATENCY_MS)" != 0 ]; then \
 	  $(PY) -m bench --latency-ms $(BENCH_LATENCY_MS) $(BENCH_ARGS) || exit 1; fi; exit $$plain
