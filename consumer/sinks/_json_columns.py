@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from millpond.consumer.sinks._json import scalar_json
 from millpond.consumer.sinks._variant import is_variant, variant_json
 
-__all__ = ["columnar", "json_column"]
+__all__ = ["columnar", "json_column", "plain_scalar"]
 
 _NULL_TEXT = pa.scalar(None, pa.string())
 # What json.dumps(ensure_ascii=False) writes for each control character.
@@ -54,19 +54,23 @@ def columnar(dtype: pa.DataType) -> bool:
         return columnar(dtype.value_type)
     if t.is_timestamp(dtype) or t.is_time(dtype) or t.is_duration(dtype):
         return dtype.unit not in _SUB_MICROSECOND
+    return plain_scalar(dtype) or t.is_decimal(dtype) or t.is_date(dtype)
+
+
+def plain_scalar(dtype: pa.DataType) -> bool:
+    """Null, boolean, integer, float32/64, string or binary: a JSON scalar however written."""
+    t = pa.types
     return bool(
         t.is_null(dtype)
         or t.is_boolean(dtype)
         or t.is_integer(dtype)
         or t.is_float32(dtype)
         or t.is_float64(dtype)
-        or t.is_decimal(dtype)
         or t.is_string(dtype)
         or t.is_large_string(dtype)
         or t.is_binary(dtype)
         or t.is_large_binary(dtype)
         or t.is_fixed_size_binary(dtype)
-        or t.is_date(dtype)
     )
 
 

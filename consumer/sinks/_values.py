@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from millpond.consumer.sinks._json import plain_json, scalar_json
-from millpond.consumer.sinks._json_columns import columnar, json_column
+from millpond.consumer.sinks._json_columns import columnar, json_column, plain_scalar
 from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.consumer.sinks.types import ColumnType, Kind
 
@@ -199,16 +199,7 @@ def _encodable(dtype: pa.DataType) -> bool:
     if t.is_list(dtype) or t.is_large_list(dtype) or t.is_fixed_size_list(dtype):
         return _encodable(dtype.value_type)
     return bool(
-        t.is_null(dtype)
-        or t.is_boolean(dtype)
-        or t.is_integer(dtype)
-        or t.is_float32(dtype)
-        or t.is_float64(dtype)
-        or t.is_string(dtype)
-        or t.is_large_string(dtype)
-        or t.is_binary(dtype)
-        or t.is_large_binary(dtype)
-        or t.is_fixed_size_binary(dtype)
+        plain_scalar(dtype)
         or t.is_timestamp(dtype)
         or t.is_date(dtype)
         or t.is_time(dtype)
