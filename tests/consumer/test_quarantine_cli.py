@@ -265,6 +265,8 @@ def test_status_answers_within_a_second_while_the_service_writes(
         assert seen["state"] == "running"
         assert seen["lag_seconds"] is not None
         assert seen["rows"] > 0
+        # The command line doing no IO (``status --help``), timed under the same load.
+        started = [_started_cli() for _ in range(5)]
 
         with _table_locked(database):
             _wait_for(
@@ -286,9 +288,9 @@ def test_status_answers_within_a_second_while_the_service_writes(
         _out, err = service.communicate(timeout=60)
     assert service.returncode == 0, err
     # Within a second of work once the command line is loaded: measured against the same
-    # process doing no IO (``status --help``) on this machine at this moment, so a busy
-    # machine slows both alike and only the status's own work is bounded.
-    started = [_started_cli() for _ in range(5)]
+    # process doing no IO (``status --help``) on this machine while the service and the
+    # producer run, so a busy machine slows both alike and only the status's own work is
+    # bounded (timed after they stopped, the baseline missed their load: 1.1 s over in CI).
     shown = ", ".join(f"{t:.2f}" for t in timings)
     assert len(timings) >= 5
     beyond = statistics.median(timings) - statistics.median(started)
