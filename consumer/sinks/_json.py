@@ -16,11 +16,17 @@ import math
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["plain_json", "scalar_json"]
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["plain_json", "quoted_strings", "scalar_json"]
 
 _UTC = dt.UTC
 # json.dumps(value, ensure_ascii=False) for a str, without building an encoder each time.
 _encode_string = json.encoder.encode_basestring
+# What json.dumps(ensure_ascii=False) writes for each control character.
+_CONTROL = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_ESCAPES = [(chr(c), _CONTROL.get(chr(c), f"\\u{c:04x}")) for c in range(0x20)]
 
 
 def scalar_json(value: Any, what: object = "") -> str:
@@ -70,3 +76,14 @@ def plain_json(value: bytes | dt.date | dt.time | dt.timedelta, what: object = "
     if isinstance(value, dt.timedelta):
         return (value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds
     raise TypeError(f"no JSON form for {type(value).__name__} values of Arrow type {what}")
+
+
+def quoted_strings(text: pa.Array) -> pa.Array:
+    """A string column as JSON strings, escaped as ``json.dumps(ensure_ascii=False)``
+    escapes them (what :func:`scalar_json` writes for each)."""
+    text = pc.replace_substring(text, "\\", "\\\\")
+    text = pc.replace_substring(text, '"', '\\"')
+    if pc.any(pc.match_substring_regex(text, "[\\x00-\\x1f]")).as_py():
+        for char, escape in _ESCAPES:
+            text = pc.replace_substring(text, char, escape)
+    return pc.binary_join_element_wise('"', text, '"', "")

@@ -24,15 +24,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from millpond.consumer.sinks._json import scalar_json
-from millpond.consumer.sinks._variant import is_variant, variant_json
+from millpond.consumer.sinks._json import quoted_strings, scalar_json
+from millpond.consumer.sinks._variant import is_variant
+from millpond.consumer.sinks._variant_columns import variants_json
 
 __all__ = ["columnar", "json_column", "plain_scalar"]
 
 _NULL_TEXT = pa.scalar(None, pa.string())
-# What json.dumps(ensure_ascii=False) writes for each control character.
-_CONTROL = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-_ESCAPES = [(chr(c), _CONTROL.get(chr(c), f"\\u{c:04x}")) for c in range(0x20)]
 _SUB_MICROSECOND = ("ns",)
 
 
@@ -82,7 +80,7 @@ def json_column(values: pa.Array) -> pa.Array:
     if t.is_null(dtype):
         return pa.nulls(len(values), pa.string())
     if is_variant(dtype):
-        return _variants(values)
+        return variants_json(values)
     if t.is_dictionary(dtype):
         return json_column(values.dictionary_decode())
     if t.is_struct(dtype):
@@ -106,13 +104,13 @@ def _leaf(values: pa.Array) -> pa.Array:
     if t.is_decimal(dtype):
         return _decimal(values)
     if t.is_string(dtype) or t.is_large_string(dtype):
-        return _quoted(pc.cast(values, pa.string()))
+        return quoted_strings(pc.cast(values, pa.string()))
     if t.is_date(dtype):
-        return _quoted(pc.cast(pc.cast(values, pa.date32()), pa.string()))
+        return quoted_strings(pc.cast(pc.cast(values, pa.date32()), pa.string()))
     if t.is_time(dtype):
-        return _quoted(pc.cast(pc.cast(values, pa.time64("us")), pa.string()))
+        return quoted_strings(pc.cast(pc.cast(values, pa.time64("us")), pa.string()))
     if t.is_timestamp(dtype):
-        return _quoted(_timestamp(values))
+        return quoted_strings(_timestamp(values))
     if t.is_duration(dtype):
         return pc.cast(pc.cast(pc.cast(values, pa.duration("us")), pa.int64()), pa.string())
     # Floats (Python's repr, NaN and ±Infinity as strings) and binary (base64), value by value.
@@ -121,17 +119,6 @@ def _leaf(values: pa.Array) -> pa.Array:
 
 def _per_value(values: pa.Array, write: Any) -> pa.Array:
     return pa.array([None if v is None else write(v) for v in values.to_pylist()], pa.string())
-
-
-def _variants(values: pa.StructArray) -> pa.Array:
-    data, metadata = values.field(0).to_pylist(), values.field(1).to_pylist()
-    if not values.null_count:
-        return pa.array(list(map(variant_json, data, metadata)), pa.string())
-    # A NULL variant's children may hold anything.
-    valid = values.is_valid().to_pylist()
-    rows = zip(data, metadata, valid, strict=True)
-    text = [variant_json(v, m) if ok else None for v, m, ok in rows]
-    return pa.array(text, pa.string())
 
 
 def _decimal(values: pa.Array) -> pa.Array:
@@ -149,16 +136,6 @@ def _timestamp(values: pa.Array) -> pa.Array:
     if utc:
         text = pc.binary_join_element_wise(text, "+00:00", "")
     return text
-
-
-def _quoted(text: pa.Array) -> pa.Array:
-    """Strings as JSON strings, escaped as ``json.dumps(ensure_ascii=False)`` escapes them."""
-    text = pc.replace_substring(text, "\\", "\\\\")
-    text = pc.replace_substring(text, '"', '\\"')
-    if pc.any(pc.match_substring_regex(text, "[\\x00-\\x1f]")).as_py():
-        for char, escape in _ESCAPES:
-            text = pc.replace_substring(text, char, escape)
-    return pc.binary_join_element_wise('"', text, '"', "")
 
 
 def _struct(values: pa.StructArray) -> pa.Array:

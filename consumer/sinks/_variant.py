@@ -28,7 +28,7 @@ import pyarrow as pa
 from millpond.consumer.sinks._json import scalar_json
 from millpond.errors import FormatError
 
-__all__ = ["is_variant", "variant_json"]
+__all__ = ["is_variant", "json_keys", "variant_json"]
 
 _UTC = dt.UTC
 _EPOCH = dt.datetime(1970, 1, 1)
@@ -59,10 +59,19 @@ def variant_json(value: bytes, metadata: bytes) -> str:
     Raises:
         FormatError: the bytes are not a variant this decoder knows (naming the byte offset).
     """
-    keys = _json_keys(metadata) if len(metadata) <= _CACHED_METADATA else _quote(metadata)
+    keys = json_keys(metadata)
     out: list[str] = []
     _write(memoryview(value), 0, keys, out)
     return "".join(out)
+
+
+def json_keys(metadata: bytes) -> tuple[str, ...]:
+    """The keys of a variant's dictionary as JSON strings, by key id.
+
+    Raises:
+        FormatError: the bytes are not a dictionary this decoder knows.
+    """
+    return _json_keys(metadata) if len(metadata) <= _CACHED_METADATA else _quote(metadata)
 
 
 _CACHED_METADATA = 4096  # bytes: a column's rows mostly share a few small dictionaries

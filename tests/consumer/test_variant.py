@@ -8,10 +8,14 @@ import json
 import struct
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from millpond.consumer.sinks import _variant_columns
 from millpond.consumer.sinks._values import for_postgres, for_sqlite
 from millpond.consumer.sinks._variant import is_variant, variant_json
 from millpond.consumer.sinks.types import ColumnType, Kind, column_type
@@ -220,3 +224,120 @@ def test_a_json_column_of_an_older_sqlite_table_is_still_json() -> None:
 
     assert SQLITE.parse("JSON") == ColumnType(Kind.JSON)
     assert SQLITE.parse("JSON_TEXT") == ColumnType(Kind.JSON)
+
+
+# -- a column at a time (consumer/sinks/_variant_columns.py) ------------------------------------
+
+
+def _encode(value: Any, keys: list[str]) -> bytes:
+    """``value`` in the variant encoding, as Spark's ``parse_json`` writes it (the smallest
+    integer width that holds it; strings under 64 bytes short)."""
+    if value is None or isinstance(value, bool):
+        return _primitive({None: 0, True: 1, False: 2}[value])
+    if isinstance(value, int):
+        for type_id, size in ((3, 1), (4, 2), (5, 4), (6, 8)):
+            if -(1 << (8 * size - 1)) <= value < 1 << (8 * size - 1):
+                return _primitive(type_id, value.to_bytes(size, "little", signed=True))
+    if isinstance(value, float):
+        return _primitive(7, struct.pack("<d", value))
+    if isinstance(value, str):
+        raw = value.encode()
+        if len(raw) < 64:
+            return bytes([(len(raw) << 2) | 1]) + raw
+        return _primitive(16, len(raw).to_bytes(4, "little") + raw)
+    if isinstance(value, list):
+        return _array([_encode(item, keys) for item in value])
+    assert isinstance(value, dict)
+    names = sorted(value)
+    return _object([keys.index(k) for k in names], [_encode(value[k], keys) for k in names])
+
+
+def _column(rows: list[Any], keys: list[str]) -> pa.Array:
+    metadata = _metadata(keys)
+    return pa.array(
+        [
+            None if row is None else {"value": _encode(row, keys), "metadata": metadata}
+            for row in rows
+        ],
+        VARIANT,
+    )
+
+
+def _row_by_row(column: pa.Array) -> list[str | None]:
+    return [
+        None if v is None else variant_json(v["value"], v["metadata"]) for v in column.to_pylist()
+    ]
+
+
+def _json(column: pa.Array) -> list[str | None]:
+    return for_postgres(pa.chunked_array([column]), ColumnType(Kind.JSON)).to_pylist()
+
+
+_TEXT = st.text(alphabet='ab"\\\n\x01é😀 ', min_size=0, max_size=6)
+_INT = st.one_of(
+    st.integers(-100, 100), st.integers(-(2**15), 2**15 - 1), st.integers(-(2**40), 2**40)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_column_reads_as_row_by_row_whatever_its_layouts(data: st.DataObject) -> None:
+    """Rows of a few shapes (groups sharing a layout), integers of every width, strings with
+    quotes, control characters and multi-byte characters, floats, NULLs, and a shape that
+    only looks alike (the same length, other keys)."""
+    keys = ["a", "b", "c", "n", "s"]
+    shapes = [
+        lambda: {"n": data.draw(_INT)},
+        lambda: {"n": data.draw(_INT), "s": data.draw(_TEXT), "a": [data.draw(_INT), None, True]},
+        lambda: {"b": {"c": data.draw(_TEXT)}, "n": data.draw(st.floats())},
+        lambda: [data.draw(_INT), data.draw(_TEXT)],
+        lambda: data.draw(_INT),
+        lambda: {"a": data.draw(st.integers(0, 99)), "b": 1},
+        lambda: {"b": data.draw(st.integers(0, 99)), "c": 1},  # the same length as the last
+    ]
+    picks = data.draw(st.lists(st.integers(-1, len(shapes) - 1), min_size=40, max_size=120))
+    rows = [None if pick < 0 else shapes[pick]() for pick in picks]
+    column = _column(rows, keys)
+    assert _json(column) == _row_by_row(column)
+    assert _json(column.slice(7)) == _row_by_row(column.slice(7))
+
+
+def test_many_rows_of_one_layout_and_a_few_others_read_as_row_by_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded_alone: list[int] = []
+    row_by_row = _variant_columns._row_by_row
+
+    def counted(data: pa.Array, metadata: list[bytes]) -> pa.Array:
+        decoded_alone.append(len(data))
+        return row_by_row(data, metadata)
+
+    monkeypatch.setattr(_variant_columns, "_row_by_row", counted)
+    keys = ["a", "b", "n", "s"]
+    rows: list[Any] = [{"n": i, "s": f"v{i % 10}"} for i in range(1000)]  # 3 int widths
+    rows[500] = {"a": 1, "b": 2}  # another dictionary use, another layout
+    rows[501] = None
+    rows[502] = {"n": 1.5, "s": "xx"}  # a float where the layout has an integer
+    column = _column(rows, keys)
+    text = _json(column)
+    assert text == _row_by_row(column)
+    assert text[7] == '{"n":7,"s":"v7"}'
+    assert text[501] is None
+    assert sum(decoded_alone) == 2  # the other layout and the float; the rest by template
+    # Two key dictionaries in one column.
+    other = _column([{"s": "x"}] * 20, ["s"])
+    mixed = pa.concat_arrays([column.slice(0, 30), other, column.slice(30, 30)])
+    assert _json(mixed) == _row_by_row(mixed)
+
+
+def test_a_string_that_is_not_utf8_in_a_column_is_named_as_row_by_row() -> None:
+    keys = ["s"]
+    metadata = _metadata(keys)
+    good = _object([0], [bytes([(2 << 2) | 1]) + b"ok"])
+    bad = _object([0], [bytes([(2 << 2) | 1]) + b"\xff\xfe"])
+    column = pa.array(
+        [{"value": good, "metadata": metadata}] * 30 + [{"value": bad, "metadata": metadata}],
+        VARIANT,
+    )
+    with pytest.raises(FormatError, match="not UTF-8"):
+        _json(column)

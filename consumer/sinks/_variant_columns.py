@@ -1,0 +1,239 @@
+"""Spark ``VARIANT`` columns as JSON text, many rows at once.
+
+Decoding a variant in Python costs about 4 µs a row (:func:`~millpond.consumer.sinks._variant.
+variant_json`), most of a consumer's work on a table with a variant column. The rows of one
+column mostly share a layout: the same keys, the same shape, integers of the same width and
+strings of the same length, so the same bytes everywhere but in those integers and strings.
+Rows are grouped by their key dictionary and their length; the first row of a group is traced
+into a template (literal text, and where its integers and short strings lie), every row of the
+group whose other bytes equal the template's is written from it with Arrow kernels, and the
+rest (another layout, a float, a date, a long string, anything the tracer does not take) row by
+row as before. The bytes a parse reads to find its way (headers, counts, field ids, offsets)
+are all compared, so a row that matches decodes along the template's path: the text is the
+per-row decoder's (``tests/consumer/test_variant.py`` checks that it is).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from millpond.consumer.sinks._json import quoted_strings, scalar_json
+from millpond.consumer.sinks._variant import json_keys, variant_json
+
+__all__ = ["variants_json"]
+
+_SMALL_GROUP = 16  # rows: a layout shared by fewer is decoded row by row
+_INT_TYPES = {3: (1, pa.int8()), 4: (2, pa.int16()), 5: (4, pa.int32()), 6: (8, pa.int64())}
+_FLOAT_TYPES = {7: (8, pa.float64()), 14: (4, pa.float32())}
+_LITERALS = {0: "null", 1: "true", 2: "false"}
+_PRIMITIVE, _SHORT_STRING, _OBJECT, _ARRAY = range(4)
+_NO_GROUP = -1
+
+
+class _Unsupported(Exception):
+    """The traced row holds something a template does not take."""
+
+
+def variants_json(values: pa.StructArray) -> pa.Array:
+    """Each variant of ``values`` (Spark's ``struct<value, metadata>``) as JSON text; NULL
+    stays NULL.
+
+    Raises:
+        FormatError: a variant the decoder cannot read (as :func:`variant_json` raises it).
+    """
+    data = pc.fill_null(values.field(0), b"")
+    dictionaries = pc.dictionary_encode(pc.fill_null(values.field(1), b""))
+    # A group: one key dictionary and one length (a layout can only be shared within one).
+    group = pc.add(
+        pc.multiply(pc.cast(dictionaries.indices, pa.int64()), 1 << 32),
+        pc.cast(pc.binary_length(data), pa.int64()),
+    )
+    group = pc.if_else(values.is_valid(), group, _NO_GROUP)
+    counts = pc.value_counts(group)
+    large = [
+        key
+        for key, count in zip(
+            counts.field("values").to_pylist(), counts.field("counts").to_pylist(), strict=True
+        )
+        if key != _NO_GROUP and count >= _SMALL_GROUP
+    ]
+    if sys.byteorder != "little":  # the templates read integers in place
+        large = []
+    parts: list[tuple[pa.Array, pa.Array]] = []
+    for key in large:
+        members = pc.indices_nonzero(pc.equal(group, key))
+        metadata = dictionaries.dictionary[key >> 32].as_py()
+        parts.extend(_by_template(pc.take(data, members), metadata, members))
+    nulls = pc.indices_nonzero(pc.equal(group, _NO_GROUP))
+    parts.append((nulls, pa.nulls(len(nulls), pa.string())))
+    rest = pc.indices_nonzero(pc.invert(pc.is_in(group, pa.array([_NO_GROUP, *large], pa.int64()))))
+    if len(rest):
+        metadata = pc.take(dictionaries, rest).to_pylist()
+        parts.append((rest, _row_by_row(pc.take(data, rest), metadata)))
+    order = pc.sort_indices(pa.concat_arrays([p[0] for p in parts]))
+    return pc.take(pa.concat_arrays([p[1] for p in parts]), order)
+
+
+def _by_template(
+    data: pa.BinaryArray, metadata: bytes, members: pa.Array
+) -> list[tuple[pa.Array, pa.Array]]:
+    """(row positions, text) for the rows of one group: from the first row's template where
+    their layout is its, row by row where not."""
+    first = data[0].as_py()
+    every = [metadata] * len(data)
+    try:
+        segments, payload = _trace(first, json_keys(metadata))
+    except _Unsupported:
+        return [(members, _row_by_row(data, every))]
+    matches = _same_layout(data, first, payload)
+    fitting = pc.indices_nonzero(matches)
+    try:
+        text = _from_template(pc.take(data, fitting), segments)
+    except pa.ArrowInvalid:  # a string that is not UTF-8: the row decoder names it
+        return [(members, _row_by_row(data, every))]
+    out = [(pc.take(members, fitting), text)]
+    others = pc.indices_nonzero(pc.invert(matches))
+    if len(others):
+        rest = pc.take(data, others)
+        out.append((pc.take(members, others), _row_by_row(rest, every[: len(others)])))
+    return out
+
+
+def _row_by_row(data: pa.BinaryArray, metadata: list[bytes]) -> pa.Array:
+    values = data.to_pylist()
+    return pa.array(list(map(variant_json, values, metadata)), pa.string())
+
+
+def _same_layout(data: pa.BinaryArray, first: bytes, payload: set[int]) -> pa.Array:
+    """Per row: whether every byte outside the template's payload equals the template's."""
+    matches = pa.array([True] * len(data))
+    start = None
+    for at in range(len(first) + 1):
+        structural = at < len(first) and at not in payload
+        if structural and start is None:
+            start = at
+        elif not structural and start is not None:
+            same = pc.equal(pc.binary_slice(data, start, at), pa.scalar(first[start:at]))
+            matches = pc.and_(matches, same)
+            start = None
+    return matches
+
+
+def _from_template(data: pa.BinaryArray, segments: list[tuple[Any, ...]]) -> pa.Array:
+    pieces: list[Any] = []
+    for segment in segments:
+        if segment[0] == "text":
+            if pieces and isinstance(pieces[-1], str):
+                pieces[-1] += segment[1]
+            else:
+                pieces.append(segment[1])
+            continue
+        kind, at, size, dtype = segment
+        raw = pc.binary_slice(data, at, at + size)
+        if kind == "int":
+            ints = pa.Array.from_buffers(dtype, len(raw), [None, raw.buffers()[2]])
+            pieces.append(pc.cast(ints, pa.string()))
+        elif kind == "float":  # Python's repr, NaN and ±Infinity as strings: value by value
+            floats = pa.Array.from_buffers(dtype, len(raw), [None, raw.buffers()[2]])
+            pieces.append(pa.array([scalar_json(x) for x in floats.to_pylist()], pa.string()))
+        else:  # a short string: the cast checks its UTF-8
+            pieces.append(quoted_strings(pc.cast(raw, pa.string())))
+    if all(isinstance(piece, str) for piece in pieces):
+        return pa.array(["".join(pieces)] * len(data), pa.string())
+    return pc.binary_join_element_wise(*pieces, "")
+
+
+def _trace(value: bytes, keys: tuple[str, ...]) -> tuple[list[tuple[Any, ...]], set[int]]:
+    """The template of one variant: its text in segments, and the byte positions of its
+    payload (integers' and short strings' bytes).
+
+    Raises:
+        _Unsupported: a value the template does not take, or bytes that do not parse (the
+            row decoder then says what is wrong).
+    """
+    segments: list[tuple[Any, ...]] = []
+    payload: set[int] = set()
+    structure: set[int] = set()
+    try:
+        _trace_at(value, 0, keys, segments, (payload, structure))
+    except (IndexError, ValueError) as err:
+        raise _Unsupported from err
+    if payload & structure:  # a byte read both as a value and to find the way
+        raise _Unsupported
+    return segments, payload
+
+
+def _trace_at(
+    value: bytes,
+    at: int,
+    keys: tuple[str, ...],
+    segments: list[tuple[Any, ...]],
+    seen: tuple[set[int], set[int]],
+) -> None:
+    payload, structure = seen
+    header = value[at]
+    structure.add(at)
+    basic, rest = header & 0x03, header >> 2
+    if basic == _SHORT_STRING:
+        if at + 1 + rest > len(value):
+            raise _Unsupported
+        segments.append(("string", at + 1, rest, None))
+        payload.update(range(at + 1, at + 1 + rest))
+    elif basic == _PRIMITIVE and rest in _LITERALS:
+        segments.append(("text", _LITERALS[rest]))
+    elif basic == _PRIMITIVE and (rest in _INT_TYPES or rest in _FLOAT_TYPES):
+        kind = "int" if rest in _INT_TYPES else "float"
+        size, dtype = _INT_TYPES[rest] if kind == "int" else _FLOAT_TYPES[rest]
+        if at + 1 + size > len(value):
+            raise _Unsupported
+        segments.append((kind, at + 1, size, dtype))
+        payload.update(range(at + 1, at + 1 + size))
+    elif basic in (_OBJECT, _ARRAY):
+        _trace_container(value, at, basic, rest, keys, segments, seen)
+    else:
+        raise _Unsupported
+
+
+def _trace_container(
+    value: bytes,
+    at: int,
+    basic: int,
+    rest: int,
+    keys: tuple[str, ...],
+    segments: list[tuple[Any, ...]],
+    seen: tuple[set[int], set[int]],
+) -> None:
+    offset_size = (rest & 0x03) + 1
+    if basic == _OBJECT:
+        id_size = ((rest >> 2) & 0x03) + 1
+        large = (rest >> 4) & 0x01
+    else:
+        id_size, large = 0, (rest >> 2) & 0x01
+    count_size = 4 if large else 1
+    count = _uint(value, at + 1, count_size, seen[1])
+    ids_at = at + 1 + count_size
+    offsets_at = ids_at + count * id_size
+    values_at = offsets_at + (count + 1) * offset_size
+    segments.append(("text", "{" if basic == _OBJECT else "["))
+    for i in range(count):
+        if i:
+            segments.append(("text", ","))
+        if basic == _OBJECT:
+            key_id = _uint(value, ids_at + i * id_size, id_size, seen[1])
+            if key_id >= len(keys):
+                raise _Unsupported
+            segments.append(("text", keys[key_id] + ":"))
+        offset = _uint(value, offsets_at + i * offset_size, offset_size, seen[1])
+        _trace_at(value, values_at + offset, keys, segments, seen)
+    segments.append(("text", "}" if basic == _OBJECT else "]"))
+
+
+def _uint(value: bytes, at: int, size: int, structure: set[int]) -> int:
+    if at + size > len(value):
+        raise _Unsupported
+    structure.update(range(at, at + size))
+    return int.from_bytes(value[at : at + size], "little")
