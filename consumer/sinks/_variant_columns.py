@@ -5,12 +5,13 @@ variant_json`), most of a consumer's work on a table with a variant column. The 
 column mostly share a layout: the same keys, the same shape, integers of the same width and
 strings of the same length, so the same bytes everywhere but in those integers and strings.
 Rows are grouped by their key dictionary and their length; the first row of a group is traced
-into a template (literal text, and where its integers and short strings lie), every row of the
-group whose other bytes equal the template's is written from it with Arrow kernels, and the
-rest (another layout, a float, a date, a long string, anything the tracer does not take) row by
-row as before. The bytes a parse reads to find its way (headers, counts, field ids, offsets)
-are all compared, so a row that matches decodes along the template's path: the text is the
-per-row decoder's (``tests/consumer/test_variant.py`` checks that it is).
+into a template (literal text, and where its integers, floats and short strings lie), every row
+of the group whose other bytes equal the template's is written from it with Arrow kernels (the
+floats by Python's repr, value by value), and the rest (another layout, a decimal, a date, a
+long string, anything the tracer does not take, a group under 64 rows) row by row as before.
+The bytes a parse reads to find its way (headers, counts, field ids, offsets) are all
+compared, so a row that matches decodes along the template's path: the text is the per-row
+decoder's (``tests/consumer/test_variant.py`` checks that it is).
 """
 
 from __future__ import annotations
