@@ -124,6 +124,17 @@ def numbered(start: int, count: int) -> pa.Table:
     )
 
 
+def arrow_batch(sequence: int, table: pa.Table, location: str | None = None) -> ConsumedBatch:
+    """A consumed batch of ``table`` (its Arrow IPC entries), at ``ingest/{sequence}.batch``
+    unless ``location`` says otherwise."""
+    return ConsumedBatch(
+        entries=tuple(encode_ipc(table)),
+        sequence=sequence,
+        location=location or f"ingest/{sequence:026d}.batch",
+        metadata=(Metadata(0, 1_000 + sequence, b"meta"),),
+    )
+
+
 def _now_ms(clock: Any) -> int:
     return clock.now_ms() if clock is not None else time.time_ns() // 1_000_000
 

@@ -13,22 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from consumer_support import Database
+from consumer_support import Database, arrow_batch
 
-from millpond.consumer import ConsumedBatch, Metadata
+from millpond.consumer import ConsumedBatch
 from millpond.consumer.sinks import SinkError
 from millpond.formats.arrow import encode_ipc, unify_tables
 
 UTC = dt.UTC
-
-
-def _batch(sequence: int, table: pa.Table) -> ConsumedBatch:
-    return ConsumedBatch(
-        entries=tuple(encode_ipc(table)),
-        sequence=sequence,
-        location=f"ingest/{sequence:026d}.batch",
-        metadata=(Metadata(0, 1_000 + sequence, b""),),
-    )
 
 
 def _column_types(database: Database) -> dict[str, str]:
@@ -60,13 +51,13 @@ def test_time_zone_spellings_are_one_instant_type(database: Database) -> None:
     ``UTC``. Before the fix the second batch stopped the PostgreSQL consumer for good."""
     micros = 1_700_000_000_123_456
     with database.sink() as sink:
-        assert sink.write(_batch(0, _instants([micros], "Etc/UTC")))
-        assert sink.write(_batch(1, _instants([micros + 1], "Etc/UTC")))
-        assert sink.write(_batch(2, _instants([micros + 2], "America/New_York")))
+        assert sink.write(arrow_batch(0, _instants([micros], "Etc/UTC")))
+        assert sink.write(arrow_batch(1, _instants([micros + 1], "Etc/UTC")))
+        assert sink.write(arrow_batch(2, _instants([micros + 2], "America/New_York")))
         # Several zones in one transaction (a backlog written as a group).
         group = [
-            _batch(3, _instants([micros + 3], "UTC")),
-            _batch(4, _instants([micros + 4], "+05:30")),
+            arrow_batch(3, _instants([micros + 3], "UTC")),
+            arrow_batch(4, _instants([micros + 4], "+05:30")),
         ]
         assert sink.write_many(group) == [True, True]
     rows = database.query(f'SELECT n, ts FROM "{database.table}" ORDER BY n')
@@ -99,9 +90,9 @@ def test_a_null_column_takes_the_type_of_the_first_batch_with_values(
     """Before the fix an all-null first batch made the column TEXT (PostgreSQL) or untyped
     (SQLite), and a later int64 batch stopped the PostgreSQL consumer for good."""
     with database.sink() as sink:
-        assert sink.write(_batch(0, pa.table({"n": [1], "x": pa.nulls(1)})))
-        assert sink.write(_batch(1, pa.table({"n": [2], "x": pa.array([10], pa.int64())})))
-        assert sink.write(_batch(2, pa.table({"n": [3], "x": pa.nulls(1)})))
+        assert sink.write(arrow_batch(0, pa.table({"n": [1], "x": pa.nulls(1)})))
+        assert sink.write(arrow_batch(1, pa.table({"n": [2], "x": pa.array([10], pa.int64())})))
+        assert sink.write(arrow_batch(2, pa.table({"n": [3], "x": pa.nulls(1)})))
     types = _column_types(database)
     assert types["x"] == ("INTEGER" if database.kind == "sqlite" else "bigint")
     assert database.query(f'SELECT n, x FROM "{database.table}" ORDER BY n') == [
@@ -115,8 +106,8 @@ def test_an_all_null_table_is_retyped_by_the_first_values(database: Database) ->
     """A table whose columns so far held only NULLs (created as text) takes the first real
     type: the column holds no value, so nothing is lost by changing it."""
     with database.sink(sequence_column=None) as sink:
-        assert sink.write(_batch(0, pa.table({"x": pa.nulls(2)})))
-        assert sink.write(_batch(1, pa.table({"x": pa.array([1.5], pa.float64())})))
+        assert sink.write(arrow_batch(0, pa.table({"x": pa.nulls(2)})))
+        assert sink.write(arrow_batch(1, pa.table({"x": pa.array([1.5], pa.float64())})))
     assert _column_types(database)["x"] == (
         "REAL" if database.kind == "sqlite" else "double precision"
     )
@@ -130,7 +121,7 @@ def test_an_all_null_table_is_retyped_by_the_first_values(database: Database) ->
 def test_widening_is_applied_with_alter(database: Database) -> None:
     with database.sink() as sink:
         sink.write(
-            _batch(
+            arrow_batch(
                 0,
                 pa.table(
                     {
@@ -141,7 +132,7 @@ def test_widening_is_applied_with_alter(database: Database) -> None:
             )
         )
         sink.write(
-            _batch(
+            arrow_batch(
                 1,
                 pa.table(
                     {
@@ -153,7 +144,7 @@ def test_widening_is_applied_with_alter(database: Database) -> None:
         )
         wide = _column_types(database)
         sink.write(
-            _batch(
+            arrow_batch(
                 2,
                 pa.table(
                     {"n": pa.array([2.0, 2.5], pa.float64()), "d": pa.array([7, 7], pa.int32())}
@@ -192,9 +183,9 @@ def test_a_varchar_column_is_widened_for_longer_strings(postgres_database: Datab
     database = postgres_database
     _execute(database, f'CREATE TABLE "{database.table}" (s varchar(5))')
     with database.sink(sequence_column=None) as sink:
-        assert sink.write(_batch(0, pa.table({"s": ["short"]})))
+        assert sink.write(arrow_batch(0, pa.table({"s": ["short"]})))
         assert _column_types(database)["s"] == "character varying(5)"
-        assert sink.write(_batch(1, pa.table({"s": ["much longer é"]})))
+        assert sink.write(arrow_batch(1, pa.table({"s": ["much longer é"]})))
     assert _column_types(database)["s"] == "character varying(13)"
     assert database.query(f'SELECT s FROM "{database.table}" ORDER BY s') == [
         ("much longer é",),
@@ -205,12 +196,12 @@ def test_a_varchar_column_is_widened_for_longer_strings(postgres_database: Datab
 def test_sqlite_compares_names_without_case(tmp_path: Path) -> None:
     database = Database("sqlite", f"sqlite://{tmp_path / 'names.db'}")
     with database.sink() as sink:
-        assert sink.write(_batch(0, pa.table({"Name": ["a"]})))
+        assert sink.write(arrow_batch(0, pa.table({"Name": ["a"]})))
         # The same column for SQLite: written into it, not added (before the fix: "duplicate
         # column name", classified transient, retried forever).
-        assert sink.write(_batch(1, pa.table({"NAME": ["b"], "extra": [1]})))
+        assert sink.write(arrow_batch(1, pa.table({"NAME": ["b"], "extra": [1]})))
         with pytest.raises(SinkError) as info:
-            sink.write(_batch(2, pa.table({"name": ["c"], "NaMe": ["d"]})))
+            sink.write(arrow_batch(2, pa.table({"name": ["c"], "NaMe": ["d"]})))
     assert not info.value.transient
     message = str(info.value)
     assert "sequence 2" in message
@@ -225,12 +216,12 @@ def test_postgres_truncates_long_names(postgres_database: Database) -> None:
     long = "a_rather_long_column_name_" + "x" * 40 + "_first"  # 72 bytes
     clash = long[:63] + "_second"
     with database.sink() as sink:
-        assert sink.write(_batch(0, pa.table({long: [1]})))
+        assert sink.write(arrow_batch(0, pa.table({long: [1]})))
         # PostgreSQL stored the name cut at 63 bytes; the same batch column goes into it
         # (before the fix: ADD COLUMN, 42701 duplicate column, retried forever).
-        assert sink.write(_batch(1, pa.table({long: [2]})))
+        assert sink.write(arrow_batch(1, pa.table({long: [2]})))
         with pytest.raises(SinkError) as info:
-            sink.write(_batch(2, pa.table({long: [3], clash: [4]})))
+            sink.write(arrow_batch(2, pa.table({long: [3], clash: [4]})))
     assert not info.value.transient
     message = str(info.value)
     assert "sequence 2" in message
@@ -256,9 +247,9 @@ def test_an_unreconcilable_change_is_permanent_and_names_everything(
     database: Database, first: pa.Array, second: pa.Array
 ) -> None:
     with database.sink() as sink:
-        assert sink.write(_batch(0, pa.table({"v": first})))
+        assert sink.write(arrow_batch(0, pa.table({"v": first})))
         with pytest.raises(SinkError) as info:
-            sink.write(_batch(1, pa.table({"v": second})))
+            sink.write(arrow_batch(1, pa.table({"v": second})))
         assert not info.value.transient
         assert sink.last_sequence("") == 0
     message = str(info.value)
@@ -282,7 +273,7 @@ def test_a_nul_character_is_refused_for_postgresql_naming_column_and_row(
     assert "first at row 2" in message
     assert "U+0000" in message
     with postgres_database.sink() as sink:
-        assert sink.write(_batch(1, table.drop_columns(["s"])))
+        assert sink.write(arrow_batch(1, table.drop_columns(["s"])))
     rows = postgres_database.query(
         f'SELECT st::text FROM "{postgres_database.table}" ORDER BY _millpond_sequence'
     )
@@ -313,6 +304,6 @@ def test_two_columns_of_one_name_are_refused_as_such(database: Database) -> None
 def _refused(database: Database, table: pa.Table) -> str:
     """The message of the permanent error writing ``table`` as batch 0 gives."""
     with database.sink() as sink, pytest.raises(SinkError) as info:
-        sink.write(_batch(0, table))
+        sink.write(arrow_batch(0, table))
     assert not info.value.transient
     return str(info.value)

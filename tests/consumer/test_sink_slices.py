@@ -11,22 +11,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from consumer_support import Database
+from consumer_support import Database, arrow_batch
 
-from millpond.consumer import ConsumedBatch, Metadata
 from millpond.consumer.sinks import PostgresSink, SinkError
-from millpond.formats.arrow import encode_ipc
 
 ROWS = 23  # slices of 4: five whole ones and a short one
-
-
-def _batch(sequence: int, table: pa.Table) -> ConsumedBatch:
-    return ConsumedBatch(
-        entries=tuple(encode_ipc(table)),
-        sequence=sequence,
-        location=f"ingest/{sequence:026d}.batch",
-        metadata=(Metadata(0, 1_000 + sequence, b"meta"),),
-    )
 
 
 def _rows(first: int, count: int) -> pa.Table:
@@ -76,7 +65,7 @@ def test_a_write_larger_than_a_slice_reads_back_as_one_write_puts_it(
     postgres_database: Database, sliced: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with postgres_database.sink(sequence_column=None) as sink:
-        assert sink.write_many([_batch(0, _rows(0, 10)), _batch(1, _rows(10, ROWS - 10))])
+        assert sink.write_many([arrow_batch(0, _rows(0, 10)), arrow_batch(1, _rows(10, ROWS - 10))])
     assert sliced == [4, 4, 4, 4, 4, 3]
     got = _read(postgres_database)
     assert [row[0] for row in got] == list(range(ROWS))
@@ -87,7 +76,7 @@ def test_a_write_larger_than_a_slice_reads_back_as_one_write_puts_it(
     other = Database("postgres", postgres_database.url)
     monkeypatch.setattr(PostgresSink, "_INSERT_SLICE_ROWS", None)
     with other.sink(sequence_column=None) as sink:
-        sink.write_many([_batch(0, _rows(0, 10)), _batch(1, _rows(10, ROWS - 10))])
+        sink.write_many([arrow_batch(0, _rows(0, 10)), arrow_batch(1, _rows(10, ROWS - 10))])
     assert _read(other) == got
 
 
@@ -100,7 +89,7 @@ def test_a_bad_value_in_a_late_slice_names_its_row_in_the_write_and_writes_nothi
     rows = rows.set_column(1, "s", pa.array(text))
     with postgres_database.sink(sequence_column=None) as sink:
         with pytest.raises(SinkError, match=r"first at row 21 of the batch") as caught:
-            sink.write(_batch(0, rows))
+            sink.write(arrow_batch(0, rows))
         assert not caught.value.transient
         assert "column 's'" in str(caught.value)
         assert sink.last_sequence("") is None

@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from consumer_support import Database
+from consumer_support import Database, arrow_batch
 
 from millpond.consumer import ConsumedBatch, Metadata
 from millpond.consumer.sinks import (
@@ -25,24 +25,15 @@ ROUNDS = 100  # fresh progress tables, each set up by SETUPS_AT_ONCE sinks toget
 SETUPS_AT_ONCE = 8
 
 
-def _arrow_batch(sequence: int, table: pa.Table, location: str | None = None) -> ConsumedBatch:
-    return ConsumedBatch(
-        entries=tuple(encode_ipc(table)),
-        sequence=sequence,
-        location=location or f"ingest/{sequence:026d}.batch",
-        metadata=(Metadata(0, 1_000 + sequence, b"meta"),),
-    )
-
-
 def test_write_records_rows_sequence_and_location_once(database: Database) -> None:
     with database.sink() as sink:
         assert sink.last_sequence("") is None
-        assert sink.write(_arrow_batch(0, pa.table({"n": [1, 2, 3]}))) is True
-        assert sink.write(_arrow_batch(1, pa.table({"n": [4]}))) is True
+        assert sink.write(arrow_batch(0, pa.table({"n": [1, 2, 3]}))) is True
+        assert sink.write(arrow_batch(1, pa.table({"n": [4]}))) is True
         # The same batch again (a resumed or fenced twin): skipped.
-        assert sink.write(_arrow_batch(1, pa.table({"n": [4]}))) is False
+        assert sink.write(arrow_batch(1, pa.table({"n": [4]}))) is False
         # The same location enqueued twice by a recovering producer: skipped, but counted.
-        again = _arrow_batch(
+        again = arrow_batch(
             2, pa.table({"n": [4]}), location="ingest/00000000000000000000000001.batch"
         )
         assert sink.write(again) is False
@@ -63,9 +54,9 @@ def test_write_records_rows_sequence_and_location_once(database: Database) -> No
 
 def test_schema_drift_adds_nullable_columns_and_widens(database: Database) -> None:
     with database.sink() as sink:
-        sink.write(_arrow_batch(0, pa.table({"n": pa.array([1], pa.int32()), "s": ["a"]})))
-        sink.write(_arrow_batch(1, pa.table({"n": pa.array([2], pa.int64()), "x": [0.5]})))
-        sink.write(_arrow_batch(2, pa.table({"n": pa.array([2.5], pa.float64())})))
+        sink.write(arrow_batch(0, pa.table({"n": pa.array([1], pa.int32()), "s": ["a"]})))
+        sink.write(arrow_batch(1, pa.table({"n": pa.array([2], pa.int64()), "x": [0.5]})))
+        sink.write(arrow_batch(2, pa.table({"n": pa.array([2.5], pa.float64())})))
     rows = database.query(f'SELECT n, s, x FROM "{database.table}" ORDER BY n')
     assert rows == [(1, "a", None), (2, None, 0.5), (2.5, None, None)]
 
@@ -124,17 +115,17 @@ def test_a_failed_transaction_leaves_nothing(
     database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with database.sink() as sink:
-        sink.write(_arrow_batch(0, pa.table({"n": [1]})))
+        sink.write(arrow_batch(0, pa.table({"n": [1]})))
 
         def explode(cur: Any, rows: pa.Table) -> pa.Table:
             raise RuntimeError("crash between the progress row and the rows")
 
         monkeypatch.setattr(sink, "_prepare_table", explode)
         with pytest.raises(RuntimeError):
-            sink.write(_arrow_batch(1, pa.table({"n": [2]})))
+            sink.write(arrow_batch(1, pa.table({"n": [2]})))
         assert sink.last_sequence("") == 0
         monkeypatch.undo()
-        assert sink.write(_arrow_batch(1, pa.table({"n": [2]})))
+        assert sink.write(arrow_batch(1, pa.table({"n": [2]})))
     assert database.query(f'SELECT n FROM "{database.table}" ORDER BY n') == [(1,), (2,)]
 
 
@@ -184,7 +175,7 @@ def test_two_sinks_racing_on_one_batch_write_it_once(
     database: Database, groups: tuple[int, int]
 ) -> None:
     """A fenced consumer that has not noticed yet and its successor write the same batches."""
-    batches = [_arrow_batch(i, pa.table({"n": [i] * 50})) for i in range(24)]
+    batches = [arrow_batch(i, pa.table({"n": [i] * 50})) for i in range(24)]
     results: dict[str, list[bool]] = {"a": [], "b": []}
 
     def run(name: str, size: int) -> None:
@@ -212,9 +203,9 @@ def test_unreconcilable_column_types_are_a_permanent_error(
     """PostgreSQL only: a SQLite column takes any value."""
     database = postgres_database
     with database.sink() as sink:
-        sink.write(_arrow_batch(0, pa.table({"n": [1]})))
+        sink.write(arrow_batch(0, pa.table({"n": [1]})))
         with pytest.raises(SinkError, match="'n'") as info:
-            sink.write(_arrow_batch(1, pa.table({"n": ["text"]})))
+            sink.write(arrow_batch(1, pa.table({"n": ["text"]})))
         assert not info.value.transient
         assert sink.last_sequence("") == 0
 
@@ -222,14 +213,14 @@ def test_unreconcilable_column_types_are_a_permanent_error(
 def test_a_dropped_connection_reconnects(postgres_database: Database) -> None:
     database = postgres_database
     with database.sink() as sink:
-        sink.write(_arrow_batch(0, pa.table({"n": [1]})))
+        sink.write(arrow_batch(0, pa.table({"n": [1]})))
         terminated = database.query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE pid <> pg_backend_pid() AND datname = current_database() "
             "AND backend_type = 'client backend'"
         )
         assert terminated
-        assert sink.write(_arrow_batch(1, pa.table({"n": [2]})))
+        assert sink.write(arrow_batch(1, pa.table({"n": [2]})))
         assert sink.last_sequence("") == 1
     assert database.query(f'SELECT n FROM "{database.table}" ORDER BY n') == [(1,), (2,)]
 
