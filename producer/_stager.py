@@ -79,6 +79,13 @@ class WalWriter:
                     [(i.ingestion_time_ms, i.metadata, i.entries) for i in group]
                 )
                 with state.cond:
+                    if state.fatal is not None:
+                        # Another thread stopped the producer during the write: the syncer
+                        # may be gone, and nothing staged now would be published. The
+                        # records stay in the WAL for the next producer on it.
+                        self._fail_group(group, self._floor, state.fatal)
+                        group = None
+                        continue
                     state.written.append((group, placed, self._floor))
                     group = None
                     state.syncer_wake.notify()
@@ -173,6 +180,12 @@ class WalWriter:
         state = self._state
         now = state.clock.monotonic()
         with state.cond:
+            if state.fatal is not None:
+                # Stopped while these were syncing (in neither list the stop failed): staged
+                # now, for the next producer on the WAL, but this one publishes nothing more.
+                for group, _placed, floor in written:
+                    self._fail_group(group, floor, state.fatal, staged=True)
+                return
             for group, placed, floor in written:
                 for item, (seq, ref) in zip(group, placed, strict=True):
                     keep = state.mem_bytes + item.nbytes <= state.mem_budget
@@ -218,14 +231,19 @@ class WalWriter:
         with self._state.cond:
             self._fail_group(group, self._floor, error)
 
-    def _fail_group(self, group: list[Input], floor: int, error: BaseException) -> None:
-        """Fail every call of a group that is not staged (``state.cond`` held)."""
+    def _fail_group(
+        self, group: list[Input], floor: int, error: BaseException, *, staged: bool = False
+    ) -> None:
+        """Fail every call of a group that is not staged (``state.cond`` held); ``staged``:
+        its records are in the WAL, synced (``wait_staged()`` returns, ``wait()`` raises)."""
         state = self._state
         if floor not in state.unstaged_floors:
             return  # staged already (a failure after the syncer staged it)
         state.unstaged_floors.remove(floor)
         state.staging_bytes -= sum(item.nbytes for item in group)
         for item in group:
+            if staged:
+                item.handle._set_staged()
             item.handle._set_failed(error)
             state.resolve(item.ordinal)
 

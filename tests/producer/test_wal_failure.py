@@ -131,3 +131,69 @@ def test_a_failed_wal_sync_fails_the_groups_it_was_syncing(
     counts = Counter(all_entries(store))
     assert counts[b"first"] == 1
     assert all(count == 1 for count in counts.values()), counts
+
+
+def _stopped_by_the_committer(producer: Producer, error: BaseException) -> None:
+    """What the committer (or the sealer, an uploader, the releaser) does when it fails for
+    good, called from the test's thread at a moment the test picks."""
+    from millpond.producer._publisher import fail_fatal
+
+    fail_fatal(producer._state, error, "committer")
+
+
+@pytest.mark.parametrize("stage", ["writing", "syncing"])
+def test_a_stop_from_another_thread_settles_the_group_the_wal_threads_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """Another thread's permanent failure (a corrupt manifest stops the committer) while the
+    WAL writer is writing a group, or the syncer syncing one: that group was in no list the
+    failure walked, and it was handed on to a syncer already gone (writing) or staged after
+    the failure into a producer that would never publish it (syncing). Seen in the
+    whole-system checker: a ``produce()`` whose ``wait_staged()`` never returned. Its calls
+    now fail with the producer's error; the WAL keeps the records for the next producer."""
+    import millpond.wal as wal_module
+
+    inside, go = threading.Event(), threading.Event()
+    thread = {"writing": "millpond-wal-writer", "syncing": "millpond-wal-syncer"}[stage]
+    blocking = [False]
+
+    def held(call):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if blocking[0] and threading.current_thread().name == thread:
+                inside.set()
+                assert go.wait(30)
+            return call(*args, **kwargs)
+
+        return run
+
+    if stage == "writing":
+        monkeypatch.setattr(wal_module.Wal, "append_data", held(wal_module.Wal.append_data))
+    else:
+        monkeypatch.setattr(wal_module, "_fdatasync", held(wal_module._fdatasync))
+    store = fresh_memory()
+    producer = Producer(config(store, tmp_path / "wal"))
+    producer.produce([b"first"]).wait(timeout=30)
+    blocking[0] = True
+    handle = producer.produce([b"held"])
+    assert inside.wait(30), f"the {thread} never took the call"
+    error = StorageError("manifest is corrupt (injected)")
+    _stopped_by_the_committer(producer, error)
+    go.set()
+    with pytest.raises(StorageError, match="corrupt"):
+        handle.wait(timeout=10)  # before the fix: TimeoutError, the call never settled
+    assert handle.done()
+    if stage == "syncing":
+        handle.wait_staged(timeout=0)  # synced into the WAL: staged, and never published here
+    else:
+        with pytest.raises(StorageError, match="corrupt"):
+            handle.wait_staged(timeout=0)  # written, not synced: not staged
+    blocking[0] = False
+    with pytest.raises(ClosedError):
+        producer.produce([b"after"])
+    with pytest.raises(StorageError):
+        producer.close(timeout=30)
+    Producer(config(store, tmp_path / "wal")).close(timeout=30)
+    counts = Counter(all_entries(store))
+    assert counts[b"first"] == 1
+    assert counts[b"held"] == 1  # in the WAL before the stop: the next producer publishes it
+    assert all(count == 1 for count in counts.values()), counts
