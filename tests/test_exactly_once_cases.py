@@ -47,10 +47,11 @@ from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.formats.wal import BindBody
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
+from millpond.localstack import S3Endpoint
 from millpond.localstack._process import wait_for
 from millpond.producer import Producer
 from millpond.queue import QueueProducer, read_manifest
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 from millpond.wal import Wal
 from tests.producer.producer_support import (
     MANIFEST,
@@ -59,7 +60,7 @@ from tests.producer.producer_support import (
     fresh_memory,
     read_back,
 )
-from tests.support import ClockOff
+from tests.support import ClockOff, unique_root
 
 _ONE_ATTEMPT = RetryPolicy(max_attempts=1, max_elapsed=5.0, base_delay=0.001, max_delay=0.001)
 _FAST = RetryPolicy(max_attempts=1000, max_elapsed=60.0, base_delay=0.001, max_delay=0.05)
@@ -443,6 +444,41 @@ def test_sink_holding_another_queues_progress_is_refused(tmp_path: Path) -> None
     assert theirs == sorted(b"entry-%d" % i for i in range(10))
     assert ours == theirs  # q's rows, untouched (the same payloads, another queue)
     assert _queued(q4) == []
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        pytest.param("{bucket}/x/../{root}", id="dot-dot"),
+        pytest.param("{bucket}/./{root}/", id="dot"),
+        pytest.param("{bucket}/{escaped}", id="percent-escapes"),
+    ],
+)
+def test_another_spelling_of_the_same_queue_is_not_another_queue(
+    seaweedfs_s3: S3Endpoint, tmp_path: Path, spelling: str
+) -> None:
+    """The store resolves ``..`` and ``.`` segments and percent escapes in a URL's path, so
+    ``s3://b/x/../root`` opens the very objects of ``s3://b/root``. Before the fix the queue's
+    identity kept the spelling, and the sink that holds the queue's progress refused the
+    consumer as one of another queue."""
+    root = unique_root()
+    plain = seaweedfs_s3.url_for(root)
+    bucket = plain.removesuffix("/" + root)
+    other = "s3://" + spelling.format(
+        bucket=bucket.removeprefix("s3://"),
+        root=root,
+        escaped="".join(f"%{b:02X}" for b in root.encode()),
+    )
+    options = seaweedfs_s3.store_options()
+    sink = f"sqlite://{tmp_path / 'sink.db'}"
+    _enqueue(open_store(plain, options), 3)
+    _consume_all(open_store(plain, options), sink)
+    spelled = open_store(other, options)
+    assert read_manifest(spelled, MANIFEST).manifest.next_sequence == 3  # the same objects
+    _enqueue(spelled, 2)
+    _consume_all(spelled, sink)  # before the fix: SinkError, "holds the rows ... of queue"
+    assert sorted(_sink_payloads(sink)) == sorted(b"entry-%d" % i for i in (0, 1, 2, 0, 1))
+    assert len(_queued(open_store(plain, options))) == 0
 
 
 # --- case 7 ----------------------------------------------------------------------------------

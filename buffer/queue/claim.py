@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from millpond.errors import ConfigError, ConflictError, FormatError, NotFoundError
 from millpond.storage.store import ObjectStore
@@ -82,15 +82,23 @@ def default_delete_window(gc_grace_period: float) -> float:
 def queue_identity(store_url: str, manifest_path: str) -> str:
     """``scheme://bucket/root/manifest_path``: one string per queue, without credentials.
 
-    ``s3a://`` is spelled ``s3://`` and slashes are normalised, so two spellings of one queue
-    give one identity.
+    Spelled as the store resolves the URL, so two spellings of one queue give one identity:
+    ``s3a://`` is ``s3://``, empty and ``.`` segments go, ``..`` takes the segment before it
+    away, and percent escapes are decoded (``s3://b/x/../r%6Fot`` is ``s3://b/root``).
     """
     parts = urlsplit(store_url)
     scheme = "s3" if parts.scheme == "s3a" else parts.scheme
     host = parts.hostname or ""
     if parts.port is not None:
         host += f":{parts.port}"
-    root = "/".join(p for p in parts.path.split("/") if p)
+    segments: list[str] = []
+    for segment in (unquote(raw) for raw in parts.path.split("/")):
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment not in ("", "."):
+            segments.append(segment)
+    root = "/".join(segments)
     path = "/".join(p for p in manifest_path.split("/") if p)
     base = f"{scheme}://{host}" if scheme else store_url.rstrip("/")
     return "/".join(p for p in (base, root, path) if p)
