@@ -30,7 +30,8 @@ from millpond.consumer.sinks._variant_columns import variants_json
 
 __all__ = ["columnar", "json_column", "plain_scalar"]
 
-_NULL_TEXT = pa.scalar(None, pa.string())
+# Not pa.scalar(None, ...): that imports pandas (0.4 s) in every process importing the sinks.
+_NULL_TEXT = pa.nulls(1, pa.string())[0]
 _SUB_MICROSECOND = ("ns",)
 
 
