@@ -14,10 +14,12 @@ Sections:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,7 +141,58 @@ def postgres_server() -> Iterator[PostgresServer]:
         # Never a skip: a suite that silently drops its real-server tests proves nothing.
         pytest.fail(f"{err} (make test installs what is missing)")
     with start_postgres() as server:
-        yield server
+        _postgres_sweepers["session"] = _TableSweeper(server.url)
+        try:
+            yield server
+        finally:
+            _postgres_sweepers.pop("session").close()
+
+
+class _TableSweeper:
+    """Drops every table a test left in the session PostgreSQL.
+
+    Tests make fresh tables, never drop them, and an ADBC connection reads the whole
+    ``pg_attribute`` catalog when it opens: about 80 ms on an empty database, 165 ms after
+    300 eight-column tables, 950 ms after 3,000. Left alone, every connect of a worker's
+    later tests paid for the tables of its earlier ones."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._conn: Any = None
+
+    def sweep(self) -> None:
+        for _ in range(2):  # once more on a new connection (the server was restarted)
+            try:
+                if self._conn is None:
+                    import adbc_driver_postgresql.dbapi as postgres
+
+                    self._conn = postgres.connect(self._url, autocommit=True)
+                with self._conn.cursor() as cur:
+                    # A test's session left idle in a transaction holds locks: not waited for.
+                    cur.execute("SET lock_timeout = '2s'")
+                    cur.execute("DROP SCHEMA public CASCADE")
+                    cur.execute("CREATE SCHEMA public")
+                return
+            except Exception:
+                self.close()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+_postgres_sweepers: dict[str, _TableSweeper] = {}
+
+
+@pytest.fixture(autouse=True)
+def _postgres_swept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the session PostgreSQL, drop what it made (``_TableSweeper``)."""
+    yield
+    sweeper = _postgres_sweepers.get("session")
+    if sweeper is not None and "postgres_server" in request.fixturenames:
+        sweeper.sweep()
 
 
 # ---------------------------------------------------------------------------------------------
