@@ -481,6 +481,23 @@ def test_another_spelling_of_the_same_queue_is_not_another_queue(
     assert len(_queued(open_store(plain, options))) == 0
 
 
+def test_an_owner_recorded_under_an_old_spelling_is_still_the_queue(tmp_path: Path) -> None:
+    """A sink whose owner record an earlier version wrote through ``…/x/../q`` (it kept the
+    spelling) is the same queue's for a consumer of ``…/q``: before the fix it was refused."""
+    url = (tmp_path / "q").as_uri()
+    store = open_store(url)
+    sink = f"sqlite://{tmp_path / 'sink.db'}"
+    _enqueue(store, 2)
+    _consume_all(store, sink)
+    old = url.removesuffix("/q") + "/x/../q/ingest/manifest"
+    with contextlib.closing(sqlite3.connect(tmp_path / "sink.db")) as conn, conn:
+        assert conn.execute("UPDATE millpond_owners SET queue = ?", (old,)).rowcount == 1
+    _enqueue(store, 1)
+    _consume_all(store, sink)
+    assert sorted(_sink_payloads(sink)) == [b"entry-0", b"entry-0", b"entry-1"]
+    assert _queued(store) == []
+
+
 # --- case 7 ----------------------------------------------------------------------------------
 
 

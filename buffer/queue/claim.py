@@ -46,6 +46,7 @@ __all__ = [
     "internal_path",
     "open_claim",
     "queue_identity",
+    "same_queue",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,17 +92,37 @@ def queue_identity(store_url: str, manifest_path: str) -> str:
     host = parts.hostname or ""
     if parts.port is not None:
         host += f":{parts.port}"
+    root = _resolved_path(parts.path)
+    path = "/".join(p for p in manifest_path.split("/") if p)
+    base = f"{scheme}://{host}" if scheme else store_url.rstrip("/")
+    return "/".join(p for p in (base, root, path) if p)
+
+
+def same_queue(recorded: str, identity: str) -> bool:
+    """Whether ``recorded``, a :func:`queue_identity` stored earlier, names the queue
+    ``identity`` names: identities recorded before 6a5c8ca kept a URL's ``..``, ``.`` and
+    percent escapes (``s3://b/x/../root/...``)."""
+    if recorded == identity:
+        return True
+    old, new = urlsplit(recorded), urlsplit(identity)
+    return (old.scheme, old.netloc, _resolved_path(old.path)) == (
+        new.scheme,
+        new.netloc,
+        _resolved_path(new.path),
+    )
+
+
+def _resolved_path(path: str) -> str:
+    """``path`` as a store resolves it: no empty or ``.`` segments, ``..`` removing the one
+    before it, percent escapes decoded."""
     segments: list[str] = []
-    for segment in (unquote(raw) for raw in parts.path.split("/")):
+    for segment in (unquote(raw) for raw in path.split("/")):
         if segment == "..":
             if segments:
                 segments.pop()
         elif segment not in ("", "."):
             segments.append(segment)
-    root = "/".join(segments)
-    path = "/".join(p for p in manifest_path.split("/") if p)
-    base = f"{scheme}://{host}" if scheme else store_url.rstrip("/")
-    return "/".join(p for p in (base, root, path) if p)
+    return "/".join(segments)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -52,6 +52,7 @@ from millpond.consumer.sinks.errors import ErrorClass
 from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
 from millpond.formats.arrow import unify_tables
+from millpond.queue.claim import same_queue
 
 __all__ = ["LOCATION_INDEX_SUFFIX", "AdbcSink", "TableName", "quote"]
 
@@ -325,7 +326,7 @@ class AdbcSink(QuarantineLedger, ABC):
             cur, f"SELECT queue FROM {self._owners.sql} WHERE target_table = {p(1)}", (table,)
         )
         found = str(owner[0][0]) if owner else None
-        if found != queue:
+        if found is None or not same_queue(found, queue):
             raise SinkError(
                 f"{self._description}: table {table} holds the rows and progress of queue "
                 f"{found}; this consumer reads queue {queue}. Sequences of one queue mean "
