@@ -197,23 +197,28 @@ def _trace_at(
     structure.add(at)
     basic, rest = header & 0x03, header >> 2
     if basic == _SHORT_STRING:
-        if at + 1 + rest > len(value):
-            raise _Unsupported
-        segments.append(("string", at + 1, rest, None))
-        payload.update(range(at + 1, at + 1 + rest))
+        _trace_leaf(value, ("string", at + 1, rest, None), segments, payload)
     elif basic == _PRIMITIVE and rest in _LITERALS:
         segments.append(("text", _LITERALS[rest]))
     elif basic == _PRIMITIVE and (rest in _INT_TYPES or rest in _FLOAT_TYPES):
         kind = "int" if rest in _INT_TYPES else "float"
         size, dtype = _INT_TYPES[rest] if kind == "int" else _FLOAT_TYPES[rest]
-        if at + 1 + size > len(value):
-            raise _Unsupported
-        segments.append((kind, at + 1, size, dtype))
-        payload.update(range(at + 1, at + 1 + size))
+        _trace_leaf(value, (kind, at + 1, size, dtype), segments, payload)
     elif basic in (_OBJECT, _ARRAY):
         _trace_container(value, at, basic, rest, keys, segments, seen)
     else:
         raise _Unsupported
+
+
+def _trace_leaf(
+    value: bytes, segment: tuple[Any, ...], segments: list[tuple[Any, ...]], payload: set[int]
+) -> None:
+    """A value's bytes (``segment``: kind, start, size, dtype) as a template segment."""
+    _kind, start, size, _dtype = segment
+    if start + size > len(value):
+        raise _Unsupported
+    segments.append(segment)
+    payload.update(range(start, start + size))
 
 
 def _trace_container(
