@@ -50,6 +50,9 @@ class FileStore(ObjectStore):
         self._root = Path(root).resolve()
         self.url = self._root.as_uri()
 
+    def location(self) -> str:
+        return f"file:{self._root}"
+
     @property
     def is_local(self) -> bool:
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -56,6 +57,8 @@ _DEFAULT_RETRY: dict[str, Any] = {
     "retry_timeout": timedelta(seconds=10),
     "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2)},
 }
+_SECRET_WORDS = ("secret", "key", "token", "password", "sas", "credential")
+"""Parts of the names of obstore options that hold credentials (left out of ``location``)."""
 _DEFAULT_CLIENT: dict[str, Any] = {
     "connect_timeout": timedelta(seconds=5),
     "timeout": timedelta(seconds=120),
@@ -155,6 +158,22 @@ class ObstoreStore(ObjectStore):
     @property
     def is_local(self) -> bool:
         return isinstance(self._store, MemoryStore)
+
+    def location(self) -> str:
+        store = self._store
+        config = getattr(store, "config", None)
+        if isinstance(store, MemoryStore) or not isinstance(config, dict):
+            # A memory store lives in this process only.
+            return f"{type(store).__name__}@{os.getpid()}:{id(store)}"
+        # The bucket or container, endpoint, region, account: what names the objects. A
+        # secret never names a location, and is not needed to tell two stores apart.
+        named = sorted(
+            (str(k), str(v))
+            for k, v in config.items()
+            if not any(word in str(k).lower() for word in _SECRET_WORDS)
+        )
+        prefix = getattr(store, "prefix", None) or ""
+        return f"{self._backend}:{named}:{prefix}"
 
     def credential_source(self) -> str:
         if isinstance(self._store, MemoryStore):

@@ -184,6 +184,13 @@ class ObjectStore(ABC):
         no credentials, no bucket, and conditional writes of millpond's own."""
         return False
 
+    def location(self) -> str:
+        """Where this store's objects are, credentials left out: two stores whose locations
+        are equal on one machine hold the same objects (an endpoint and a bucket, a
+        directory). When that cannot be told, a name of this very store object in this
+        process, equal to no other store's."""
+        return f"{type(self).__name__}@{os.getpid()}:{id(self)}"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -235,6 +242,9 @@ class ForwardingStore(ObjectStore):
     @property
     def is_local(self) -> bool:
         return self.inner.is_local
+
+    def location(self) -> str:
+        return self.inner.location()
 
 
 def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -300,3 +300,36 @@ def test_a_query_or_fragment_in_a_store_url_is_refused_not_cut_off(
     assert {root: store.get("k").data for root, store in roots.items()} == {
         root: root.encode() for root in roots
     }
+
+
+def test_location_names_where_the_objects_are_and_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    secret = "s3cr3t-value-never-shown"
+
+    def s3(endpoint: str, key: str = secret) -> ObjectStore:
+        return open_store(
+            "s3://bucket/root",
+            {
+                "aws_endpoint": endpoint,
+                "aws_access_key_id": "id",
+                "aws_secret_access_key": key,
+                "aws_region": "us-east-1",
+            },
+        )
+
+    one = s3("http://127.0.0.1:9000")
+    assert one.location() == s3("http://127.0.0.1:9000", key="another").location()
+    assert one.location() != s3("http://127.0.0.1:9001").location()
+    assert secret not in one.location()
+    assert "bucket" in one.location()
+    # A memory store lives in one process: its location is that store object's.
+    assert open_store("memory://a").location() == open_store("memory://a").location()
+    assert open_store("memory://a").location() != open_store("memory://b").location()
+    # A directory is where it resolves to, however the URL spells it.
+    (tmp_path / "q").mkdir()
+    assert (
+        open_store(f"file://{tmp_path}/q").location()
+        == open_store(f"file://{tmp_path}/x/../q").location()
+    )
