@@ -84,6 +84,9 @@ START_TIMEOUT = 300.0
 PERCENTILES = (50, 90, 99, 100)
 COORDINATED = "coordinator"
 """The policy name of runs whose producers append through a ``millpond coordinator``."""
+HOSTED = "host"
+"""The policy name of runs whose producers share a coordinator one of them hosts
+(``ProducerConfig(host_coordinator=True)``)."""
 COORDINATED_RETRY = "default"
 """The retry policy those producers use for their direct appends (fallback)."""
 COORDINATOR_P99_LIMIT = 3.0
@@ -143,8 +146,9 @@ def _produce(
         store=url,
         store_options=options,
         wal_dir=wal_dir,
-        retry=policy(COORDINATED_RETRY if policy_name == COORDINATED else policy_name),
+        retry=policy(COORDINATED_RETRY if policy_name in (COORDINATED, HOSTED) else policy_name),
         coordinator=coordinator,
+        host_coordinator=policy_name == HOSTED,
     )
     calls = int((WARMUP + seconds) / PERIOD)
     produced = [0.0] * calls
@@ -345,10 +349,13 @@ def run(quick: bool) -> dict[str, Any]:
     policies = tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p) or (
         *available_policies(),
         COORDINATED,
+        HOSTED,
     )
     delay = latency_ms(DEFAULT_LATENCY_MS)
     ctx = mp.get_context("spawn")
     workdir = Path(tempfile.mkdtemp(prefix="millpond-bench-wait-"))
+    # The host runs' election files, inherited by the producer processes spawned.
+    os.environ["MILLPOND_RUN_DIR"] = str(workdir / "run")
     by_policy: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     try:
         with seaweedfs_endpoints(delay) as endpoints:
@@ -380,6 +387,16 @@ def run(quick: bool) -> dict[str, Any]:
     at_max = max(coordinated, key=lambda r: r["producers"]) if coordinated else None
     for r in coordinated:
         r["passed"] = r["p99_over_lone_p50"] <= COORDINATOR_P99_LIMIT and r["gave_up_warnings"] == 0
+    hosted = by_policy.get(HOSTED) or []
+    # Hosted runs are held to the targets of producers without a coordinator service.
+    host_ratio = (
+        max(
+            max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT)
+            for r in hosted
+        )
+        if hosted
+        else None
+    )
     judged_policy = "default" if "default" in by_policy else policies[0]
     judged = by_policy[judged_policy]
     ratio = max(
@@ -449,6 +466,16 @@ def run(quick: bool) -> dict[str, Any]:
                 if at_max is not None
                 else None
             ),
+            "host_ratio": host_ratio,
+            "host_passed": (
+                all(r["passed"] for r in hosted)
+                and all(
+                    b["locations_per_s"] >= a["locations_per_s"]
+                    for a, b in itertools.pairwise(hosted)
+                )
+                if hosted
+                else None
+            ),
             "by_policy": by_policy,
             "period_s": PERIOD,
             "seconds_per_run": seconds,
@@ -487,6 +514,22 @@ def run(quick: bool) -> dict[str, Any]:
                 }
             ]
             if at_max is not None
+            else []
+        )
+        + (
+            [
+                {
+                    "name": HOSTED,
+                    "ratio": host_ratio,
+                    "target": TARGET,
+                    "target_op": "<=",
+                    "headline": (
+                        "producers sharing a coordinator one of them hosts: worst over N of "
+                        "max(p50 / 3, p99 / 6) x lone p50 = " + f"{host_ratio:.2f}"
+                    ),
+                }
+            ]
+            if host_ratio is not None
             else []
         ),
     )

@@ -123,6 +123,13 @@ class ProducerConfig:
     answers, or one refuses, the producer appends directly, and a reply that never came is
     resolved by the same landed-check as its own ambiguous appends. Default none: append
     directly."""
+    host_coordinator: bool = False
+    """Share one append coordinator with the other producers of this queue on this machine
+    (Spark's Python workers on one executor, several jobs on one host): the first to start
+    hosts it on 127.0.0.1 and the others send their appends there, so one compare-and-swap
+    carries all of theirs; when its host exits another takes over, and meanwhile they append
+    directly (README, "Running against real S3, GCS or Azure latency"). Not with
+    ``coordinator``. Default off."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
@@ -174,6 +181,15 @@ class ProducerConfig:
                 f"expected 0 <= seconds < 3600, found {self.commit_interval!r}",
             )
         object.__setattr__(self, "coordinator", parse_coordinator_urls(self.coordinator) or None)
+        if not isinstance(self.host_coordinator, bool):
+            raise ConfigError(
+                "host_coordinator", f"expected True or False, found {self.host_coordinator!r}"
+            )
+        if self.host_coordinator and self.coordinator:
+            raise ConfigError(
+                "host_coordinator",
+                "expected either coordinator URLs or host_coordinator=True, found both",
+            )
         for method in ("now_ms", "monotonic", "sleep"):
             if not callable(getattr(self.clock, method, None)):
                 raise ConfigError(
@@ -306,6 +322,15 @@ def _parse_lower(text: str) -> str:
     return text.strip().lower()
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, found {text!r}")
+
+
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "store": _parse_str,
     "wal_dir": _parse_str,
@@ -324,6 +349,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "reupload_after": parse_duration,
     "commit_interval": parse_duration,
     "coordinator": _parse_str,
+    "host_coordinator": _parse_bool,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": _parse_int,

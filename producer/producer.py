@@ -31,6 +31,7 @@ from millpond.errors import BackpressureError, ClosedError, InvalidInputError
 from millpond.formats.batch import MAX_RECORD_BYTES
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
+from millpond.producer._host_coordinator import HostCoordinatedAppender, HostCoordinator
 from millpond.producer._metrics import producer_collector, producer_samples
 from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
@@ -116,7 +117,7 @@ class Producer:
         self._close_lock = threading.Lock()
         self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
         self._session = QueueSession(self._store, config, self._clock)
-        self._coordinated: CoordinatedAppender | None = None
+        self._coordinated: CoordinatedAppender | HostCoordinatedAppender | None = None
         try:
             self._session.try_open(store_time)
             self._replay()
@@ -131,12 +132,22 @@ class Producer:
             counters=state.counters,
         )
         queue: Appender = direct
+        identity = queue_identity(self._store.url, config.manifest_path)
         if config.coordinator:
             self._coordinated = CoordinatedAppender(
-                direct,
-                config.coordinator,
-                queue=queue_identity(self._store.url, config.manifest_path),
-                clock=self._clock,
+                direct, config.coordinator, queue=identity, clock=self._clock
+            )
+            queue = self._coordinated
+        elif config.host_coordinator:
+            host = HostCoordinator(
+                self._store,
+                config.manifest_path,
+                data_path_prefix=config.data_path_prefix,
+                queue=identity,
+                clock=config.clock,
+            )
+            self._coordinated = HostCoordinatedAppender(
+                direct, host, queue=identity, clock=self._clock
             )
             queue = self._coordinated
         binder = _Binder(self._wal, config, UlidMinter(config.clock))

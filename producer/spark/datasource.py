@@ -98,6 +98,13 @@ def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings
             "mode", "expected append: a millpond queue is append-only, found overwrite"
         )
     settings = SparkWriteSettings.from_options(options)
+    if settings.host_coordinator and settings.commit != "task":
+        raise ConfigError(
+            "host_coordinator",
+            "expected only with commit=task, where the tasks append and those on one machine "
+            "share a coordinator; with commit=job the driver appends once per job or "
+            "micro-batch (use coordinator=http://host:port for a shared one)",
+        )
     settings.open_store()  # checks the URL and the obstore options; no request yet
     if settings.check_store:
         settings = settings.probe()

@@ -125,6 +125,9 @@ class SparkWriteSettings:
     """The ``write_id`` option: reruns of the same write enqueue nothing twice."""
     coordinator: tuple[str, ...] = ()
     """The ``coordinator`` option: coordinators the driver's commit appends through."""
+    host_coordinator: bool = False
+    """The ``host_coordinator`` option: the executors' producers (``commit=task``,
+    ``partition_producer``) share one coordinator per machine."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:
@@ -191,6 +194,7 @@ class SparkWriteSettings:
             tag=spark.get("metadata"),
             write_id=write_id,
             coordinator=tuple(config.coordinator or ()),
+            host_coordinator=config.host_coordinator,
         )
 
     def open_store(self) -> ObjectStore:

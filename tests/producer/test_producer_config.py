@@ -225,3 +225,14 @@ def test_spark_options_pass_bare_store_keys_of_every_backend() -> None:
         "allow_http": "true",
     }
     assert "a2V5" not in repr(settings)
+
+
+def test_spark_host_coordinator_is_for_task_commits_only() -> None:
+    from millpond.producer.spark.datasource import _settings
+
+    base = {"store": "s3://bucket/q", "host_coordinator": "true", "check_store": "false"}
+    with pytest.raises(ConfigError, match="commit=task"):
+        _settings(base, overwrite=False)
+    settings = _settings({**base, "commit": "task"}, overwrite=False)
+    assert settings.host_coordinator
+    assert settings.producer_options["host_coordinator"] == "true"

@@ -47,6 +47,28 @@ def test_commit_task_publishes_from_every_task(
     assert slots[0] == "slot-000.lock"
 
 
+def test_commit_task_producers_share_a_coordinator_one_of_them_hosts(
+    spark: SparkSession, moto_s3: S3Endpoint, tmp_path: Path
+) -> None:
+    """``host_coordinator=true``: the Python workers' producers elect one of themselves to
+    append for all (the election file of this queue appears), and every row arrives once."""
+    from millpond.producer._host_coordinator import election_path
+    from millpond.queue.claim import queue_identity
+
+    queue = Queue(moto_s3)
+    options = queue.options(commit="task", wal_dir=tmp_path / "wal", host_coordinator="true")
+    spark.range(ROWS, numPartitions=4).write.format("millpond").options(**options).mode(
+        "append"
+    ).save()
+    ids = queue.table().column("id").to_pylist()
+    assert sorted(ids) == list(range(ROWS))
+    locations = [entry.location for entry in queue.entries()]
+    assert len(locations) == len(set(locations))
+    identity = queue_identity(queue.store().url, "ingest/manifest")
+    elected = election_path(identity, queue.store().location())
+    assert elected.exists(), "no worker hosted this queue's coordinator"
+
+
 def test_foreach_partition_with_the_partition_producer(
     spark: SparkSession, moto_s3: S3Endpoint, tmp_path: Path
 ) -> None:

@@ -1,0 +1,270 @@
+"""One append coordinator per queue and machine, hosted by one of the producers on it.
+
+Producers that append directly each take a compare-and-swap of their own, and at 50 ms a
+request one manifest takes about fifteen a second whoever writes them: eight producers each
+wait for a turn about every half second (issue 11). A ``millpond coordinator`` appends every
+waiting producer's batches in one compare-and-swap per round, but it is a service someone must
+run. With ``ProducerConfig(host_coordinator=True)`` the producers of a queue on one machine —
+the Python workers of a Spark executor, several jobs on one edge node — elect one of themselves
+to host that coordinator, and the others send their appends to it:
+
+* **Election** is a lock on a file named for the queue (``flock``, non-blocking) in a
+  directory private to the user (``MILLPOND_RUN_DIR``, else ``$TMPDIR/millpond-<uid>``). The
+  process that holds it serves an :class:`~millpond.queue.coordinator.AppendCoordinator` on
+  127.0.0.1 (a free port) and writes its URL into the file; the others read the URL there. The
+  kernel releases the lock when the holder exits, however it ends.
+* **Nothing new to trust.** The hosted coordinator is the one ``millpond coordinator`` serves,
+  reached through the same client (:mod:`millpond.producer.coordinator`): when it is
+  unreachable, refuses, or its reply is lost, a producer appends directly under the same
+  promises (the landed-check; no write of a request after its budget). Two coordinators of one
+  queue are harmless (they contend like producers), so a stale URL or a lock taken over
+  mid-round costs latency, never an entry.
+* **Take-over.** A producer that is not the host tries the lock again before an append, at most
+  once a second; when the host has gone, the first to try hosts the next coordinator. Until
+  then the others append directly. A host killed mid-round leaves its clients waiting out the
+  coordinator's promise (``budget`` plus ``grace``, 5 s by default) before they look and append
+  directly; a host that closes finishes its round and refuses the rest, which go directly at
+  once.
+
+The lock is per open file, so two producers in one process elect like two processes. A process
+that forks while hosting hands the lock to its child as well (an inherited descriptor): the
+coordinator then moves only once both have exited.
+
+**Trust.** A URL read from the election file decides where a producer's appends go, and a
+coordinator's ``appended`` is taken at its word: the directory must be this user's own and
+writable by nobody else (a directory someone else made under a shared ``/tmp`` is refused),
+and only a ``http://127.0.0.1:<port>`` URL is followed. Whatever goes wrong with the election
+(the directory refused or not writable, no free port) is logged once and the producer appends
+directly; it never stops a producer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from millpond.common.clock import Clock
+from millpond.common.metrics import Counters
+from millpond.formats.manifest import PendingEntry
+from millpond.producer.coordinator import CoordinatedAppender
+from millpond.queue.append import QueueProducer
+from millpond.queue.coordinator import AppendCoordinator
+from millpond.queue.coordinator_http import CoordinatorServer
+from millpond.storage.store import ObjectStore
+
+__all__ = ["HostCoordinatedAppender", "HostCoordinator", "election_path", "run_dir"]
+
+logger = logging.getLogger(__name__)
+
+RUN_DIR_ENV = "MILLPOND_RUN_DIR"
+_RETRY_LOCK = 1.0  # seconds between two tries of the lock by a producer that does not hold it
+_HOSTED_URL = re.compile(r"http://127\.0\.0\.1:[0-9]{1,5}")
+
+
+def run_dir() -> Path:
+    """Where the election files live: ``MILLPOND_RUN_DIR``, else a directory of this user's
+    under the temporary directory."""
+    chosen = os.environ.get(RUN_DIR_ENV)
+    if chosen:
+        return Path(chosen)
+    return Path(tempfile.gettempdir()) / f"millpond-{os.getuid()}"
+
+
+def election_path(queue: str, location: str) -> Path:
+    """The election file of the queue whose identity is ``queue``
+    (:func:`~millpond.queue.claim.queue_identity`) in the store at ``location``
+    (``ObjectStore.location``): the identity names no endpoint, and two servers on one
+    machine may each have a bucket of that name — their producers must not share a
+    coordinator, which would append one store's batches to the other's manifest."""
+    digest = hashlib.sha256(f"{queue}\n{location}".encode()).hexdigest()[:32]
+    return run_dir() / f"coordinator-{digest}.lock"
+
+
+class HostCoordinator:
+    """This machine's coordinator of one queue: hosted here while this process holds the
+    queue's lock, else found at the URL its host wrote (module docstring)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest_path: str,
+        *,
+        data_path_prefix: str,
+        queue: str,
+        clock: Clock,
+    ) -> None:
+        self._store = store
+        self._manifest_path = manifest_path
+        self._data_path_prefix = data_path_prefix
+        self._queue = queue
+        self._clock = clock
+        self.path = election_path(queue, store.location())
+        self._directory = self.path.parent
+        self._fd: int | None = None
+        self._server: CoordinatorServer | None = None
+        self._tried_at = float("-inf")
+        self._warned = False
+        self._trusted: bool | None = None  # whether the directory passed its check
+
+    @property
+    def hosting(self) -> bool:
+        """Whether this process hosts the coordinator."""
+        return self._server is not None
+
+    def url(self) -> str | None:
+        """The coordinator's URL (hosting it here when nobody does), or ``None`` when none
+        is known yet."""
+        if self._trusted is None:
+            try:
+                self._check_directory()
+                self._trusted = True
+            except OSError as err:
+                self._trusted = False
+                self._warn(f"no host coordinator ({err}); appending directly")
+        if not self._trusted:
+            return None
+        if self._server is None:
+            now = self._clock.monotonic()
+            if now - self._tried_at >= _RETRY_LOCK:
+                self._tried_at = now
+                try:
+                    self._try_to_host()
+                except OSError as err:
+                    self._warn(f"cannot host a coordinator ({err}); appending directly")
+                    return None
+        if self._server is not None:
+            return self._server.url
+        try:
+            text = self.path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return text if _HOSTED_URL.fullmatch(text) else None
+
+    def close(self) -> None:
+        """Stop hosting (the round under way finishes, waiting requests are refused and go
+        directly), and let another process take the lock."""
+        server, self._server = self._server, None
+        fd, self._fd = self._fd, None
+        if server is not None:
+            server.close()
+        if fd is not None:
+            # Readers find no URL until the next host writes one (a stale URL would only
+            # send them to a direct append after a failed connection).
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # releases the lock
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s: %s", self._queue, message)
+
+    def _check_directory(self) -> None:
+        self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found = os.lstat(self._directory)
+        if (
+            not stat.S_ISDIR(found.st_mode)
+            or found.st_uid != os.getuid()
+            or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
+            raise PermissionError(
+                f"{self._directory} is not a directory of this user's that only it can write "
+                f"(set {RUN_DIR_ENV} to one)"
+            )
+
+    def _try_to_host(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # held by another producer: read its URL
+            return
+        try:
+            coordinator = AppendCoordinator(
+                self._store,
+                self._manifest_path,
+                data_path_prefix=self._data_path_prefix,
+                queue=self._queue,
+                clock=self._clock,
+            )
+            server = CoordinatorServer(coordinator, "127.0.0.1", 0).start()
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{server.url}\n".encode("ascii"), 0)
+        except BaseException:
+            server.close()
+            os.close(fd)
+            raise
+        self._fd, self._server = fd, server
+        logger.info(
+            "hosting the coordinator of %s for this machine's producers on %s (%s)",
+            self._queue,
+            server.url,
+            self.path,
+        )
+
+
+class HostCoordinatedAppender:
+    """Appends through this machine's coordinator of the queue (:class:`HostCoordinator`),
+    directly whenever it cannot help; the contract of ``QueueProducer.append``."""
+
+    def __init__(
+        self,
+        direct: QueueProducer,
+        host: HostCoordinator,
+        *,
+        queue: str,
+        clock: Clock,
+        appender: Callable[[Sequence[str]], CoordinatedAppender] | None = None,
+    ) -> None:
+        self._direct = direct
+        self._host = host
+        self._make = appender or (
+            lambda urls: CoordinatedAppender(direct, urls, queue=queue, clock=clock)
+        )
+        self._url: str | None = None
+        self._through = self._make(())
+        self._seen_next = 0
+
+    @property
+    def counters(self) -> Counters:
+        return self._direct.counters
+
+    @property
+    def seen_next_sequence(self) -> int:
+        return max(self._seen_next, self._through.seen_next_sequence)
+
+    def in_doubt_from(self, sequence: int) -> None:
+        self._direct.in_doubt_from(sequence)
+
+    def append(
+        self,
+        entries: Sequence[PendingEntry],
+        *,
+        more: Callable[[], Sequence[PendingEntry]] | None = None,
+        deadline: float | None = None,
+    ) -> tuple[int, ...]:
+        url = self._host.url()
+        if url != self._url:
+            # Another host now (or none known): what the old appender saw still bounds where
+            # our entries can be, so it is carried over.
+            self._seen_next = self.seen_next_sequence
+            self._through.close()
+            self._url = url
+            self._through = self._make((url,) if url is not None else ())
+        return self._through.append(entries, more=more, deadline=deadline)
+
+    def close(self) -> None:
+        self._through.close()
+        self._host.close()

@@ -1,0 +1,380 @@
+"""Producers of one queue on one machine sharing a coordinator one of them hosts
+(``ProducerConfig(host_coordinator=True)``), on SeaweedFS behind 50 ms of latency.
+
+Not timing tests: each waits on a condition with a deadline and asserts what landed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from millpond.consumer import Consumer, ConsumerConfig
+from millpond.errors import ConfigError
+from millpond.localstack import S3Endpoint
+from millpond.localstack.latency_proxy import start_latency_proxy
+from millpond.producer import Producer, ProducerConfig
+from millpond.queue import read_manifest
+from millpond.storage.store import ObjectStore, open_store
+from tests.producer.producer_support import MANIFEST, claim_queue, config
+from tests.support import unique_root
+
+DEADLINE = 120.0
+
+_HOST_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from millpond.producer import Producer, ProducerConfig
+    from millpond.common.retry import RetryPolicy
+
+    url, wal_dir = sys.argv[1], sys.argv[2]
+    options = json.loads(os.environ["HOST_CHILD_STORE_OPTIONS"])
+    retry = RetryPolicy(max_attempts=200, max_elapsed=30, base_delay=0.005, max_delay=0.2,
+                        strategy="aging")
+    config = ProducerConfig(store=url, store_options=options, wal_dir=wal_dir, retry=retry,
+                            flush_interval=0.02, host_coordinator=True)
+    with Producer(config) as producer:
+        n = 0
+        while True:
+            record = f"child-{n}".encode()
+            producer.produce([record]).wait_staged(60)
+            print("staged", record.decode(), flush=True)
+            n += 1
+            time.sleep(0.02)  # pacing the stream
+    """
+)
+
+
+@pytest.fixture
+def slow_endpoint(seaweedfs_s3: S3Endpoint) -> Iterator[S3Endpoint]:
+    """SeaweedFS behind the latency proxy: rounds take long enough to gather several producers'
+    appends, and to be killed in."""
+    with start_latency_proxy(seaweedfs_s3, delay=0.05) as proxy:
+        yield proxy.endpoint
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The election files of this test only (another test's queue never shares them anyway:
+    the file is named for the queue)."""
+    path = tmp_path / "run"
+    monkeypatch.setenv("MILLPOND_RUN_DIR", str(path))
+    return path
+
+
+def _wait_for(condition: Any, what: str, timeout: float = DEADLINE) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _produce_until(producer: Producer, name: str, stop: threading.Event, out: list[bytes]) -> None:
+    n = 0
+    while not stop.is_set():
+        record = f"{name}-{n}".encode()
+        producer.produce([record]).wait_staged(DEADLINE)
+        out.append(record)
+        n += 1
+        time.sleep(0.02)  # pacing the stream, not waiting for a condition
+
+
+def _hosted_url(run_dir: Path) -> str | None:
+    files = list(run_dir.glob("coordinator-*.lock"))
+    assert len(files) <= 1, files
+    text = files[0].read_text().strip() if files else ""
+    return text or None
+
+
+def _health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/v1/health", timeout=10) as response:
+        record: dict[str, Any] = json.loads(response.read())
+        return record
+
+
+def _drain(store: ObjectStore) -> Counter[bytes]:
+    locations = [entry.location for entry in read_manifest(store, MANIFEST).manifest.entries]
+    assert len(locations) == len(set(locations)), "a location appended twice"
+    consumer = Consumer(ConsumerConfig(store=store, manifest_path=MANIFEST, gc_enabled=False))
+    consumer.initialize()
+    read: list[bytes] = []
+    while (batch := consumer.next_batch()) is not None:
+        read.extend(batch.entries)
+        consumer.ack(batch.sequence)
+    consumer.close()
+    return Counter(read)
+
+
+def _hosting(producer: Producer) -> bool:
+    appender = producer._coordinated
+    return bool(appender is not None and appender._host.hosting)
+
+
+def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
+    slow_endpoint: S3Endpoint, seaweedfs_s3: S3Endpoint, run_dir: Path, tmp_path: Path
+) -> None:
+    root = unique_root()
+    store = open_store(slow_endpoint.url_for(root), options=slow_endpoint.store_options())
+    claim_queue(store)
+    producers = [
+        Producer(config(store, tmp_path / f"wal{i}", host_coordinator=True)) for i in range(3)
+    ]
+    staged: list[list[bytes]] = [[] for _ in producers]
+    stops = [threading.Event() for _ in producers]
+    threads = [
+        threading.Thread(target=_produce_until, args=(p, f"p{i}", stops[i], staged[i]))
+        for i, p in enumerate(producers)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        _wait_for(
+            lambda: all(p.metrics()["coordinator_appends"] >= 3 for p in producers),
+            "three appends of every producer through the coordinator",
+        )
+        hosting = [i for i, p in enumerate(producers) if _hosting(p)]
+        assert len(hosting) == 1, "one producer hosts the coordinator"
+        hosts = [producers[hosting[0]]]
+        url = _hosted_url(run_dir)
+        assert url is not None
+        # Rounds carry several producers' appends: fewer rounds than appends made through it.
+        _wait_for(
+            lambda: (
+                _health(url)["rounds"] < sum(p.metrics()["coordinator_appends"] for p in producers)
+            ),
+            "a round carrying more than one producer's append",
+        )
+        # The host closes (its job ends): the others go on, and one of them hosts next.
+        stops[hosting[0]].set()
+        threads[hosting[0]].join(DEADLINE)
+        hosts[0].close(timeout=DEADLINE)
+        rest = [p for p in producers if p is not hosts[0]]
+        _wait_for(lambda: any(_hosting(p) for p in rest), "another producer hosting")
+        next_url = _hosted_url(run_dir)
+        assert next_url is not None
+        assert next_url != url
+        before = {id(p): p.metrics()["coordinator_appends"] for p in rest}
+        _wait_for(
+            lambda: all(p.metrics()["coordinator_appends"] > before[id(p)] + 2 for p in rest),
+            "appends through the next host",
+        )
+    finally:
+        for stop in stops:
+            stop.set()
+        for thread in threads:
+            thread.join(DEADLINE)
+        for producer in producers:
+            producer.close(timeout=DEADLINE)
+    assert _hosted_url(run_dir) is None, "the last host cleared its URL on close"
+    counts = _drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
+    wanted = [record for records in staged for record in records]
+    assert [r for r, c in counts.items() if c > 1] == []
+    assert sorted(counts) == sorted(wanted)
+
+
+def test_a_killed_host_is_replaced_and_nothing_is_lost_or_doubled(
+    slow_endpoint: S3Endpoint, seaweedfs_s3: S3Endpoint, run_dir: Path, tmp_path: Path
+) -> None:
+    root = unique_root()
+    url = slow_endpoint.url_for(root)
+    store = open_store(url, options=slow_endpoint.store_options())
+    claim_queue(store)
+    env = {
+        **os.environ,
+        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+        "HOST_CHILD_STORE_OPTIONS": json.dumps(slow_endpoint.store_options()),
+    }
+    child_wal = tmp_path / "child-wal"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOST_CHILD, url, str(child_wal)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    child_staged: list[bytes] = []
+
+    def read_child() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:  # each line as it comes, seen by the waits meanwhile
+            if line.startswith("staged "):
+                child_staged.append(line.split(" ", 1)[1].strip().encode())  # noqa: PERF401
+
+    reader = threading.Thread(target=read_child, daemon=True)
+    reader.start()
+    producers: list[Producer] = []
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    staged: list[list[bytes]] = [[], []]
+    try:
+        # The child appends first, so it is the host.
+        _wait_for(lambda: len(child_staged) >= 3 and _hosted_url(run_dir), "the child hosting")
+        first = _hosted_url(run_dir)
+        assert first is not None
+        producers = [
+            Producer(config(store, tmp_path / f"wal{i}", host_coordinator=True)) for i in range(2)
+        ]
+        threads = [
+            threading.Thread(target=_produce_until, args=(p, f"p{i}", stop, staged[i]))
+            for i, p in enumerate(producers)
+        ]
+        for thread in threads:
+            thread.start()
+        _wait_for(
+            lambda: all(p.metrics()["coordinator_appends"] >= 3 for p in producers),
+            "appends through the child's coordinator",
+        )
+        assert not any(_hosting(p) for p in producers)
+        child.send_signal(signal.SIGKILL)  # mid-round: three producers keep it busy
+        child.wait(30)
+        _wait_for(lambda: any(_hosting(p) for p in producers), "a producer hosting after the kill")
+        second = _hosted_url(run_dir)
+        assert second is not None
+        assert second != first
+        before = [p.metrics()["coordinator_appends"] for p in producers]
+        _wait_for(
+            lambda: all(
+                p.metrics()["coordinator_appends"] > b + 2
+                for p, b in zip(producers, before, strict=True)
+            ),
+            "appends through the new host",
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(DEADLINE)
+        for producer in producers:
+            producer.close(timeout=DEADLINE)
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+    reader.join(30)
+    # What the killed host had staged is in its WAL: its next run publishes it.
+    with Producer(config(store, child_wal)) as again:
+        again.flush(DEADLINE)
+    counts = _drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
+    assert [r for r, c in counts.items() if c > 1] == []
+    wanted = {record for records in staged for record in records} | set(child_staged)
+    missing = wanted - set(counts)
+    assert not missing, sorted(missing)[:10]
+    # Nothing appears that was never produced (a child record produced after its last
+    # "staged" line was written may be there: staged, then killed before saying so).
+    strays = {r for r in counts if r not in wanted and not r.startswith(b"child-")}
+    assert not strays
+
+
+def test_host_coordinator_is_an_option_and_not_with_coordinator_urls(tmp_path: Path) -> None:
+    parsed = ProducerConfig.from_options(
+        {"store": "memory://x", "wal_dir": str(tmp_path), "host_coordinator": "true"}
+    )
+    assert parsed.host_coordinator is True
+    with pytest.raises(ConfigError, match="host_coordinator"):
+        ProducerConfig.from_options(
+            {"store": "memory://x", "wal_dir": str(tmp_path), "host_coordinator": "sometimes"}
+        )
+    with pytest.raises(ConfigError, match="found both"):
+        ProducerConfig(
+            store="memory://x",
+            wal_dir=tmp_path,
+            coordinator="http://127.0.0.1:1",
+            host_coordinator=True,
+        )
+
+
+def _appends(store: ObjectStore, wal_dir: Path) -> dict[str, Any]:
+    with Producer(config(store, wal_dir, host_coordinator=True)) as producer:
+        for n in range(3):
+            producer.produce([f"r{n}".encode()]).wait(DEADLINE)
+        return producer.metrics()
+
+
+def test_a_run_directory_others_can_write_is_not_trusted(
+    run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever can write the election file decides where appends go, and a coordinator's
+    ``appended`` is believed: a directory others can write is refused, and the producer
+    appends directly."""
+    run_dir.mkdir(mode=0o700)
+    run_dir.chmod(0o777)
+    store = _file_store(tmp_path)
+    claim_queue(store)
+    with caplog.at_level("WARNING", logger="millpond"):
+        metrics = _appends(store, tmp_path / "wal")
+    assert metrics["coordinator_appends"] == 0
+    assert metrics["direct_appends"] == 3
+    assert not list(run_dir.iterdir()), "nothing hosted, no election file"
+    assert any(str(run_dir) in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_url_other_than_a_local_coordinators_is_not_followed(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """The lock held by someone who wrote a URL elsewhere: appends go directly, not there."""
+    import fcntl
+
+    store = _file_store(tmp_path)
+    claim_queue(store)
+    # The file the producer will look for: the same queue identity, the same name.
+    with Producer(config(store, tmp_path / "probe", host_coordinator=True)) as probe:
+        probe.produce([b"first"]).wait(DEADLINE)
+    (lock,) = run_dir.glob("coordinator-*.lock")
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Still this machine (127/8), but not where a host coordinator listens.
+        os.write(fd, b"http://127.0.0.2:9\n")
+        metrics = _appends(store, tmp_path / "wal")
+    finally:
+        os.close(fd)
+    assert metrics["coordinator_appends"] == 0
+    assert metrics["coordinator_refused"] == 0, "nothing was even tried there"
+    assert metrics["direct_appends"] == 3
+
+
+def _file_store(tmp_path: Path) -> ObjectStore:
+    root = tmp_path / "store"
+    root.mkdir()
+    return open_store(f"file://{root}")
+
+
+def test_the_same_bucket_and_root_on_two_servers_are_two_elections(
+    seaweedfs_s3: S3Endpoint, moto_s3: S3Endpoint, run_dir: Path, tmp_path: Path
+) -> None:
+    """Two servers on this machine, each with a bucket of the same name and the same root:
+    one queue identity, two queues. Their producers must not share a coordinator, which
+    would append one store's batches to the other's manifest."""
+    root = unique_root()
+    stores = [
+        open_store(e.url_for(root), options=e.store_options()) for e in (seaweedfs_s3, moto_s3)
+    ]
+    assert stores[0].url == stores[1].url, "the same bucket and root on both servers"
+    for store in stores:
+        claim_queue(store)
+    producers = [
+        Producer(config(store, tmp_path / f"wal{i}", host_coordinator=True))
+        for i, store in enumerate(stores)
+    ]
+    try:
+        for round_ in range(3):
+            for i, producer in enumerate(producers):
+                producer.produce([f"s{i}-{round_}".encode()]).wait(DEADLINE)
+        assert all(_hosting(p) for p in producers), "each queue's producer hosts its own"
+        assert len(list(run_dir.glob("coordinator-*.lock"))) == 2
+    finally:
+        for producer in producers:
+            producer.close(timeout=DEADLINE)
+    for i, store in enumerate(stores):
+        assert sorted(_drain(store)) == [f"s{i}-{n}".encode() for n in range(3)]
