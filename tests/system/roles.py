@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import sqlite3
 import threading
@@ -27,6 +28,7 @@ from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.producer import Producer, ProducerConfig
+from millpond.producer._host_coordinator import HostCoordinatedAppender
 from millpond.producer.spark.commit import commit_micro_batch
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
@@ -74,8 +76,12 @@ class ProducerRole:
         coordinator: str | None = None,
         retry: RetryPolicy = RETRY,
         late_conflict: float = 0.0,
+        host_coordinator: bool = False,
     ) -> None:
         self.source = f"{queue.name}p{index}"
+        self.host_coordinator = host_coordinator
+        """Whether it shares a coordinator with the queue's other producers, hosted by one of
+        them (``ProducerConfig.host_coordinator``)."""
         self.retry = retry
         self.late_conflict = late_conflict
         """Real seconds its store holds the answer to a lost manifest write (``RoleStore``)."""
@@ -115,6 +121,7 @@ class ProducerRole:
             upload_concurrency=1,
             retry=self.retry,
             coordinator=self.coordinator,
+            host_coordinator=self.host_coordinator,
             clock=self._clock,
         )
         try:
@@ -188,11 +195,28 @@ class ProducerRole:
         if producer is not None:
             producer._stop_threads()
             producer._wal.close()
+            _kill_hosted_coordinator(producer)
 
     def close(self) -> None:
         producer, self.producer = self.producer, None
         if producer is not None:
             self._while_the_clock_runs(lambda: producer.close(timeout=5), _FLUSH_ROUNDS)
+
+
+def _kill_hosted_coordinator(producer: Producer) -> None:
+    """The coordinator a dead producer process hosted dies with it: nothing listens on its
+    port, the kernel releases its lock, and its URL stays in the election file."""
+    appender = producer._coordinated
+    if not isinstance(appender, HostCoordinatedAppender):
+        return
+    host = appender._host
+    server, host._server = host._server, None
+    fd, host._fd = host._fd, None
+    if server is not None:
+        server.close_listener()
+        server.coordinator.stop(0)  # what waited for a round is refused, as in CoordinatorRole
+    if fd is not None:
+        os.close(fd)
 
 
 class CoordinatorRole:

@@ -16,6 +16,10 @@ checks every invariant of ``tests/invariants.py``.
   batches won and lets older ones go first; the producers' clocks are skewed by up to 20 s,
   so the batch ages they compare disagree. Any producer that loses a race takes the batches
   uploaded meanwhile into its next write (conflict-aware group commit).
+* Half the seeds without that coordinator (their own draw, ``hosts_coordinator``) have queue
+  A's producers share one that the first of them to append hosts
+  (``ProducerConfig.host_coordinator``); a producer's crash kills the coordinator it hosts
+  (its lock released, its URL left behind), and the other producer hosts the next one.
 * ``make soak`` runs many more (``MILLPOND_CHECKER_SCHEDULES=1000``, seeds from
   ``MILLPOND_CHECKER_FIRST_SEED``).
 * ``MILLPOND_CHECKER_SEED=<seed>`` replays one schedule and prints its events.
@@ -47,7 +51,10 @@ SEEDS = [int(_ONE)] if _ONE is not None else list(range(_FIRST, _FIRST + _COUNT)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_schedule_keeps_every_guarantee(seed: int, tmp_path: Path) -> None:
+def test_schedule_keeps_every_guarantee(
+    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MILLPOND_RUN_DIR", str(tmp_path / "run"))  # host coordinators' files
     events = schedule(seed)
     world = World(seed, tmp_path)
     try:

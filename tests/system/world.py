@@ -71,6 +71,13 @@ def coordinated(seed: int) -> bool:
     return seed % 3 == 2
 
 
+def hosts_coordinator(seed: int) -> bool:
+    """Whether queue A's producers share a coordinator one of them hosts
+    (``ProducerConfig.host_coordinator``; half the seeds without a ``millpond coordinator``,
+    a draw of its own). A producer's crash takes the coordinator it hosts with it."""
+    return not coordinated(seed) and random.Random(seed ^ 0x4057).random() < 0.5
+
+
 def uses_backlog_index(seed: int) -> bool:
     """Whether queue A's consumers run with the backlog index in this schedule (half do).
 
@@ -244,6 +251,7 @@ class World:
                 # Fair pacing reads alongside contended writes; a lost write answered late
                 # is then gone past on what that read shows (Peek.outrun).
                 late_conflict=_LATE_CONFLICT if paces_fairly(seed) else 0.0,
+                host_coordinator=hosts_coordinator(seed),
             )
             for i in range(2)
         ]
