@@ -26,9 +26,11 @@ to host that coordinator, and the others send their appends to it:
   directly; a host that closes finishes its round and refuses the rest, which go directly at
   once.
 
-The lock is per open file, so two producers in one process elect like two processes. A process
-that forks while hosting hands the lock to its child as well (an inherited descriptor): the
-coordinator then moves only once both have exited.
+The lock is per open file, so two producers in one process elect like two processes. A fork
+copies the lock's descriptor, and the lock is held while any copy is open: a child that
+outlived a host (a worker pool, a daemon) would keep the coordinator from ever moving. A forked
+child therefore closes its copies at once (``os.register_at_fork``); it has none of the host's
+threads anyway, and its parent's producer refuses to be used there.
 
 **Trust.** A URL read from the election file decides where a producer's appends go, and a
 coordinator's ``appended`` is taken at its word: the directory must be this user's own and
@@ -48,6 +50,7 @@ import os
 import re
 import stat
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -76,6 +79,18 @@ def run_dir() -> Path:
     if chosen:
         return Path(chosen)
     return Path(tempfile.gettempdir()) / f"millpond-{os.getuid()}"
+
+
+_hosts: weakref.WeakSet[HostCoordinator] = weakref.WeakSet()
+"""Every host coordinator of this process, for a forked child to let go of their locks."""
+
+
+def _let_go_in_child() -> None:
+    for host in list(_hosts):
+        host._forget()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def election_path(queue: str, location: str) -> Path:
@@ -113,6 +128,7 @@ class HostCoordinator:
         self._tried_at = float("-inf")
         self._warned = False
         self._trusted: bool | None = None  # whether the directory passed its check
+        _hosts.add(self)
 
     @property
     def hosting(self) -> bool:
@@ -161,6 +177,18 @@ class HostCoordinator:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
             os.close(fd)  # releases the lock
+
+    def _forget(self) -> None:
+        """In a forked child: close this process's copy of the lock (the parent still holds
+        it), and host nothing (the server's threads did not come along)."""
+        fd, self._fd = self._fd, None
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.close_inherited()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _warn(self, message: str) -> None:
         if not self._warned:

@@ -433,6 +433,12 @@ class CoordinatorServer:
         self._stop_serving(5.0)
         self._server.server_close()
 
+    def close_inherited(self) -> None:
+        """In a child forked from the serving process: close this process's copy of the
+        listening socket (nothing serves here; the parent serves on), so that once the parent
+        is gone its port refuses connections instead of queueing them for nobody."""
+        self._server.socket.close()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop: refuse what has not started, finish the round under way, close the socket."""
         self.coordinator.stop(timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -378,3 +379,43 @@ def test_the_same_bucket_and_root_on_two_servers_are_two_elections(
             producer.close(timeout=DEADLINE)
     for i, store in enumerate(stores):
         assert sorted(_drain(store)) == [f"s{i}-{n}".encode() for n in range(3)]
+
+
+def test_a_child_forked_by_the_host_does_not_keep_the_coordinator(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """A lock taken with ``flock`` is held while any copy of its descriptor is open, and a
+    fork copies them: a child that outlives its parent (a worker pool, a daemon) would keep
+    the coordinator from moving, every other producer appending directly for as long as it
+    lives. The child lets go of it when forked."""
+    import fcntl
+
+    store = _file_store(tmp_path)
+    claim_queue(store)
+    producer = Producer(config(store, tmp_path / "wal", host_coordinator=True))
+    producer.produce([b"before"]).wait(DEADLINE)
+    assert _hosting(producer)
+    (lock,) = run_dir.glob("coordinator-*.lock")
+    port = int(lock.read_text().strip().rsplit(":", 1)[1])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: lives on, touches nothing
+        os.close(write_end)
+        os.read(read_end, 1)  # until the parent is done
+        os._exit(0)
+    os.close(read_end)
+    try:
+        producer.close(timeout=DEADLINE)
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: still held
+        finally:
+            os.close(fd)
+        # Nor does it keep the old host's port listening, where a producer that read the
+        # URL before the host went would connect and wait for an answer nobody gives.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        os.write(write_end, b"x")
+        os.close(write_end)
+        os.waitpid(pid, 0)
