@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.errors import CommitStateUnknownError, NotFoundError, StorageError
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Metadata
-from millpond.producer import ProducerConfig
+from millpond.producer import Producer, ProducerConfig
 from millpond.queue import read_manifest
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 
@@ -135,3 +136,40 @@ def read_back(store: ObjectStore, manifest_path: str = MANIFEST) -> list[Publish
 
 def all_entries(store: ObjectStore, manifest_path: str = MANIFEST) -> list[bytes]:
     return [entry for published in read_back(store, manifest_path) for entry in published.entries]
+
+
+def wait_for(condition: Any, what: str, timeout: float = 120.0) -> None:
+    """Poll ``condition`` until true; ``AssertionError`` naming ``what`` after ``timeout``."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def produce_until(producer: Producer, name: str, stop: threading.Event, out: list[bytes]) -> None:
+    """Produce ``{name}-{n}`` records until ``stop``, recording each once it is staged."""
+    n = 0
+    while not stop.is_set():
+        record = f"{name}-{n}".encode()
+        producer.produce([record]).wait_staged(120.0)
+        out.append(record)
+        n += 1
+        time.sleep(0.02)  # pacing the stream, not waiting for a condition
+
+
+def drain(store: ObjectStore, manifest_path: str = MANIFEST) -> Counter[bytes]:
+    """Every record a consumer reads from the queue, counted; asserts no location is in the
+    manifest twice."""
+    from millpond.consumer import Consumer, ConsumerConfig
+
+    locations = [e.location for e in read_manifest(store, manifest_path).manifest.entries]
+    assert len(locations) == len(set(locations)), "a location appended twice"
+    consumer = Consumer(ConsumerConfig(store=store, manifest_path=manifest_path, gc_enabled=False))
+    consumer.initialize()
+    read: list[bytes] = []
+    while (batch := consumer.next_batch()) is not None:
+        read.extend(batch.entries)
+        consumer.ack(batch.sequence)
+    consumer.close()
+    return Counter(read)

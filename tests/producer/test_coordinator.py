@@ -45,7 +45,16 @@ from millpond.queue.coordinator_http import (
     encode_entries,
 )
 from millpond.storage.store import ForwardingStore, ObjectStore, open_store
-from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
+from tests.producer.producer_support import (
+    MANIFEST,
+    PREFIX,
+    all_entries,
+    claim_queue,
+    config,
+    drain,
+    produce_until,
+    wait_for,
+)
 from tests.support import ClockOff, ManualClock, unique_root
 
 DEADLINE = 120.0
@@ -53,14 +62,6 @@ DEADLINE = 120.0
 
 def _store(endpoint: S3Endpoint, root: str | None = None) -> ObjectStore:
     return open_store(endpoint.url_for(root or unique_root()), options=endpoint.store_options())
-
-
-def _wait_for(condition: Any, what: str, timeout: float = DEADLINE) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _locations(store: ObjectStore) -> list[str]:
@@ -113,12 +114,10 @@ def test_one_round_appends_every_waiting_producer_in_one_cas(
     ]
     try:
         first = producers[0].produce([b"p0-0"])
-        _wait_for(gate.waiting.is_set, "the first round's write")
+        wait_for(gate.waiting.is_set, "the first round's write")
         # The first round is stuck in its write; the other five producers' appends queue up.
         handles = [p.produce([f"p{i}-0".encode()]) for i, p in enumerate(producers) if i]
-        _wait_for(
-            lambda: server.coordinator.stats()["waiting_entries"] == 5, "five waiting entries"
-        )
+        wait_for(lambda: server.coordinator.stats()["waiting_entries"] == 5, "five waiting entries")
         gate.open.set()
         for handle in [first, *handles]:
             handle.wait(DEADLINE)
@@ -507,16 +506,6 @@ def slow_endpoint(seaweedfs_s3: S3Endpoint) -> Iterator[S3Endpoint]:
         yield proxy.endpoint
 
 
-def _produce_until(producer: Producer, name: str, stop: threading.Event, out: list[bytes]) -> None:
-    n = 0
-    while not stop.is_set():
-        record = f"{name}-{n}".encode()
-        producer.produce([record]).wait_staged(DEADLINE)
-        out.append(record)
-        n += 1
-        time.sleep(0.02)  # pacing the stream, not waiting for a condition
-
-
 def test_sigkill_of_the_coordinator_mid_round_loses_and_doubles_nothing(
     slow_endpoint: S3Endpoint, seaweedfs_s3: S3Endpoint, tmp_path: Path
 ) -> None:
@@ -530,16 +519,16 @@ def test_sigkill_of_the_coordinator_mid_round_loses_and_doubles_nothing(
     staged: list[list[bytes]] = [[] for _ in producers]
     stop = threading.Event()
     threads = [
-        threading.Thread(target=_produce_until, args=(p, f"p{i}", stop, staged[i]))
+        threading.Thread(target=produce_until, args=(p, f"p{i}", stop, staged[i]))
         for i, p in enumerate(producers)
     ]
     for thread in threads:
         thread.start()
     try:
-        _wait_for(lambda: child.health()["rounds"] >= 5, "five coordinator rounds")
+        wait_for(lambda: child.health()["rounds"] >= 5, "five coordinator rounds")
         child.kill()  # with four producers appending, a round is always under way
         killed_at = sum(p.metrics()["coordinator_appends"] for p in producers)
-        _wait_for(
+        wait_for(
             lambda: sum(p.metrics()["direct_appends"] for p in producers) >= 4,
             "direct appends after the kill",
         )
@@ -558,17 +547,7 @@ def test_sigkill_of_the_coordinator_mid_round_loses_and_doubles_nothing(
     # Some producer was waiting on the killed coordinator: its reply never came, and it looked
     # in the manifest before appending itself.
     assert sum(m["coordinator_lost"] + m["coordinator_unknown"] for m in metrics) >= 1, metrics
-    fast = _store(seaweedfs_s3, root)  # the same queue without the proxy, to read it back
-    locations = _locations(fast)
-    assert len(locations) == len(set(locations)), "a location appended twice"
-    consumer = Consumer(ConsumerConfig(store=fast, manifest_path=MANIFEST, gc_enabled=False))
-    consumer.initialize()
-    read: list[bytes] = []
-    while (batch := consumer.next_batch()) is not None:
-        read.extend(batch.entries)
-        consumer.ack(batch.sequence)
-    consumer.close()
-    counts = Counter(read)
+    counts = drain(_store(seaweedfs_s3, root))  # the same queue without the proxy
     wanted = [record for records in staged for record in records]
     assert [r for r, c in counts.items() if c > 1] == []
     assert sorted(counts) == sorted(wanted)
@@ -599,7 +578,7 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
     staged: list[list[bytes]] = [[] for _ in producers]
     stop = threading.Event()
     threads = [
-        threading.Thread(target=_produce_until, args=(p, f"p{i}", stop, staged[i]))
+        threading.Thread(target=produce_until, args=(p, f"p{i}", stop, staged[i]))
         for i, p in enumerate(producers)
     ]
     read: list[bytes] = []
@@ -607,7 +586,7 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
     for thread in threads:
         thread.start()
     try:
-        _wait_for(lambda: server.coordinator.stats()["yields"] >= 1, "back-to-back rounds")
+        wait_for(lambda: server.coordinator.stats()["yields"] >= 1, "back-to-back rounds")
         older = Consumer(
             ConsumerConfig(store=store, manifest_path=MANIFEST, gc_enabled=False, ack_batch_size=2)
         )
@@ -623,7 +602,7 @@ def test_a_consumer_takes_over_and_dequeues_while_the_coordinator_appends(
         assert older.epoch is not None
         epochs = [older.epoch, newer.epoch]
         rounds = server.coordinator.stats()["rounds"]
-        _wait_for(lambda: server.coordinator.stats()["rounds"] >= rounds + 5, "five more rounds")
+        wait_for(lambda: server.coordinator.stats()["rounds"] >= rounds + 5, "five more rounds")
         with pytest.raises(FencedError):
             older.next_batch()
         older.close()
@@ -680,7 +659,7 @@ def test_a_coordinated_producer_does_not_hold_an_uploaded_batch_for_uploads_in_f
         first = producer.produce([b"first"])
         first.wait_staged(DEADLINE)
         second = producer.produce([b"second"])
-        _wait_for(store.held.is_set, "the second upload to be under way")
+        wait_for(store.held.is_set, "the second upload to be under way")
         first.wait(DEADLINE / 4)  # well inside the 60 s a direct producer would wait
         assert len(_locations(queue_store)) == 1
         assert not second.done()

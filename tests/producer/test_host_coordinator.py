@@ -14,23 +14,19 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.request
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from millpond.consumer import Consumer, ConsumerConfig
 from millpond.errors import ConfigError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer, ProducerConfig
-from millpond.queue import read_manifest
 from millpond.storage.store import ObjectStore, open_store
-from tests.producer.producer_support import MANIFEST, claim_queue, config
+from tests.producer.producer_support import claim_queue, config, drain, produce_until, wait_for
 from tests.support import unique_root
 
 DEADLINE = 120.0
@@ -76,24 +72,6 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _wait_for(condition: Any, what: str, timeout: float = DEADLINE) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def _produce_until(producer: Producer, name: str, stop: threading.Event, out: list[bytes]) -> None:
-    n = 0
-    while not stop.is_set():
-        record = f"{name}-{n}".encode()
-        producer.produce([record]).wait_staged(DEADLINE)
-        out.append(record)
-        n += 1
-        time.sleep(0.02)  # pacing the stream, not waiting for a condition
-
-
 def _hosted_url(run_dir: Path) -> str | None:
     files = list(run_dir.glob("coordinator-*.lock"))
     assert len(files) <= 1, files
@@ -105,19 +83,6 @@ def _health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{url}/v1/health", timeout=10) as response:
         record: dict[str, Any] = json.loads(response.read())
         return record
-
-
-def _drain(store: ObjectStore) -> Counter[bytes]:
-    locations = [entry.location for entry in read_manifest(store, MANIFEST).manifest.entries]
-    assert len(locations) == len(set(locations)), "a location appended twice"
-    consumer = Consumer(ConsumerConfig(store=store, manifest_path=MANIFEST, gc_enabled=False))
-    consumer.initialize()
-    read: list[bytes] = []
-    while (batch := consumer.next_batch()) is not None:
-        read.extend(batch.entries)
-        consumer.ack(batch.sequence)
-    consumer.close()
-    return Counter(read)
 
 
 def _hosting(producer: Producer) -> bool:
@@ -137,13 +102,13 @@ def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
     staged: list[list[bytes]] = [[] for _ in producers]
     stops = [threading.Event() for _ in producers]
     threads = [
-        threading.Thread(target=_produce_until, args=(p, f"p{i}", stops[i], staged[i]))
+        threading.Thread(target=produce_until, args=(p, f"p{i}", stops[i], staged[i]))
         for i, p in enumerate(producers)
     ]
     for thread in threads:
         thread.start()
     try:
-        _wait_for(
+        wait_for(
             lambda: all(p.metrics()["coordinator_appends"] >= 3 for p in producers),
             "three appends of every producer through the coordinator",
         )
@@ -153,7 +118,7 @@ def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
         url = _hosted_url(run_dir)
         assert url is not None
         # Rounds carry several producers' appends: fewer rounds than appends made through it.
-        _wait_for(
+        wait_for(
             lambda: (
                 _health(url)["rounds"] < sum(p.metrics()["coordinator_appends"] for p in producers)
             ),
@@ -164,12 +129,12 @@ def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
         threads[hosting[0]].join(DEADLINE)
         hosts[0].close(timeout=DEADLINE)
         rest = [p for p in producers if p is not hosts[0]]
-        _wait_for(lambda: any(_hosting(p) for p in rest), "another producer hosting")
+        wait_for(lambda: any(_hosting(p) for p in rest), "another producer hosting")
         next_url = _hosted_url(run_dir)
         assert next_url is not None
         assert next_url != url
         before = {id(p): p.metrics()["coordinator_appends"] for p in rest}
-        _wait_for(
+        wait_for(
             lambda: all(p.metrics()["coordinator_appends"] > before[id(p)] + 2 for p in rest),
             "appends through the next host",
         )
@@ -181,7 +146,7 @@ def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
         for producer in producers:
             producer.close(timeout=DEADLINE)
     assert _hosted_url(run_dir) is None, "the last host cleared its URL on close"
-    counts = _drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
+    counts = drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
     wanted = [record for records in staged for record in records]
     assert [r for r, c in counts.items() if c > 1] == []
     assert sorted(counts) == sorted(wanted)
@@ -222,31 +187,31 @@ def test_a_killed_host_is_replaced_and_nothing_is_lost_or_doubled(
     staged: list[list[bytes]] = [[], []]
     try:
         # The child appends first, so it is the host.
-        _wait_for(lambda: len(child_staged) >= 3 and _hosted_url(run_dir), "the child hosting")
+        wait_for(lambda: len(child_staged) >= 3 and _hosted_url(run_dir), "the child hosting")
         first = _hosted_url(run_dir)
         assert first is not None
         producers = [
             Producer(config(store, tmp_path / f"wal{i}", host_coordinator=True)) for i in range(2)
         ]
         threads = [
-            threading.Thread(target=_produce_until, args=(p, f"p{i}", stop, staged[i]))
+            threading.Thread(target=produce_until, args=(p, f"p{i}", stop, staged[i]))
             for i, p in enumerate(producers)
         ]
         for thread in threads:
             thread.start()
-        _wait_for(
+        wait_for(
             lambda: all(p.metrics()["coordinator_appends"] >= 3 for p in producers),
             "appends through the child's coordinator",
         )
         assert not any(_hosting(p) for p in producers)
         child.send_signal(signal.SIGKILL)  # mid-round: three producers keep it busy
         child.wait(30)
-        _wait_for(lambda: any(_hosting(p) for p in producers), "a producer hosting after the kill")
+        wait_for(lambda: any(_hosting(p) for p in producers), "a producer hosting after the kill")
         second = _hosted_url(run_dir)
         assert second is not None
         assert second != first
         before = [p.metrics()["coordinator_appends"] for p in producers]
-        _wait_for(
+        wait_for(
             lambda: all(
                 p.metrics()["coordinator_appends"] > b + 2
                 for p, b in zip(producers, before, strict=True)
@@ -266,7 +231,7 @@ def test_a_killed_host_is_replaced_and_nothing_is_lost_or_doubled(
     # What the killed host had staged is in its WAL: its next run publishes it.
     with Producer(config(store, child_wal)) as again:
         again.flush(DEADLINE)
-    counts = _drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
+    counts = drain(open_store(seaweedfs_s3.url_for(root), options=seaweedfs_s3.store_options()))
     assert [r for r, c in counts.items() if c > 1] == []
     wanted = {record for records in staged for record in records} | set(child_staged)
     missing = wanted - set(counts)
@@ -378,7 +343,7 @@ def test_the_same_bucket_and_root_on_two_servers_are_two_elections(
         for producer in producers:
             producer.close(timeout=DEADLINE)
     for i, store in enumerate(stores):
-        assert sorted(_drain(store)) == [f"s{i}-{n}".encode() for n in range(3)]
+        assert sorted(drain(store)) == [f"s{i}-{n}".encode() for n in range(3)]
 
 
 def test_a_child_forked_by_the_host_does_not_keep_the_coordinator(
