@@ -31,6 +31,12 @@ target (issue 11): p99 <= 3x the lone producer's p50 at N = 16, reported as
 ``coordinator_p99_over_lone_p50_at_max_n`` and ``coordinator_passed`` (``through_coordinator``
 per row: the share of appends the coordinator made; the rest fell back).
 
+Host mode (policy ``host``, part of every run): the same N producers with
+``host_coordinator=True``, so the first to append hosts a coordinator on 127.0.0.1 and the
+others append through it. Held to the targets of producers without a coordinator service (p50
+<= 3x, p99 <= 6x the lone p50 at every N, locations/s growing, no "gave up"):
+``host_ratio`` and ``host_passed``, and the summary row ``wait_latency/host``.
+
 Knobs for experiments (not for ``make bench``): ``MILLPOND_BENCH_COUNTS=1,4``,
 ``MILLPOND_BENCH_SECONDS=10``, ``MILLPOND_BENCH_POLICIES=default,exponential``,
 ``MILLPOND_BENCH_COORDINATOR_ARGS="--yield-every 6"`` (extra ``millpond coordinator`` arguments),
