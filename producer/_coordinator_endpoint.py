@@ -8,12 +8,12 @@ import json
 import selectors
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from millpond.errors import FormatError
 from millpond.queue.coordinator import DEFAULT_BUDGET, Outcome
-from millpond.queue.coordinator_http import HEALTH_PATH
+from millpond.queue.coordinator_http import HEALTH_PATH, TOKEN_HEADER
 
 __all__ = ["LOST", "SENT", "UNSENT", "CoordinatorOptions", "Endpoint", "not_serving"]
 
@@ -44,6 +44,9 @@ class CoordinatorOptions:
     chain: bool = True
     """Send the batches uploaded while an append is out right away, to follow it (module
     docstring, Chaining). Default on."""
+    token: str | None = field(default=None, repr=False)
+    """Sent with every request (``X-Millpond-Token``) to a coordinator that wants one (a
+    producer-hosted coordinator). Default none."""
 
 
 class Endpoint:
@@ -57,6 +60,7 @@ class Endpoint:
         self._host = parts.hostname
         self._port = parts.port
         self._options = options
+        self._auth = {TOKEN_HEADER: options.token} if options.token else {}
         self._conn: http.client.HTTPConnection | None = None
         self._spare: Endpoint | None = None
         self.down_until = float("-inf")
@@ -141,7 +145,7 @@ class Endpoint:
         if conn is None:
             return UNSENT
         try:
-            conn.request("POST", path, body, headers)
+            conn.request("POST", path, body, {**headers, **self._auth})
         except (OSError, http.client.HTTPException):
             self.close()
             return LOST
@@ -197,7 +201,7 @@ class Endpoint:
         if timeout is not None and conn.sock is not None:
             conn.sock.settimeout(timeout)
         try:
-            conn.request(method, path, body, headers or {})
+            conn.request(method, path, body, {**(headers or {}), **self._auth})
         except (OSError, http.client.HTTPException):
             self.close()
             return LOST, 0, b""

@@ -11,8 +11,10 @@ to host that coordinator, and the others send their appends to it:
 * **Election** is a lock on a file named for the queue (``flock``, non-blocking) in a
   directory private to the user (``MILLPOND_RUN_DIR``, else ``$TMPDIR/millpond-<uid>``). The
   process that holds it serves an :class:`~millpond.queue.coordinator.AppendCoordinator` on
-  127.0.0.1 (a free port) and writes its URL into the file; the others read the URL there. The
-  kernel releases the lock when the holder exits, however it ends.
+  127.0.0.1 (a free port) and writes its URL and a random token into the file; the others read
+  both there and send the token with every request. The coordinator refuses a request without
+  it (``403``), so only processes that can read the user's private directory append through
+  it. The kernel releases the lock when the holder exits, however it ends.
 * **Nothing new to trust.** The hosted coordinator is the one ``millpond coordinator`` serves,
   reached through the same client (:mod:`millpond.producer.coordinator`): when it is
   unreachable, refuses, or its reply is lost, a producer appends directly under the same
@@ -48,6 +50,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import stat
 import tempfile
 import weakref
@@ -57,6 +60,7 @@ from pathlib import Path
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
 from millpond.formats.manifest import PendingEntry
+from millpond.producer._coordinator_endpoint import CoordinatorOptions
 from millpond.producer.coordinator import CoordinatedAppender
 from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import AppendCoordinator
@@ -69,7 +73,8 @@ logger = logging.getLogger(__name__)
 
 RUN_DIR_ENV = "MILLPOND_RUN_DIR"
 _RETRY_LOCK = 1.0  # seconds between two tries of the lock by a producer that does not hold it
-_HOSTED_URL = re.compile(r"http://127\.0\.0\.1:[0-9]{1,5}")
+_HOSTED = re.compile(r"(http://127\.0\.0\.1:[0-9]{1,5}) ([0-9a-f]{32})")
+"""What a host writes into the election file: its URL and its token."""
 
 
 def run_dir() -> Path:
@@ -125,6 +130,7 @@ class HostCoordinator:
         self._directory = self.path.parent
         self._fd: int | None = None
         self._server: CoordinatorServer | None = None
+        self._token = ""
         self._tried_at = float("-inf")
         self._warned = False
         self._trusted: bool | None = None  # whether the directory passed its check
@@ -135,9 +141,9 @@ class HostCoordinator:
         """Whether this process hosts the coordinator."""
         return self._server is not None
 
-    def url(self) -> str | None:
-        """The coordinator's URL (hosting it here when nobody does), or ``None`` when none
-        is known yet."""
+    def url(self) -> tuple[str, str] | None:
+        """The coordinator's URL and token (hosting it here when nobody does), or ``None``
+        when none is known yet."""
         if self._trusted is None:
             try:
                 self._check_directory()
@@ -157,12 +163,13 @@ class HostCoordinator:
                     self._warn(f"cannot host a coordinator ({err}); appending directly")
                     return None
         if self._server is not None:
-            return self._server.url
+            return self._server.url, self._token
         try:
             text = self.path.read_text(encoding="ascii").strip()
         except (OSError, UnicodeDecodeError):
             return None
-        return text if _HOSTED_URL.fullmatch(text) else None
+        found = _HOSTED.fullmatch(text)
+        return (found.group(1), found.group(2)) if found else None
 
     def close(self) -> None:
         """Stop hosting (the round under way finishes, waiting requests are refused and go
@@ -223,18 +230,19 @@ class HostCoordinator:
                 queue=self._queue,
                 clock=self._clock,
             )
-            server = CoordinatorServer(coordinator, "127.0.0.1", 0).start()
+            token = secrets.token_hex(16)
+            server = CoordinatorServer(coordinator, "127.0.0.1", 0, token=token).start()
         except BaseException:
             os.close(fd)
             raise
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{server.url}\n".encode("ascii"), 0)
+            os.pwrite(fd, f"{server.url} {token}\n".encode("ascii"), 0)
         except BaseException:
             server.close()
             os.close(fd)
             raise
-        self._fd, self._server = fd, server
+        self._fd, self._server, self._token = fd, server, token
         logger.info(
             "hosting the coordinator of %s for this machine's producers on %s (%s)",
             self._queue,
@@ -254,15 +262,13 @@ class HostCoordinatedAppender:
         *,
         queue: str,
         clock: Clock,
-        appender: Callable[[Sequence[str]], CoordinatedAppender] | None = None,
     ) -> None:
         self._direct = direct
         self._host = host
-        self._make = appender or (
-            lambda urls: CoordinatedAppender(direct, urls, queue=queue, clock=clock)
-        )
-        self._url: str | None = None
-        self._through = self._make(())
+        self._queue = queue
+        self._clock = clock
+        self._at: tuple[str, str] | None = None
+        self._through = self._make(None)
         self._seen_next = 0
 
     @property
@@ -283,15 +289,28 @@ class HostCoordinatedAppender:
         more: Callable[[], Sequence[PendingEntry]] | None = None,
         deadline: float | None = None,
     ) -> tuple[int, ...]:
-        url = self._host.url()
-        if url != self._url:
+        at = self._host.url()
+        if at != self._at:
             # Another host now (or none known): what the old appender saw still bounds where
             # our entries can be, so it is carried over.
             self._seen_next = self.seen_next_sequence
             self._through.close()
-            self._url = url
-            self._through = self._make((url,) if url is not None else ())
+            self._at = at
+            self._through = self._make(at)
         return self._through.append(entries, more=more, deadline=deadline)
+
+    def _make(self, at: tuple[str, str] | None) -> CoordinatedAppender:
+        """Through the host at ``at`` (URL, token), or directly when there is none."""
+        if at is None:
+            return CoordinatedAppender(self._direct, (), queue=self._queue, clock=self._clock)
+        url, token = at
+        return CoordinatedAppender(
+            self._direct,
+            (url,),
+            queue=self._queue,
+            clock=self._clock,
+            options=CoordinatorOptions(token=token),
+        )
 
     def close(self) -> None:
         self._through.close()

@@ -34,6 +34,7 @@ except outcomes of requests already answered (see :mod:`millpond.queue.coordinat
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import math
@@ -71,6 +72,7 @@ __all__ = [
     "REFUSED",
     "REQUEST_HEADER",
     "THROUGH_HEADER",
+    "TOKEN_HEADER",
     "UNKNOWN",
     "CoordinatorServer",
     "Outcome",
@@ -97,6 +99,9 @@ AFTER_HEADER = "X-Millpond-After"
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
 NOT_AFTER_HEADER = "X-Millpond-Not-After"
+TOKEN_HEADER = "X-Millpond-Token"
+"""The secret a coordinator started with a token wants on every request (a producer-hosted
+one: ``millpond.producer._host_coordinator``); ``millpond coordinator`` takes none."""
 """The writer's own deadline as a wall-clock time (ms since the Unix epoch): no write containing
 the request is sent after it, on the coordinator's clock, whenever the request arrives."""
 _MAX_BODY = 64 << 20
@@ -227,7 +232,19 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 
+    def _refused_unless_authorized(self) -> bool:
+        """Whether the request was refused for want of the server's token (``403``; the
+        connection is closed, since the body, if any, was not read)."""
+        token = self.server.token
+        if token is None or hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):
+            return False
+        self.close_connection = True
+        self._reply(403, _refused(f"expected the coordinator's {TOKEN_HEADER}, found another"))
+        return True
+
     def do_GET(self) -> None:
+        if self._refused_unless_authorized():
+            return
         if self.path != HEALTH_PATH:
             self._reply(404, {"status": REFUSED, "reason": f"no such path {self.path}"})
             return
@@ -243,6 +260,8 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def do_POST(self) -> None:
+        if self._refused_unless_authorized():
+            return
         declared = self.headers.get("Content-Length", "0") or "0"
         # isdigit() alone takes "²" (a latin-1 header byte), which int() refuses.
         length = int(declared) if declared.isascii() and declared.isdigit() else -1
@@ -382,15 +401,25 @@ class _Server(ThreadingHTTPServer):
     # coordinator unreachable and appends directly for a while, contending with the rounds.
     request_queue_size = socket.SOMAXCONN
     coordinator: AppendCoordinator
+    token: str | None = None
 
 
 class CoordinatorServer:
-    """An :class:`AppendCoordinator` served over HTTP on ``host:port`` (0: a free port)."""
+    """An :class:`AppendCoordinator` served over HTTP on ``host:port`` (0: a free port);
+    with a ``token``, every request without it in ``X-Millpond-Token`` is refused (``403``)."""
 
-    def __init__(self, coordinator: AppendCoordinator, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        coordinator: AppendCoordinator,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+    ):
         self.coordinator = coordinator
         self._server = _Server((host, port), _Handler)
         self._server.coordinator = coordinator
+        self._server.token = token
         self._thread: threading.Thread | None = None
         self._serving = False
         """Whether a serving loop was started: only one can answer a shutdown request, which

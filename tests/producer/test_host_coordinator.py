@@ -25,6 +25,7 @@ from millpond.errors import ConfigError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer, ProducerConfig
+from millpond.queue.coordinator_http import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, TOKEN_HEADER
 from millpond.storage.store import ObjectStore, open_store
 from tests.producer.producer_support import claim_queue, config, drain, produce_until, wait_for
 from tests.support import unique_root
@@ -72,15 +73,28 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _hosted_url(run_dir: Path) -> str | None:
+def _hosted(run_dir: Path) -> tuple[str, str] | None:
+    """The URL and token in the election file (``None`` when it is empty or absent)."""
     files = list(run_dir.glob("coordinator-*.lock"))
     assert len(files) <= 1, files
     text = files[0].read_text().strip() if files else ""
-    return text or None
+    if not text:
+        return None
+    url, token = text.split(" ")
+    return url, token
 
 
-def _health(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/v1/health", timeout=10) as response:
+def _hosted_url(run_dir: Path) -> str | None:
+    hosted = _hosted(run_dir)
+    return hosted[0] if hosted else None
+
+
+def _health(run_dir: Path) -> dict[str, Any]:
+    hosted = _hosted(run_dir)
+    assert hosted is not None
+    url, token = hosted
+    request = urllib.request.Request(f"{url}/v1/health", headers={TOKEN_HEADER: token})
+    with urllib.request.urlopen(request, timeout=10) as response:
         record: dict[str, Any] = json.loads(response.read())
         return record
 
@@ -120,7 +134,8 @@ def test_producers_on_one_machine_share_one_coordinator_hosted_by_one_of_them(
         # Rounds carry several producers' appends: fewer rounds than appends made through it.
         wait_for(
             lambda: (
-                _health(url)["rounds"] < sum(p.metrics()["coordinator_appends"] for p in producers)
+                _health(run_dir)["rounds"]
+                < sum(p.metrics()["coordinator_appends"] for p in producers)
             ),
             "a round carrying more than one producer's append",
         )
@@ -301,7 +316,7 @@ def test_a_url_other_than_a_local_coordinators_is_not_followed(
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Still this machine (127/8), but not where a host coordinator listens.
-        os.write(fd, b"http://127.0.0.2:9\n")
+        os.write(fd, b"http://127.0.0.2:9 " + b"0" * 32 + b"\n")
         metrics = _appends(store, tmp_path / "wal")
     finally:
         os.close(fd)
@@ -361,7 +376,7 @@ def test_a_child_forked_by_the_host_does_not_keep_the_coordinator(
     producer.produce([b"before"]).wait(DEADLINE)
     assert _hosting(producer)
     (lock,) = run_dir.glob("coordinator-*.lock")
-    port = int(lock.read_text().strip().rsplit(":", 1)[1])
+    port = int(lock.read_text().split(" ")[0].rsplit(":", 1)[1])
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: lives on, touches nothing
@@ -384,3 +399,46 @@ def test_a_child_forked_by_the_host_does_not_keep_the_coordinator(
         os.write(write_end, b"x")
         os.close(write_end)
         os.waitpid(pid, 0)
+
+
+def test_the_hosted_coordinator_answers_only_requests_with_its_token(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """Anyone on the machine can connect to 127.0.0.1; only a process that can read the
+    user's private election file has the token. Without it, nothing is appended and not even
+    the health is told."""
+    import http.client
+
+    from millpond.common.ulids import UlidMinter, batch_location
+    from millpond.formats.manifest import Metadata, PendingEntry
+    from millpond.queue.claim import queue_identity
+    from millpond.queue.coordinator_http import encode_entries
+
+    store = _file_store(tmp_path)
+    claim_queue(store)
+    with Producer(config(store, tmp_path / "wal", host_coordinator=True)) as producer:
+        producer.produce([b"mine"]).wait(DEADLINE)
+        hosted = _hosted(run_dir)
+        assert hosted is not None
+        url, _ = hosted
+        port = int(url.rsplit(":", 1)[1])
+        location = batch_location("ingest", UlidMinter().mint())
+        body = encode_entries([PendingEntry(location, (Metadata(0, 0, b""),))])
+        headers = {
+            QUEUE_HEADER: queue_identity(store.url, "ingest/manifest"),
+            REQUEST_HEADER: "intruder-1",
+            "Content-Type": "application/octet-stream",
+        }
+        for sent in ({}, {TOKEN_HEADER: "0" * 32}):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("POST", APPEND_PATH, body, {**headers, **sent})
+            assert conn.getresponse().status == 403
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/v1/health", headers=sent)
+            assert conn.getresponse().status == 403
+            conn.close()
+        assert _health(run_dir)["queue"] == queue_identity(store.url, "ingest/manifest")
+        producer.produce([b"still mine"]).wait(DEADLINE)
+        assert producer.metrics()["coordinator_appends"] >= 2
+    assert sorted(drain(store)) == [b"mine", b"still mine"]
