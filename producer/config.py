@@ -125,11 +125,11 @@ class ProducerConfig:
     directly."""
     host_coordinator: bool = False
     """Share one append coordinator with the other producers of this queue on this machine
-    (Spark's Python workers on one executor, several jobs on one host): the first to start
-    hosts it on 127.0.0.1 and the others send their appends there, so one compare-and-swap
-    carries all of theirs; when its host exits another takes over, and meanwhile they append
-    directly (README, "Running against real S3, GCS or Azure latency"). Not with
-    ``coordinator``. Default off."""
+    (Spark's Python workers on one executor, several jobs on one host): the first to append
+    hosts it on 127.0.0.1 and the others send their appends there with a token only this
+    user's processes can read, so one compare-and-swap carries all of theirs; when its host
+    exits another takes over, and meanwhile they append directly (README, "Producers on one
+    machine"). Not with ``coordinator``. Default off."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
