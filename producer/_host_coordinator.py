@@ -141,7 +141,7 @@ class HostCoordinator:
         """Whether this process hosts the coordinator."""
         return self._server is not None
 
-    def url(self) -> tuple[str, str] | None:
+    def endpoint(self) -> tuple[str, str] | None:
         """The coordinator's URL and token (hosting it here when nobody does), or ``None``
         when none is known yet."""
         if self._trusted is None:
@@ -289,7 +289,7 @@ class HostCoordinatedAppender:
         more: Callable[[], Sequence[PendingEntry]] | None = None,
         deadline: float | None = None,
     ) -> tuple[int, ...]:
-        at = self._host.url()
+        at = self._host.endpoint()
         if at != self._at:
             # Another host now (or none known): what the old appender saw still bounds where
             # our entries can be, so it is carried over.

@@ -23,7 +23,7 @@ from millpond.formats.batch import CompressionType
 from millpond.producer.coordinator import parse_coordinator_urls
 from millpond.storage.store import ObjectStore, check_store_url
 
-__all__ = ["ProducerConfig", "parse_duration", "parse_size"]
+__all__ = ["ProducerConfig", "parse_bool", "parse_duration", "parse_size"]
 
 WalSync = Literal["always", "interval", "off"]
 SizeCapPolicy = Literal["backpressure", "drop_oldest"]
@@ -322,13 +322,19 @@ def _parse_lower(text: str) -> str:
     return text.strip().lower()
 
 
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, found {text!r}")
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_bool(text: str) -> bool:
+    """``true``, ``1``, ``yes`` or ``false``, ``0``, ``no`` (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    try:
+        return _BOOLEANS[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"expected true or false, found {text!r}") from None
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
@@ -349,7 +355,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "reupload_after": parse_duration,
     "commit_interval": parse_duration,
     "coordinator": _parse_str,
-    "host_coordinator": _parse_bool,
+    "host_coordinator": parse_bool,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
     "max_attempts": _parse_int,

@@ -57,7 +57,6 @@ __all__ = ["EXECUTOR_WAL_DIR", "SPARK_ONLY_KEYS", "SparkWriteSettings"]
 logger = logging.getLogger(__name__)
 
 _COMMIT_MODES = ("job", "task")
-_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _DEFAULT_GRACE = 600.0
 
 SPARK_ONLY_KEYS = frozenset(
@@ -319,7 +318,9 @@ def _seconds(key: str, value: str | None, default: float) -> float:
 def _boolean(key: str, value: str | None, *, default: bool) -> bool:
     if value is None:
         return default
+    from millpond.producer.config import parse_bool
+
     try:
-        return _BOOLEANS[value.strip().lower()]
-    except KeyError:
+        return parse_bool(value)
+    except ValueError:
         raise ConfigError(key, f"expected true or false, found {value!r}") from None
