@@ -127,15 +127,35 @@ def test_the_last_winner_yields_before_its_next_append() -> None:
     _request(clock, 2)
     pacer.won(backoff)
     clock.slept.clear()
-    contended = []
-    for _ in range(5):  # 5 yields of about 1.5 slots: still within the 16-slot memory
+    # Contention seen: win_streak appends in a row (the next on the winner's ETag), then a
+    # yield of about contended_yield slots, so a loser that is reading gets its write in.
+    assert AGING.win_streak == 2
+    turns = []
+    for _ in range(6):  # 3 yields of about 1.5 slots: still within the 16-slot memory
         pacer.take_turn()
-        contended.append(sum(clock.slept))
+        turns.append(sum(clock.slept))
+        clock.slept.clear()
+        backoff = pacer.start(cached=True)
+        _request(clock)
+        pacer.won(backoff)
         clock.slept.clear()
     slot = pacer.slot
+    assert turns[0::2] == [0.0, 0.0, 0.0]
+    contended = turns[1::2]
     assert all(0.9 * AGING.contended_yield * slot <= y <= 1.1 * AGING.contended_yield * slot
                for y in contended)  # fmt: skip
     assert min(contended) > AGING.back_to_back_yield * slot
+    # A lost race ends the streak: the next win starts one afresh.
+    pacer.take_turn()
+    assert clock.slept == []
+    backoff = pacer.start(cached=True)
+    _request(clock)
+    assert backoff.sleep(conflict=True)
+    _request(clock, 2)
+    pacer.won(backoff)
+    clock.slept.clear()
+    pacer.take_turn()
+    assert clock.slept == []
 
 
 def test_store_failures_still_back_off_exponentially_and_count_attempts() -> None:
@@ -185,6 +205,10 @@ def test_strategy_and_aging_fields_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         RetryPolicy(strategy="aging", contended_yield=-1.0)
     assert info.value.key == "contended_yield"
+    for streak in (0, 1.5):
+        with pytest.raises(ConfigError) as info:
+            RetryPolicy(strategy="aging", win_streak=streak)  # type: ignore[arg-type]
+        assert info.value.key == "win_streak"
 
 
 @pytest.mark.parametrize(
