@@ -56,6 +56,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
@@ -65,9 +66,15 @@ from millpond.producer.coordinator import CoordinatedAppender
 from millpond.queue.append import QueueProducer
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_http import CoordinatorServer
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import NETWORK_SCHEMES, ObjectStore
 
-__all__ = ["HostCoordinatedAppender", "HostCoordinator", "election_path", "run_dir"]
+__all__ = [
+    "HostCoordinatedAppender",
+    "HostCoordinator",
+    "election_path",
+    "run_dir",
+    "shares_a_coordinator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,16 @@ RUN_DIR_ENV = "MILLPOND_RUN_DIR"
 _RETRY_LOCK = 1.0  # seconds between two tries of the lock by a producer that does not hold it
 _HOSTED = re.compile(r"(http://127\.0\.0\.1:[0-9]{1,5}) ([0-9a-f]{32})")
 """What a host writes into the election file: its URL and its token."""
+
+
+def shares_a_coordinator(chosen: bool | None, store: ObjectStore) -> bool:
+    """Whether a producer on ``store`` shares this machine's coordinator of its queue:
+    ``chosen`` (``ProducerConfig.host_coordinator``) when given, else when the store is S3,
+    GCS or Azure. A file or memory store takes a compare-and-swap in microseconds: there is
+    nothing to share, and no port to open for it."""
+    if chosen is not None:
+        return chosen
+    return urlsplit(store.url).scheme in NETWORK_SCHEMES
 
 
 def run_dir() -> Path:

@@ -123,13 +123,15 @@ class ProducerConfig:
     answers, or one refuses, the producer appends directly, and a reply that never came is
     resolved by the same landed-check as its own ambiguous appends. Default none: append
     directly."""
-    host_coordinator: bool = False
+    host_coordinator: bool | None = None
     """Share one append coordinator with the other producers of this queue on this machine
     (Spark's Python workers on one executor, several jobs on one host): the first to append
     hosts it on 127.0.0.1 and the others send their appends there with a token only this
     user's processes can read, so one compare-and-swap carries all of theirs; when its host
     exits another takes over, and meanwhile they append directly (README, "Producers on one
-    machine"). Not with ``coordinator``. Default off."""
+    machine"). ``True`` is refused with ``coordinator``. Default ``None``: shared when the
+    store is S3, GCS or Azure (where a compare-and-swap costs a network round trip) and no
+    ``coordinator`` is given; ``False`` appends directly."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
@@ -181,9 +183,10 @@ class ProducerConfig:
                 f"expected 0 <= seconds < 3600, found {self.commit_interval!r}",
             )
         object.__setattr__(self, "coordinator", parse_coordinator_urls(self.coordinator) or None)
-        if not isinstance(self.host_coordinator, bool):
+        if self.host_coordinator is not None and not isinstance(self.host_coordinator, bool):
             raise ConfigError(
-                "host_coordinator", f"expected True or False, found {self.host_coordinator!r}"
+                "host_coordinator",
+                f"expected True, False or None, found {self.host_coordinator!r}",
             )
         if self.host_coordinator and self.coordinator:
             raise ConfigError(

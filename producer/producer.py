@@ -31,7 +31,11 @@ from millpond.errors import BackpressureError, ClosedError, InvalidInputError
 from millpond.formats.batch import MAX_RECORD_BYTES
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
-from millpond.producer._host_coordinator import HostCoordinatedAppender, HostCoordinator
+from millpond.producer._host_coordinator import (
+    HostCoordinatedAppender,
+    HostCoordinator,
+    shares_a_coordinator,
+)
 from millpond.producer._metrics import producer_collector, producer_samples
 from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
@@ -138,7 +142,7 @@ class Producer:
                 direct, config.coordinator, queue=identity, clock=self._clock
             )
             queue = self._coordinated
-        elif config.host_coordinator:
+        elif shares_a_coordinator(config.host_coordinator, self._store):
             host = HostCoordinator(
                 self._store,
                 config.manifest_path,

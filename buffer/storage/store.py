@@ -22,6 +22,7 @@ from millpond.errors import ConfigError
 from millpond.storage._backends import AWS_ENV, BACKENDS
 
 __all__ = [
+    "NETWORK_SCHEMES",
     "STORE_URL_FORMS",
     "STORE_URL_SCHEMES",
     "DeleteFailure",
@@ -297,6 +298,9 @@ STORE_URL_FORMS = (
 """What a store URL may look like, for error messages and help texts."""
 STORE_URL_SCHEMES = (*BACKENDS, "file", "memory")
 """Every scheme :func:`open_store` opens."""
+NETWORK_SCHEMES = tuple(BACKENDS)
+"""The schemes of stores reached over the network (S3, Azure, GCS): a request costs a round
+trip, not microseconds."""
 
 
 def check_store_url(url: str) -> None:

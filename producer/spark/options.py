@@ -124,9 +124,10 @@ class SparkWriteSettings:
     """The ``write_id`` option: reruns of the same write enqueue nothing twice."""
     coordinator: tuple[str, ...] = ()
     """The ``coordinator`` option: coordinators the driver's commit appends through."""
-    host_coordinator: bool = False
-    """The ``host_coordinator`` option: the executors' producers (``commit=task``,
-    ``partition_producer``) share one coordinator per machine."""
+    host_coordinator: bool | None = None
+    """The ``host_coordinator`` option: whether the executors' producers (``commit=task``,
+    ``partition_producer``) share one coordinator per machine; ``None`` (not given): as
+    ``ProducerConfig`` decides, shared on S3, GCS and Azure."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:

@@ -275,6 +275,40 @@ def test_host_coordinator_is_an_option_and_not_with_coordinator_urls(tmp_path: P
         )
 
 
+def test_by_default_producers_share_on_s3_and_append_directly_on_a_file_store(
+    slow_endpoint: S3Endpoint, run_dir: Path, tmp_path: Path
+) -> None:
+    """``host_coordinator`` left at ``None``: producers on an S3 store share this machine's
+    coordinator (one of them hosts it); on a file store, where a compare-and-swap costs
+    microseconds, each appends itself and nothing is hosted."""
+    assert ProducerConfig(store="memory://x", wal_dir=tmp_path).host_coordinator is None
+    store = open_store(slow_endpoint.url_for(unique_root()), slow_endpoint.store_options())
+    claim_queue(store)
+    producers = [Producer(config(store, tmp_path / f"wal{i}")) for i in range(2)]
+    try:
+        for n in range(3):
+            handles = [p.produce([f"p{i}-{n}".encode()]) for i, p in enumerate(producers)]
+            for handle in handles:
+                handle.wait(DEADLINE)
+        assert sorted(_hosting(p) for p in producers) == [False, True]
+        assert _hosted_url(run_dir) is not None
+        assert all(p.metrics()["coordinator_appends"] >= 1 for p in producers)
+    finally:
+        for producer in producers:
+            producer.close()
+    assert drain(store) == {f"p{i}-{n}".encode(): 1 for i in range(2) for n in range(3)}
+
+    files = tmp_path / "files"
+    files.mkdir()
+    file_store = _file_store(files)
+    claim_queue(file_store)
+    with Producer(config(file_store, tmp_path / "wal-file")) as producer:
+        producer.produce([b"f"]).wait(DEADLINE)
+        assert producer._coordinated is None
+        assert producer.metrics()["coordinator_appends"] == 0
+    assert len(list(run_dir.glob("coordinator-*.lock"))) == 1, "only the S3 queue's election"
+
+
 def _appends(store: ObjectStore, wal_dir: Path) -> dict[str, Any]:
     with Producer(config(store, wal_dir, host_coordinator=True)) as producer:
         for n in range(3):
