@@ -347,8 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # of dropping the rest.
     summary_file = out / "summary.json"
     if (args.names or latency > 0) and summary_file.exists():
+        # A benchmark run again replaces all its rows: a side row it no longer judges goes.
+        rerun = {r["name"] for r in results}
         with_previous = {
-            r["name"]: r for r in json.loads(summary_file.read_text()).get("benchmarks", [])
+            r["name"]: r
+            for r in json.loads(summary_file.read_text()).get("benchmarks", [])
+            if r["name"].split("/", 1)[0] not in rerun
         }
         with_previous.update({r["name"]: r for r in rows})
         summary["benchmarks"] = [with_previous[n] for n in sorted(with_previous)]
