@@ -16,11 +16,10 @@ strategies decide how a loop that lost a compare-and-swap waits:
   much younger its batch is than the winners', as a part of their age (a batch minted just
   now waits the whole spread, one nearly as old as theirs hardly at all, so writers line up
   by age), and it shrinks as the loop ages, to nothing after ``aging_horizon`` slots. A
-  writer that just won does not go first for long either: when it has lost a race lately it
-  makes ``win_streak`` appends in a row (the second on the ETag of its first, one request
-  while the losers need a read and a write), then waits ``contended_yield`` slots (time for a
-  loser to read and write); when it has not, it waits a random part of ``back_to_back_yield``
-  slots between appends back to back.
+  writer that just won does not go first either: when it has lost a race lately it makes
+  ``win_streak`` appends in a row (one by default), then waits ``contended_yield`` slots
+  (time for a loser to read and write); when it has not, it waits a random part of
+  ``back_to_back_yield`` slots between appends back to back.
   Store failures (not conflicts) still back off exponentially, so an outage is never
   hammered. Writers whose clocks disagree by more than a round trip get a share of turns
   skewed towards the slower clock, never a lost or doubled entry: the compare-and-swap
@@ -90,13 +89,16 @@ class RetryPolicy:
     """``"aging"``: slots; the longest a writer whose previous append ended less than a slot
     ago waits before the next one, contention seen or not: a writer that always wins at once
     cannot see the others starve. Default 0.25."""
-    win_streak: int = 2
+    win_streak: int = 1
     """``"aging"``: appends a writer that has lost a race lately makes in a row before it
-    yields ``contended_yield`` slots (a lost race ends the streak). Default 2: a hand-over
-    costs a loser's read and write where a winner's next append costs one write, so at eight
-    writers 50 ms from the store, letting each winner append once more at once took the
-    committed appends/s from 0.80-0.86x a lone writer to 0.94-0.96x (p99 append latency from
-    2-4x to 6-7x its p50); at 3 the p99 went past 40x (``bench/bench_contended_appends.py``)."""
+    yields ``contended_yield`` slots (a lost race ends the streak). Default 1. A hand-over
+    costs a loser's read and write where a winner's next append costs one write, so more
+    appends go through a second at 2, at the others' expense: with eight bare append loops
+    50 ms from the store, committed appends/s went from 0.80-0.86x a lone writer to
+    0.91-0.96x, but the p99 append latency from 2-4x its p50 to 5.7x-13.7x (p99 2.1-3.1 s), and
+    ``wait()`` of producers appending directly from p99 7.2x / 18.6x a lone producer's p50 at
+    N = 8 / 16 to 9.9x / 28.9x; at 3 the bare p99 went past 40x its p50
+    (``bench/bench_contended_appends.py``, ``bench/bench_wait_latency.py``)."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -308,7 +310,7 @@ class AgingPacer(Pacer):
         self._measured = False
         self._last_win = float("-inf")
         self._last_loss = float("-inf")
-        self._streak = 0  # loops won in a row, since the last lost race or yield
+        self._at_once = 0  # turns taken at once since the last lost race or yield
 
     @property
     def policy(self) -> RetryPolicy:
@@ -322,9 +324,10 @@ class AgingPacer(Pacer):
         now = self._clock.monotonic()
         policy = self._policy
         if self._contended(now):
-            if self._streak < policy.win_streak:
-                return False  # the winner's next append on its ETag: one request
-            self._streak = 0
+            if self._at_once < policy.win_streak - 1:
+                self._at_once += 1
+                return False  # the winner's next append, on its ETag: one request
+            self._at_once = 0
             self._clock.sleep(policy.contended_yield * self.slot * random.uniform(0.9, 1.1))
             return True
         if now - self._last_win < self.slot:
@@ -350,12 +353,11 @@ class AgingPacer(Pacer):
             if backoff.attempt > 1:
                 self._last_loss = now
         self._last_win = now
-        self._streak += 1
 
     def lost(self, now: float) -> None:
         """A race of this writer's was lost at ``now``."""
         self._last_loss = now
-        self._streak = 0
+        self._at_once = 0
 
     def observe(self, seconds: float, requests: int) -> None:
         """Fold one attempt's duration (``requests`` store requests) into :attr:`slot`."""

@@ -7,6 +7,7 @@ simulated by sleeping its duration, then ``slept`` is cleared to see only the pa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -127,33 +128,47 @@ def test_the_last_winner_yields_before_its_next_append() -> None:
     _request(clock, 2)
     pacer.won(backoff)
     clock.slept.clear()
-    # Contention seen: win_streak appends in a row (the next on the winner's ETag), then a
-    # yield of about contended_yield slots, so a loser that is reading gets its write in.
-    assert AGING.win_streak == 2
-    turns = []
-    for _ in range(6):  # 3 yields of about 1.5 slots: still within the 16-slot memory
+    contended = []
+    for _ in range(5):  # 5 yields of about 1.5 slots: still within the 16-slot memory
         pacer.take_turn()
-        turns.append(sum(clock.slept))
-        clock.slept.clear()
-        backoff = pacer.start(cached=True)
-        _request(clock)
-        pacer.won(backoff)
+        contended.append(sum(clock.slept))
         clock.slept.clear()
     slot = pacer.slot
-    assert turns[0::2] == [0.0, 0.0, 0.0]
-    contended = turns[1::2]
     assert all(0.9 * AGING.contended_yield * slot <= y <= 1.1 * AGING.contended_yield * slot
                for y in contended)  # fmt: skip
     assert min(contended) > AGING.back_to_back_yield * slot
+
+
+def test_a_winner_makes_win_streak_appends_in_a_row_before_it_yields() -> None:
+    clock = FakeClock()
+    pacer = _measured_pacer(clock, dataclasses.replace(AGING, win_streak=2))
+
+    def won(*, lost_first: bool = False) -> None:
+        backoff = pacer.start(cached=True)
+        _request(clock)
+        if lost_first:
+            assert backoff.sleep(conflict=True)
+            _request(clock, 2)
+        pacer.won(backoff)
+        clock.slept.clear()
+
+    won(lost_first=True)  # contention seen
+    turns = []
+    for _ in range(6):
+        pacer.take_turn()
+        turns.append(sum(clock.slept))
+        clock.slept.clear()
+        won()
+    # The winner's next append goes at once (on its ETag), then it yields about
+    # contended_yield slots so a loser that is reading gets its write in.
+    assert turns[0::2] == [0.0, 0.0, 0.0]
+    slot = pacer.slot
+    assert all(0.9 * AGING.contended_yield * slot <= y <= 1.1 * AGING.contended_yield * slot
+               for y in turns[1::2])  # fmt: skip
     # A lost race ends the streak: the next win starts one afresh.
     pacer.take_turn()
     assert clock.slept == []
-    backoff = pacer.start(cached=True)
-    _request(clock)
-    assert backoff.sleep(conflict=True)
-    _request(clock, 2)
-    pacer.won(backoff)
-    clock.slept.clear()
+    won(lost_first=True)
     pacer.take_turn()
     assert clock.slept == []
 
