@@ -4,9 +4,10 @@ Producers that append directly each take a compare-and-swap of their own, and at
 request one manifest takes about fifteen a second whoever writes them: eight producers each
 wait for a turn about every half second (issue 11). A ``millpond coordinator`` appends every
 waiting producer's batches in one compare-and-swap per round, but it is a service someone must
-run. With ``ProducerConfig(host_coordinator=True)`` the producers of a queue on one machine —
-the Python workers of a Spark executor, several jobs on one edge node — elect one of themselves
-to host that coordinator, and the others send their appends to it:
+run. By default on S3, GCS and Azure (``ProducerConfig.host_coordinator``,
+:func:`shares_a_coordinator`) the producers of a queue on one machine — the Python workers of
+a Spark executor, several jobs on one edge node — elect one of themselves to host that
+coordinator, and the others send their appends to it:
 
 * **Election** is a lock on a file named for the queue (``flock``, non-blocking) in a
   directory private to the user (``MILLPOND_RUN_DIR``, else ``$TMPDIR/millpond-<uid>``). The
