@@ -221,6 +221,8 @@ def _produce(
         "manifest_writes",
         "coordinator_appends",
         "direct_appends",
+        "coordinator_refused",
+        "coordinator_unknown",
     )
     return {
         "latencies": [durable[i] - produced[i] for i in range(measured_from, calls)],
@@ -347,6 +349,9 @@ def _measure(
         ),
         "conflicts_per_append": round(delta["cas_conflicts"] / appends, 2),
         "through_coordinator": round(delta["coordinator_appends"] / appends, 3),
+        # Why appends of a coordinated run went directly, when some did.
+        "coordinator_refused": delta["coordinator_refused"],
+        "coordinator_unknown": delta["coordinator_unknown"],
         "gave_up_warnings": sum(o["gave_up"] for o in outs),
         "warnings": sum(o["warnings"] for o in outs),
         "warning_samples": [s for o in outs for s in o["warning_samples"]][:3],
