@@ -99,11 +99,11 @@ AFTER_HEADER = "X-Millpond-After"
 BUDGET_HEADER = "X-Millpond-Budget"
 FROM_HEADER = "X-Millpond-From"
 NOT_AFTER_HEADER = "X-Millpond-Not-After"
+"""The writer's own deadline as a wall-clock time (ms since the Unix epoch): no write containing
+the request is sent after it, on the coordinator's clock, whenever the request arrives."""
 TOKEN_HEADER = "X-Millpond-Token"
 """The secret a coordinator started with a token wants on every request (a producer-hosted
 one: ``millpond.producer._host_coordinator``); ``millpond coordinator`` takes none."""
-"""The writer's own deadline as a wall-clock time (ms since the Unix epoch): no write containing
-the request is sent after it, on the coordinator's clock, whenever the request arrives."""
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
