@@ -374,7 +374,7 @@ class QueueProducer:
         lag = self._pacer.peek_lag()
         if lag is None:
             return None
-        return Peek(self._cas.read, lag)
+        return Peek(self._cas.read, lag, slot=self._pacer.slot)
 
     def _drop_present(
         self,

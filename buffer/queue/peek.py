@@ -50,17 +50,22 @@ _T = TypeVar("_T", bound=_Tagged)
 _R = TypeVar("_R")
 
 _MIN_WAIT = 0.05  # seconds
-_WAIT_LAGS = 20  # lags (0.6 slot at the aging pacer's lag of 0.03 slot)
-_RECHECK_LAGS = 66  # lags (two slots at the aging pacer's lag of 0.03 slot): outrun's re-reads
+_WAIT_SLOTS = 0.6  # how long a read due now is waited for, past its lag
+_RECHECK_SLOTS = 2.0  # outrun's re-reads while a write's answer is late
 
 
 class Peek(Generic[_T]):
-    """One read of the manifest, sent ``lag`` seconds from now on a thread of its own."""
+    """One read of the manifest, sent ``lag`` seconds from now on a thread of its own.
 
-    def __init__(self, read: Callable[[], _T | None], lag: float) -> None:
+    ``slot`` is the seconds one store request takes, as measured (0 when not known): it
+    bounds how long the read is waited for, and how often a late write is looked after.
+    """
+
+    def __init__(self, read: Callable[[], _T | None], lag: float, *, slot: float = 0.0) -> None:
         self._read = read
         self._lag = lag
-        self._recheck = max(_MIN_WAIT, _RECHECK_LAGS * lag)
+        self._wait = max(_MIN_WAIT, lag + _WAIT_SLOTS * slot)
+        self._recheck = max(_MIN_WAIT, _RECHECK_SLOTS * slot)
         self._done = threading.Event()
         self._changed = threading.Condition()  # notified when the read or a raced write ends
         self._result: _T | None = None
@@ -88,7 +93,7 @@ class Peek(Generic[_T]):
         when the read failed or is not back soon."""
         # It left just after the write and takes as long, so it is due about now; a slow
         # answer is not waited for long, since reading again costs no more than that.
-        if not self._done.wait(max(_MIN_WAIT, _WAIT_LAGS * self._lag)):
+        if not self._done.wait(self._wait):
             return None
         return self._moved(etag)
 

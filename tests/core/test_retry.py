@@ -212,6 +212,19 @@ def test_exponential_pacer_changes_nothing() -> None:
     assert clock.slept == []
 
 
+def test_only_a_writer_that_lost_lately_sends_a_read_peek_lag_slots_behind_its_write() -> None:
+    clock = FakeClock()
+    policy = RetryPolicy(strategy="aging", peek_lag=0.2)
+    pacer = policy.pacer(clock)
+    assert isinstance(pacer, AgingPacer)
+    assert pacer.peek_lag() is None  # no contention seen: no read
+    pacer.lost(clock.monotonic())
+    assert pacer.peek_lag() == pytest.approx(0.2 * pacer.slot)
+    clock.sleep(policy.aging_horizon * pacer.slot)
+    assert pacer.peek_lag() is None  # the lost race is too long ago
+    assert RetryPolicy().pacer(clock).peek_lag() is None  # exponential: never
+
+
 def test_strategy_and_aging_fields_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         RetryPolicy(strategy="fifo")
@@ -233,6 +246,7 @@ def test_strategy_and_aging_fields_are_validated() -> None:
         ("max_elapsed", math.inf),
         ("contended_yield", math.inf),  # sleep(inf) raises OverflowError in the writer
         ("conflict_spread", math.nan),
+        ("peek_lag", math.inf),  # the read alongside a write would never be sent
     ],
 )
 def test_a_time_that_is_not_a_finite_number_is_refused(field: str, value: float) -> None:
