@@ -9,8 +9,9 @@ privileges): the consumer stops and names the batch, and an operator fixes the c
 PostgreSQL errors carry a SQLSTATE (``err.sqlstate`` on ADBC errors): :data:`POSTGRES_CODES`
 classifies exact codes first, then :data:`POSTGRES_CLASSES` the two-character class. An error
 without a SQLSTATE happened below SQL, on the connection (ADBC ``OperationalError``, status
-``IO``): transient; any other ADBC error without one is the driver refusing the data:
-permanent.
+``IO``): transient, unless its text is the server refusing the connection for good (a
+missing database or role, a rejected password: ``_CONNECT_REFUSALS``) or a URL libpq cannot
+parse; any other ADBC error without one is the driver refusing the data: permanent.
 
 SQLite errors: ``adbc-driver-sqlite`` (1.13) fills neither ``vendor_code`` nor ``sqlstate``;
 its message carries SQLite's own text for the result code (``sqlite3_errstr``, stable across
@@ -137,6 +138,22 @@ _BAD_CONNECTION_URL = re.compile(
 )
 
 
+# What the server says when it refuses a connection, which libpq passes on as text: ADBC gives
+# no SQLSTATE for a connection that never opened, so these are read from the message and
+# classified as the same SQLSTATE would be once connected (a database dropped in a session is
+# 57P04, permanent; the same database missing at connect time was retried for ever). Texts of
+# a server whose ``lc_messages`` is not English are not recognised: they stay transient.
+_CONNECT_REFUSALS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r'FATAL:\s+database ".*" does not exist'), "3D000"),
+    (re.compile(r'FATAL:\s+role ".*" does not exist'), "28000"),
+    (re.compile(r'FATAL:\s+role ".*" is not permitted to log in'), "28000"),
+    (re.compile(r"FATAL:\s+no pg_hba\.conf entry"), "28000"),
+    (re.compile(r"FATAL:\s+password authentication failed"), "28P01"),
+    (re.compile(r"fe_sendauth: no password supplied"), "28P01"),
+    (re.compile(r"FATAL:\s+permission denied for database"), "42501"),
+)
+
+
 def classify_postgres(
     sqlstate: str | None,
     *,
@@ -151,8 +168,10 @@ def classify_postgres(
         connection_level: the driver failed below SQL (ADBC ``OperationalError`` or
             ``InterfaceError``); used only when there is no SQLSTATE.
         constraint: the constraint a violation names (``PG_DIAG_CONSTRAINT_NAME``).
-        message: the driver's message; tells a connection URL libpq cannot parse (permanent)
-            from a server it cannot reach (transient).
+        message: the driver's message; tells a connection URL libpq cannot parse, or a
+            server refusing the connection for good (a missing database or role, a password
+            or ``pg_hba.conf`` rule it rejects: permanent), from a server it cannot reach
+            (transient).
     """
     if sqlstate:
         if sqlstate == "23505" and constraint and constraint.startswith("pg_"):
@@ -167,6 +186,12 @@ def classify_postgres(
     if connection_level:
         if _BAD_CONNECTION_URL.search(message):
             return ErrorClass("connection", "a connection URL libpq cannot parse", P)
+        for refusal, code in _CONNECT_REFUSALS:
+            if refusal.search(message):
+                found = classify_postgres(code, connection_level=False)
+                return ErrorClass(
+                    code, f"{found.name} (the server refused the connection)", found.transient
+                )
         return ErrorClass("connection", "connection failure (no SQLSTATE)", T)
     return ErrorClass("driver", "refused by the driver (no SQLSTATE)", P)
 

@@ -104,6 +104,26 @@ def test_the_tables_classify_what_each_database_reports() -> None:
         'Failed to connect: invalid URI query parameter: "x"',
     ):
         assert not classify_postgres(None, connection_level=True, message=unparsable).transient
+    # The server refusing a connection for good was retried for ever: libpq passes its
+    # FATAL on as text, without the SQLSTATE the same refusal has inside a session.
+    at = 'Failed to connect: connection to server at "127.0.0.1", port 5432 failed: '
+    for refusal, code in (
+        ('FATAL:  database "nosuchdb" does not exist', "3D000"),
+        ('FATAL:  role "nosuchuser" does not exist', "28000"),
+        ('FATAL:  password authentication failed for user "app"', "28P01"),
+        ('FATAL:  no pg_hba.conf entry for host "10.0.0.1", user "app", database "x"', "28000"),
+        ('FATAL:  permission denied for database "x"', "42501"),
+        ("fe_sendauth: no password supplied", "28P01"),
+    ):
+        found = classify_postgres(None, connection_level=True, message=at + refusal)
+        assert (found.code, found.transient) == (code, False), refusal
+    for passing in (
+        "FATAL:  the database system is starting up",
+        "FATAL:  the database system is shutting down",
+        "FATAL:  sorry, too many clients already",
+        "Connection refused",
+    ):
+        assert classify_postgres(None, connection_level=True, message=at + passing).transient
     # 42701 duplicate column was transient before: the service retried it forever.
     assert not classify_postgres("42701", connection_level=False).transient
     assert not classify_postgres("23514", connection_level=False).transient
@@ -400,23 +420,26 @@ def test_a_sink_url_never_shows_its_password_and_a_malformed_one_stops_the_servi
     password: str,
     query: str,
 ) -> None:
-    """A database missing at connect time is retried (libpq gives no SQLSTATE there), each
-    retry's line naming the URL; a URL libpq cannot parse stops the service at once. The bad
-    escape was retried for ever, libpq quoting the password in every retry's line."""
+    """A URL libpq cannot parse, and a database the server says does not exist, stop the
+    service at once, naming the URL without its password. The bad escape was retried for
+    ever, libpq quoting the password in every retry's line; the missing database too (libpq
+    gives no SQLSTATE for a connection that never opened)."""
     target, writer = queue
     writer.append_arrow(numbered(0, ROWS))
     server = urlsplit(postgres_server.url)
     auth = f"{server.username}:{password}@" if password else f"{server.username}@"
     url = f"postgresql://{auth}127.0.0.1:{server.port}/no_such_database{query}"
     service = services(target, Database("postgres", url))
-    malformed = "%ZZ" in password
-    if malformed:
-        assert service.wait() == 1, service.stderr
+    assert service.wait() == 1, service.stderr
+    if "%ZZ" in password:
         assert "cannot parse, permanent" in service.stderr
-        assert "stopping before writing anything" in service.stderr  # was "after sequence None"
     else:
-        _wait_for(_retried(service, "no_such_database"), 60, "a retry naming the database")
-        assert service.stop() == 0, service.stderr
+        assert 'database "no_such_database" does not exist' in service.stderr
+        assert "3D000 invalid_catalog_name (the server refused the connection), permanent" in (
+            service.stderr
+        )
+    assert "stopping before writing anything" in service.stderr  # was "after sequence None"
+    assert not any("retrying" in line for line in service.lines)
     secret = password or "se_cret"
     assert secret not in service.stderr
     assert unquote(secret) not in service.stderr
