@@ -15,7 +15,9 @@ coordinator, and the others send their appends to it:
   127.0.0.1 (a free port) and writes its URL and a random token into the file; the others read
   both there and send the token with every request. The coordinator refuses a request without
   it (``403``), so only processes that can read the user's private directory append through
-  it. The kernel releases the lock when the holder exits, however it ends.
+  it. The kernel releases the lock when the holder exits, however it ends. On a file system
+  without ``flock`` (some NFS mounts) nobody is elected: the producer says so once, naming
+  the file, and appends directly.
 * **Nothing new to trust.** The hosted coordinator is the one ``millpond coordinator`` serves,
   reached through the same client (:mod:`millpond.producer.coordinator`): when it is
   unreachable, refuses, or its reply is lost, a producer appends directly under the same
@@ -46,6 +48,7 @@ directly; it never stops a producer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -81,6 +84,8 @@ logger = logging.getLogger(__name__)
 
 RUN_DIR_ENV = "MILLPOND_RUN_DIR"
 _RETRY_LOCK = 1.0  # seconds between two tries of the lock by a producer that does not hold it
+_HELD = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+"""What ``flock`` fails with when another open file holds the lock."""
 _HOSTED = re.compile(r"(http://127\.0\.0\.1:[0-9]{1,5}) ([0-9a-f]{32})")
 """What a host writes into the election file: its URL and its token."""
 
@@ -237,9 +242,12 @@ class HostCoordinator:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # held by another producer: read its URL
-            return
+        except OSError as err:
+            os.close(fd)
+            if err.errno in _HELD:
+                return  # held by another producer: read its URL
+            # A file system without flock (some NFS mounts): no election can be held here.
+            raise OSError(err.errno, f"cannot lock {self.path}: {err.strerror}") from err
         try:
             coordinator = AppendCoordinator(
                 self._store,

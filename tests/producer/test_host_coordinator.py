@@ -334,6 +334,37 @@ def test_a_run_directory_others_can_write_is_not_trusted(
     assert any(str(run_dir) in r.getMessage() for r in caplog.records), caplog.text
 
 
+def test_a_file_system_without_flock_is_named_once_and_appends_go_directly(
+    run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``flock`` is not supported (some NFS mounts answer ``ENOLCK``) nobody can be
+    elected. That was taken for a lock held by another producer: every append went directly,
+    and nothing said why. No such mount exists here, so ``flock`` fails as it would there."""
+    import errno
+    import fcntl
+
+    from millpond.producer import _host_coordinator
+
+    class NoLocks:  # the election's fcntl only: the file store beneath locks as usual
+        LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
+
+        @staticmethod
+        def flock(fd: int, operation: int) -> None:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(_host_coordinator, "fcntl", NoLocks)
+    store = _file_store(tmp_path)
+    claim_queue(store)
+    with caplog.at_level("WARNING", logger="millpond"):
+        metrics = _appends(store, tmp_path / "wal")
+    assert metrics["coordinator_appends"] == 0
+    assert metrics["direct_appends"] == 3
+    named = [r.getMessage() for r in caplog.records if "cannot lock" in r.getMessage()]
+    assert len(named) == 1, caplog.text
+    assert str(run_dir) in named[0], named
+    assert "appending directly" in named[0], named
+
+
 def test_a_url_other_than_a_local_coordinators_is_not_followed(
     run_dir: Path, tmp_path: Path
 ) -> None:
