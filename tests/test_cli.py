@@ -119,6 +119,29 @@ def test_every_bad_value_is_a_one_line_usage_error(
     assert not (tmp_path / "q").exists()
 
 
+def test_the_coordinator_commands_defaults_are_the_coordinators() -> None:
+    """``millpond coordinator`` spells each pacing default again for its ``--help``: they
+    must not drift from ``AppendCoordinator``'s (the quiet pause's moved to 3 s)."""
+    import argparse
+    import inspect
+
+    from millpond.cli.coordinator import add_arguments
+    from millpond.queue.coordinator import AppendCoordinator
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parameters = inspect.signature(AppendCoordinator).parameters
+    names = (
+        "yield_every",
+        "yield_slots",
+        "quiet_yield_interval",
+        "busy_seconds",
+        "consumer_yield_interval",
+    )
+    for name in names:
+        assert parser.get_default(name) == parameters[name].default, name
+
+
 def test_version() -> None:
     result = _run("--version")
     assert result.returncode == 0

@@ -51,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet-yield-interval",
         type=seconds(allow_zero=True),
-        default=1.0,
+        default=3.0,
         metavar="SECONDS",
         help="while nobody else has written lately: seconds of back-to-back rounds between two "
-        "such moments, so a consumer arriving gets in (default 1)",
+        "such moments, so a consumer arriving gets in (default 3)",
     )
     parser.add_argument(
         "--consumer-yield-interval",
