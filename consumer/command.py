@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ack-batch-size",
         type=int,
-        default=100,
+        default=1000,
         help="fewest acks per dequeue (with a backlog, also 10%% of what is queued behind)",
     )
     parser.add_argument(

@@ -142,6 +142,21 @@ def test_the_coordinator_commands_defaults_are_the_coordinators() -> None:
         assert parser.get_default(name) == parameters[name].default, name
 
 
+def test_the_consume_commands_ack_batch_size_is_the_consumers() -> None:
+    """``millpond consume`` spells the dequeue step again: it must not drift from
+    ``ConsumerConfig``'s (it moved from 100 to 1000 acks)."""
+    import argparse
+    import dataclasses
+
+    from millpond.consumer import ConsumerConfig
+    from millpond.consumer.command import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (field,) = [f for f in dataclasses.fields(ConsumerConfig) if f.name == "ack_batch_size"]
+    assert parser.get_default("ack_batch_size") == field.default == 1000
+
+
 def test_version() -> None:
     result = _run("--version")
     assert result.returncode == 0
