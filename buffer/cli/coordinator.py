@@ -14,6 +14,7 @@ requests (``--port 0`` picks a free port; the line names it).
 from __future__ import annotations
 
 import argparse
+import inspect
 import signal
 import threading
 from types import FrameType
@@ -32,6 +33,9 @@ from millpond.queue.coordinator_http import CoordinatorServer
 
 __all__ = ["add_arguments", "run"]
 
+# The pacing defaults are the coordinator's own, not spelled again here.
+_PACING = inspect.signature(AppendCoordinator).parameters
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser, output=False)
@@ -42,41 +46,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--yield-every",
         type=count,
-        default=3,
+        default=_PACING["yield_every"].default,
         metavar="ROUNDS",
         help="while another writer (the consumer, a producer appending directly) has written "
         "lately: back-to-back rounds after which the coordinator leaves the manifest alone for a "
-        "moment, so its writes get in (default 3)",
+        "moment, so its writes get in (default %(default)s)",
     )
     parser.add_argument(
         "--quiet-yield-interval",
         type=seconds(allow_zero=True),
-        default=3.0,
+        default=_PACING["quiet_yield_interval"].default,
         metavar="SECONDS",
         help="while nobody else has written lately: seconds of back-to-back rounds between two "
-        "such moments, so a consumer arriving gets in (default 3)",
+        "such moments, so a consumer arriving gets in (default %(default)s)",
     )
     parser.add_argument(
         "--consumer-yield-interval",
         type=seconds(allow_zero=True),
-        default=10.0,
+        default=_PACING["consumer_yield_interval"].default,
         metavar="SECONDS",
         help="the same while a consumer sends its dequeues here (it asks for a moment before its "
-        "takeover; the rest is for writers that do not know the coordinator) (default 10)",
+        "takeover; the rest is for writers that do not know the coordinator) (default %(default)s)",
     )
     parser.add_argument(
         "--busy-seconds",
         type=seconds(allow_zero=True),
-        default=10.0,
+        default=_PACING["busy_seconds"].default,
         metavar="SECONDS",
-        help="how long after another writer's write the coordinator counts as shared (default 10)",
+        help="how long after another writer's write the coordinator counts as shared "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--yield-slots",
         type=seconds(allow_zero=True, unit="store requests"),
-        default=1.5,
+        default=_PACING["yield_slots"].default,
         metavar="REQUESTS",
-        help="how long that moment is, in store requests' time (default 1.5)",
+        help="how long that moment is, in store requests' time (default %(default)s)",
     )
     parser.add_argument(
         "--create",
