@@ -52,15 +52,16 @@ demo: $(STAMP)
 	$(COMPILE)
 	$(PY) -m millpond.localstack.demo
 
-# Two workers, a test file per worker at a time (its session servers start once per worker):
-# most tests wait on servers and processes, so two share two cores well. TEST_WORKERS=0 runs
-# everything in one process.
+# Three workers, a test file per worker at a time (its session servers start once per worker):
+# most tests wait on servers and processes, so three share two cores well (the whole suite on
+# two cores: 383 s with three, 423 s with two, 2026-11-28). TEST_WORKERS=0 runs everything in
+# one process.
 # Before them: bytecode, and (once per machine and virtualenv) the class archive the Spark tests'
 # JVMs map: about 50 s of one core, against 7 s of class loading saved at each of their dozen
 # drivers (tests/spark/class_archive.py).
 # On a fresh machine, after pip's install (about 100 s), npm's install of Azurite (about 35 s,
 # mostly waiting on the registry) runs beside the archive (about 50 s of one core).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: $(STAMP) postgres-binaries
 	$(MAKE) --no-print-directory --output-sync=target -j2 spark-archive $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
