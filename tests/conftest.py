@@ -272,7 +272,7 @@ def shared_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> Store
 
 # -- order -------------------------------------------------------------------------------------
 
-# The slowest files first: `make test` hands whole files to two workers in collection order, so
+# The slowest files first: `make test` hands whole files to its workers in collection order, so
 # long Spark and crash files started last leave one worker running alone at the end.
 _SLOW_FIRST = (
     "tests/spark/",
