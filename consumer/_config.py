@@ -89,7 +89,8 @@ class ConsumerConfig:
     """``http://host:port`` of a ``millpond coordinator`` serving this queue: the consumer sends
     its dequeues there (written between the coordinator's rounds, so it neither races them nor
     makes the coordinator pause often), and dequeues directly whenever the coordinator does not
-    answer ``dequeued``. Default ``None``: always directly."""
+    answer ``dequeued``. Its token, if it has one, is ``MILLPOND_COORDINATOR_TOKEN`` in this
+    process's environment. Default ``None``: always directly."""
     clock: Clock | None = None
     """Wall clock, monotonic clock and sleep; injectable for tests. Default the system's."""
 

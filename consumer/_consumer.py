@@ -60,6 +60,7 @@ from millpond.errors import (
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
+from millpond.queue.coordinator_http import token_from_env
 from millpond.queue.epoch_mark import (
     check_not_replaced,
     is_replaced,
@@ -130,7 +131,13 @@ class Consumer:
             counters=self.counters,  # manifest reads, writes and conflicts count here too
         )
         self._coordinator = (
-            CoordinatedDequeue(config.coordinator, self.queue, self.counters, self._clock)
+            CoordinatedDequeue(
+                config.coordinator,
+                self.queue,
+                self.counters,
+                self._clock,
+                token=token_from_env(),
+            )
             if config.coordinator is not None
             else None
         )

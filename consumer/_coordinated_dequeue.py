@@ -40,9 +40,14 @@ _AFTER_REFUSED = 5.0  # seconds a coordinator that refused is left alone
 class CoordinatedDequeue:
     """Sends dequeues to one coordinator while it answers."""
 
-    def __init__(self, url: str, queue: str, counters: Counters, clock: Clock) -> None:
+    def __init__(
+        self, url: str, queue: str, counters: Counters, clock: Clock, *, token: str | None = None
+    ) -> None:
+        """``token``: sent with every request to a coordinator that wants one
+        (:data:`~millpond.queue.coordinator_http.TOKEN_ENV`)."""
         self.url = url
         self._queue = queue
+        self._token = token
         self._counters = counters
         self._clock = clock
         self._down_until = float("-inf")
@@ -52,7 +57,9 @@ class CoordinatedDequeue:
         holding ``epoch``; ``False``: the caller dequeues directly."""
         if self._clock.monotonic() < self._down_until:
             return False
-        status, reason = send_dequeue(self.url, self._queue, epoch, through, timeout=_TIMEOUT)
+        status, reason = send_dequeue(
+            self.url, self._queue, epoch, through, timeout=_TIMEOUT, token=self._token
+        )
         if status == DEQUEUED:
             self._counters.add("coordinator_dequeues")
             return True
@@ -66,7 +73,7 @@ class CoordinatedDequeue:
         consumer's epoch bump comes next."""
         if self._clock.monotonic() < self._down_until:
             return
-        status, reason = send_make_way(self.url, self._queue, timeout=_TIMEOUT)
+        status, reason = send_make_way(self.url, self._queue, timeout=_TIMEOUT, token=self._token)
         if status != CLEAR:
             self._leave_alone("made no way for the takeover", status, reason)
 

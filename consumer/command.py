@@ -147,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="http://host:port of a millpond coordinator serving the queue: dequeues are sent "
-        "there (no race with its rounds), and made directly whenever it does not answer",
+        "there (no race with its rounds), and made directly whenever it does not answer; its "
+        "token, if it has one, is MILLPOND_COORDINATOR_TOKEN",
     )
     parser.add_argument(
         "--report-interval",

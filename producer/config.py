@@ -121,8 +121,9 @@ class ProducerConfig:
     a tuple or comma-separated, tried in order). A coordinator appends many producers' batches
     in one compare-and-swap per round, so latency stays flat as producers are added; when none
     answers, or one refuses, the producer appends directly, and a reply that never came is
-    resolved by the same landed-check as its own ambiguous appends. Default none: append
-    directly."""
+    resolved by the same landed-check as its own ambiguous appends. A coordinator started
+    with a token takes requests only with it: ``MILLPOND_COORDINATOR_TOKEN`` in this
+    process's environment (read when the producer opens). Default none: append directly."""
     host_coordinator: bool | None = None
     """Share one append coordinator with the other producers of this queue on this machine
     (Spark's Python workers on one executor, several jobs on one host): the first to append

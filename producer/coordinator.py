@@ -83,6 +83,7 @@ from millpond.queue.coordinator_http import (
     QUEUE_HEADER,
     REQUEST_HEADER,
     parse_coordinator_urls,
+    token_from_env,
 )
 
 __all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"]
@@ -104,10 +105,23 @@ class CoordinatedAppender:
         clock: Clock,
         options: CoordinatorOptions | None = None,
     ) -> None:
+        """Set up; nothing is sent until the first append.
+
+        Args:
+            direct: appends directly, whenever no coordinator takes an append.
+            urls: the coordinators, tried in order.
+            queue: the queue's identity (a coordinator of another queue is not used).
+            clock: time source.
+            options: how to talk to the coordinators (default: ``CoordinatorOptions()`` with
+                the token in :data:`~millpond.queue.coordinator_http.TOKEN_ENV`, if set).
+
+        Raises:
+            ConfigError: that token has a character an HTTP header cannot carry.
+        """
         self._direct = direct
         self._queue = queue
         self._clock = clock
-        self._options = options or CoordinatorOptions()
+        self._options = options or CoordinatorOptions(token=token_from_env())
         self._endpoints = [Endpoint(url, self._options) for url in urls]
         self._seen_next = 0
 

@@ -9,12 +9,18 @@ run one or several, restart them at will.
 
 Prints one line, ``millpond coordinator: serving QUEUE on http://HOST:PORT``, once it accepts
 requests (``--port 0`` picks a free port; the line names it).
+
+With ``MILLPOND_COORDINATOR_TOKEN`` set, every request must carry that token (producers, the
+Spark driver and consumers send it when the variable is set for them too); without it,
+whoever reaches the port can append to the queue and dequeue from it, so the service then
+listens on a loopback address only and refuses any other ``--bind`` (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import ipaddress
 import signal
 import threading
 from types import FrameType
@@ -27,9 +33,10 @@ from millpond.cli.common import (
     seconds,
 )
 from millpond.common.retry import STRATEGIES, RetryPolicy
+from millpond.errors import ConfigError
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import DEFAULT_BUDGET, AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
+from millpond.queue.coordinator_http import TOKEN_ENV, CoordinatorServer, token_from_env
 
 __all__ = ["add_arguments", "run"]
 
@@ -40,7 +47,10 @@ _PACING = inspect.signature(AppendCoordinator).parameters
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser, output=False)
     parser.add_argument(
-        "--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+        "--bind",
+        default="127.0.0.1",
+        help=f"address to listen on (default 127.0.0.1); any but a loopback address needs "
+        f"{TOKEN_ENV}",
     )
     parser.add_argument("--port", type=int, default=7411, help="default 7411; 0: a free port")
     parser.add_argument(
@@ -97,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    token = token_from_env()
+    if token is None and not _loopback(args.bind):
+        raise ConfigError(
+            "--bind",
+            f"a coordinator on {args.bind!r} without a token would take appends and dequeues "
+            f"from anyone who reaches it: set {TOKEN_ENV} (and the same for its producers and "
+            "consumer), or bind a loopback address",
+        )
     store = open_store_from_args(args)
     if not args.create:
         require_queue(
@@ -115,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         busy_seconds=args.busy_seconds,
         consumer_yield_interval=args.consumer_yield_interval,
     )
-    server = CoordinatorServer(coordinator, args.bind, args.port)
+    server = CoordinatorServer(coordinator, args.bind, args.port, token=token)
     stopped = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -129,3 +147,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"millpond coordinator: serving {identity} on {server.url}", flush=True)
     server.serve_forever()
     return 0
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` is a loopback one (``localhost`` or an IP address such as
+    127.0.0.1 or ::1); a name is not resolved, so any other is taken as reachable."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False

@@ -42,6 +42,7 @@ from millpond.queue.coordinator_http import (
     QUEUE_HEADER,
     REFUSED,
     THROUGH_HEADER,
+    TOKEN_HEADER,
 )
 
 __all__ = [
@@ -123,27 +124,32 @@ def write_dequeues(
 
 
 def send_dequeue(
-    url: str, queue: str, epoch: int, through: int, *, timeout: float
+    url: str, queue: str, epoch: int, through: int, *, timeout: float, token: str | None = None
 ) -> tuple[str, str]:
     """Ask the coordinator at ``url`` to dequeue through ``through`` for the consumer holding
     ``epoch`` of ``queue`` (its identity): ``(status, reason)``, the status one of
     :data:`DEQUEUED`, :data:`FENCED`, :data:`REFUSED` or :data:`LOST`. A fresh connection each
-    time (a consumer dequeues about once a second at most); never raises."""
+    time (a consumer dequeues about once a second at most); never raises. ``token``: the
+    coordinator's (:data:`~millpond.queue.coordinator_http.TOKEN_ENV`), if it wants one."""
     headers = {EPOCH_HEADER: str(epoch), THROUGH_HEADER: str(through)}
-    return _post(url, DEQUEUE_PATH, queue, headers, timeout)
+    return _post(url, DEQUEUE_PATH, queue, headers, timeout, token)
 
 
-def send_make_way(url: str, queue: str, *, timeout: float) -> tuple[str, str]:
+def send_make_way(
+    url: str, queue: str, *, timeout: float, token: str | None = None
+) -> tuple[str, str]:
     """Ask the coordinator at ``url`` to leave the manifest of ``queue`` alone for a moment
     (a consumer's takeover comes next): ``(status, reason)``, the status :data:`CLEAR` once
     that moment has begun, else :data:`REFUSED` or :data:`LOST`. Never raises."""
-    return _post(url, MAKE_WAY_PATH, queue, {}, timeout)
+    return _post(url, MAKE_WAY_PATH, queue, {}, timeout, token)
 
 
 def _post(
-    url: str, path: str, queue: str, headers: dict[str, str], timeout: float
+    url: str, path: str, queue: str, headers: dict[str, str], timeout: float, token: str | None
 ) -> tuple[str, str]:
     """One bodiless request on a fresh connection: the reply's ``(status, reason)``."""
+    if token is not None:
+        headers = {**headers, TOKEN_HEADER: token}
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     try:

@@ -38,6 +38,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ __all__ = [
     "REFUSED",
     "REQUEST_HEADER",
     "THROUGH_HEADER",
+    "TOKEN_ENV",
     "TOKEN_HEADER",
     "UNKNOWN",
     "CoordinatorServer",
@@ -79,6 +81,7 @@ __all__ = [
     "decode_entries",
     "encode_entries",
     "parse_coordinator_urls",
+    "token_from_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,8 +105,15 @@ NOT_AFTER_HEADER = "X-Millpond-Not-After"
 """The writer's own deadline as a wall-clock time (ms since the Unix epoch): no write containing
 the request is sent after it, on the coordinator's clock, whenever the request arrives."""
 TOKEN_HEADER = "X-Millpond-Token"
-"""The secret a coordinator started with a token wants on every request (a producer-hosted
-one: ``millpond.producer._host_coordinator``); ``millpond coordinator`` takes none."""
+"""The secret a coordinator started with a token wants on every request: a producer-hosted one
+(``millpond.producer._host_coordinator``, a random token), and ``millpond coordinator`` when
+:data:`TOKEN_ENV` is set."""
+TOKEN_ENV = "MILLPOND_COORDINATOR_TOKEN"
+"""The environment variable holding ``millpond coordinator``'s token: the service requires it
+on every request when set, and producers, the Spark driver and consumers send it to the
+coordinators they are given. Whoever reaches a coordinator without one can append to the queue
+and dequeue from it (a dequeue needs only the epoch, a small number), so a coordinator on any
+address but loopback refuses to start without it."""
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
@@ -194,6 +204,20 @@ def parse_coordinator_urls(value: str | Sequence[str] | None) -> tuple[str, ...]
     return tuple(urls)
 
 
+def token_from_env() -> str | None:
+    """The token in :data:`TOKEN_ENV` (surrounding blanks dropped), or ``None`` when it is
+    unset or blank.
+
+    Raises:
+        ConfigError: a token with a character that is not visible ASCII (it travels in an
+            HTTP header).
+    """
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if any(not "!" <= c <= "~" for c in token):
+        raise ConfigError(TOKEN_ENV, "expected visible ASCII characters only (an HTTP header)")
+    return token or None
+
+
 def _status(value: Any) -> str:
     if value not in (APPENDED, UNKNOWN, REFUSED):
         raise ValueError(f"status {value!r}")
@@ -236,10 +260,13 @@ class _Handler(BaseHTTPRequestHandler):
         """Whether the request was refused for want of the server's token (``403``; the
         connection is closed, since the body, if any, was not read)."""
         token = self.server.token
-        if token is None or hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):
+        sent = self.headers.get(TOKEN_HEADER, "")
+        if token is None or hmac.compare_digest(sent.encode(), token.encode()):
             return False
         self.close_connection = True
-        self._reply(403, _refused(f"expected the coordinator's {TOKEN_HEADER}, found another"))
+        found = "another" if sent else "none"
+        reason = f"expected the coordinator's token in {TOKEN_HEADER} ({TOKEN_ENV}), found {found}"
+        self._reply(403, _refused(reason))
         return True
 
     def do_GET(self) -> None:

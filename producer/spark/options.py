@@ -22,7 +22,8 @@ what is not given), or one of the few keys only the Spark integration has:
                     enqueues nothing if the first one's append landed (reruns are safe)
 ``coordinator``     (a ``ProducerConfig`` key) ``http://host:port`` of ``millpond
                     coordinator`` services: the driver's commit appends through them, and
-                    appends directly when none answers
+                    appends directly when none answers (a token in the driver's
+                    ``MILLPOND_COORDINATOR_TOKEN``)
 =================== ======================================================================
 
 Spark adds ``checkpointLocation`` and ``queryName`` to streaming writes; they are read, not
