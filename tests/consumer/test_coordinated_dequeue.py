@@ -258,6 +258,12 @@ def test_a_consumers_takeover_lands_in_the_pause_it_asks_the_coordinator_for() -
     try:
         for writer in writers:
             writer.start()
+        # A batch in the queue first: on a loaded machine the consumer could otherwise look
+        # before the first round landed and find nothing (CI with three workers did).
+        end = time.monotonic() + DEADLINE
+        while coordinator.stats()["rounds"] < 1:
+            assert time.monotonic() < end, "no round landed"
+            time.sleep(SLOT)
         older = _consumer(store, server.url)
         older.initialize()
         batch = older.next_batch()
