@@ -4,12 +4,16 @@ and directly when the coordinator does not answer."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from millpond.localstack import S3Endpoint
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
+from millpond.queue.coordinator_http import TOKEN_ENV, CoordinatorServer
 from tests.spark.spark_support import Queue
 from tests.spark.test_datasource import numbered
 
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 ROWS = 5_000
+BATCH_JOB = Path(__file__).with_name("batch_job.py")
 
 
 def _write(spark: SparkSession, queue: Queue, coordinator: str) -> dict[str, object]:
@@ -46,6 +51,37 @@ def test_a_job_commits_through_the_coordinator(spark: SparkSession, moto_s3: S3E
     assert isinstance(manifest, dict)
     assert manifest.get("coordinator_appends") == 1, receipt
     assert manifest.get("manifest_writes", 0) == 0, receipt  # the driver wrote no manifest
+
+
+def test_a_driver_started_with_the_coordinators_token_commits_through_it(
+    moto_s3: S3Endpoint,
+) -> None:
+    """``MILLPOND_COORDINATOR_TOKEN`` in the environment the Spark application starts with
+    reaches the driver's commit (a Python worker the JVM starts): its own process, so the
+    variable is there from the start, as in a deployment."""
+    queue = Queue(moto_s3)
+    store = queue.store()
+    coordinator = AppendCoordinator(
+        store, "ingest/manifest", queue=queue_identity(store.url, "ingest/manifest")
+    )
+    with CoordinatorServer(coordinator, token="driver-token") as server:
+        options = queue.options(receipt_path="receipts/job.json", coordinator=server.url)
+        result = subprocess.run(
+            [sys.executable, str(BATCH_JOB), str(ROWS), json.dumps(options)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, TOKEN_ENV: "driver-token"},
+        )
+        stats = coordinator.stats()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done" in result.stdout
+    assert sorted(queue.table().column("id").to_pylist()) == list(range(ROWS))
+    assert stats["entries_appended"] == len(queue.entries()), stats
+    receipt = json.loads(store.get("receipts/job.json").data)
+    assert receipt["manifest"].get("coordinator_appends") == 1, receipt
+    assert receipt["manifest"].get("direct_appends", 0) == 0, receipt
 
 
 def test_a_job_commits_directly_when_the_coordinator_is_down(
