@@ -2,9 +2,10 @@
 
 Why: :mod:`millpond.queue.coordinator_dequeue`. A dequeue is idempotent, so every answer but
 ``dequeued`` leaves it to the consumer's own compare-and-swap, which also decides what a
-``fenced`` answer means (its read raises ``FencedError``). A coordinator that did not answer
-is left alone for a minute, one that refused for a few seconds, each time with a warning
-naming it.
+``fenced`` answer means (its read raises ``FencedError``). A coordinator that did not answer,
+or did not take the consumer's token (a setting to fix, not a moment to wait out), is left
+alone for a minute, one that refused for another reason for a few seconds, each time with a
+warning naming it.
 
 Before its takeover the consumer asks the coordinator for a pause (:meth:`make_way`): its epoch
 bump is a read and then a write of its own, which a coordinator appending back to back would
@@ -23,6 +24,7 @@ from millpond.queue.coordinator_dequeue import (
     CLEAR,
     DEQUEUED,
     FENCED,
+    FORBIDDEN,
     LOST,
     send_dequeue,
     send_make_way,
@@ -33,7 +35,7 @@ __all__ = ["CoordinatedDequeue"]
 logger = logging.getLogger(__name__)
 
 _TIMEOUT = 5.0  # seconds: the coordinator answers after at most a pause, a round and a write
-_AFTER_LOST = 60.0  # seconds a coordinator that did not answer is left alone
+_AFTER_LOST = 60.0  # seconds a coordinator that did not answer, or took no token, is left alone
 _AFTER_REFUSED = 5.0  # seconds a coordinator that refused is left alone
 
 
@@ -78,7 +80,7 @@ class CoordinatedDequeue:
             self._leave_alone("made no way for the takeover", status, reason)
 
     def _leave_alone(self, what: str, status: str, reason: str) -> None:
-        pause = _AFTER_LOST if status == LOST else _AFTER_REFUSED
+        pause = _AFTER_LOST if status in (LOST, FORBIDDEN) else _AFTER_REFUSED
         self._down_until = self._clock.monotonic() + pause
         logger.warning(
             "coordinator %s %s (%s: %s); dequeuing directly for the next %.0f s",

@@ -42,6 +42,7 @@ from millpond.queue.coordinator_http import (
     QUEUE_HEADER,
     REFUSED,
     THROUGH_HEADER,
+    TOKEN_ENV,
     TOKEN_HEADER,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "CLEAR",
     "DEQUEUED",
     "FENCED",
+    "FORBIDDEN",
     "LOST",
     "REFUSED",
     "DequeueTicket",
@@ -59,6 +61,9 @@ __all__ = [
 
 LOST = "lost"
 """(client side) no usable reply: the coordinator could not be reached or did not answer."""
+FORBIDDEN = "forbidden"
+"""(client side) the coordinator wants a token this request did not carry (HTTP 403): a
+setting to fix (:data:`~millpond.queue.coordinator_http.TOKEN_ENV`), not a moment to wait out."""
 
 
 @dataclass(slots=True)
@@ -160,6 +165,8 @@ def _post(
         return LOST, f"no answer from {url}: {err}"
     finally:
         conn.close()
+    if response.status == 403:
+        return FORBIDDEN, f"it did not take our token ({TOKEN_ENV} must hold its token)"
     try:
         record = json.loads(data)
         return str(record["status"]), str(record.get("reason", ""))

@@ -15,19 +15,22 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
+from millpond.common.metrics import Counters
 from millpond.common.ulids import UlidMinter
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer._coordinated_dequeue import CoordinatedDequeue
 from millpond.formats.manifest import PendingEntry
 from millpond.producer import Producer
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator_dequeue import DEQUEUED, send_dequeue
+from millpond.queue.coordinator_dequeue import FORBIDDEN, send_dequeue
 from millpond.queue.coordinator_http import (
     APPEND_PATH,
     QUEUE_HEADER,
@@ -129,8 +132,8 @@ def test_without_the_token_nothing_is_appended_or_dequeued_and_with_it_all_is(
         last = before.entries[-1].sequence
         for token in (None, "a-guess"):
             status, reason = send_dequeue(url, queue_id, epoch, last, timeout=DEADLINE, token=token)
-            assert status != DEQUEUED, reason
-            assert TOKEN_HEADER in reason, reason
+            assert status == FORBIDDEN, (status, reason)
+            assert TOKEN_ENV in reason, reason
             assert _post_append(url, queue_id, token) == 403
         after = read_manifest(store, MANIFEST).manifest
         assert [e.location for e in after.entries] == [e.location for e in before.entries]
@@ -211,3 +214,47 @@ def test_a_token_an_http_header_cannot_carry_is_a_usage_error(
     )
     assert result.returncode == 2, result.stderr
     assert TOKEN_ENV in result.stderr, result.stderr
+
+
+class _SteppedClock:
+    """Monotonic time the test steps by hand (the wall clock and sleep are real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
+def test_a_consumer_whose_token_is_refused_says_so_and_asks_again_a_minute_later(
+    queue: tuple[ObjectStore, str],
+    service: tuple[str, subprocess.Popen[str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wrong token is a setting to fix, not a moment to wait out: one warning naming the
+    variable, then the consumer dequeues directly for a minute (a refusal for another reason
+    is asked again after a few seconds, which with a wrong token warned every 5 s)."""
+    store, _ = queue
+    url, _ = service
+    clock = _SteppedClock()
+    counters = Counters()
+    dequeue = CoordinatedDequeue(
+        url, queue_identity(store.url, MANIFEST), counters, clock, token="wrong"
+    )
+    with caplog.at_level(logging.WARNING):
+        dequeue.make_way()  # the takeover's request: refused
+        for step in (10.0, 30.0):  # within the minute: left alone, nothing sent, no warning
+            clock.now += step
+            assert dequeue.dequeue(1, 0) is False
+        clock.now += 21.0  # a minute on: asked again, refused again
+        assert dequeue.dequeue(1, 0) is False
+    warnings = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert all(TOKEN_ENV in w for w in warnings), warnings
+    assert counters.get("coordinator_dequeue_fallbacks") == 1, counters.snapshot()
