@@ -48,6 +48,8 @@ _FLUSH_ROUNDS = 400  # each waits a few real milliseconds and moves the clock on
 # Real seconds each coordinator write takes: a producer uploads its next batches while its
 # append is out, and sends them chained behind it (X-Millpond-After), faults and all.
 _ROUND_WRITE = 0.015
+TOKEN = "checker-token"
+"""The coordinator's token (``MILLPOND_COORDINATOR_TOKEN`` of every role)."""
 
 
 class QueueSpec:
@@ -262,7 +264,9 @@ class CoordinatorRole:
             retry=RETRY,
             clock=self._clock,
         )
-        self.server = CoordinatorServer(coordinator, port=self.port).start()
+        # With a token, as a coordinator off loopback must have: every role that talks to it
+        # sends the one in its environment (test_whole_system sets TOKEN_ENV to it).
+        self.server = CoordinatorServer(coordinator, port=self.port, token=TOKEN).start()
         self.port = self.server.port
 
     def arm(self, fault: Fault) -> None:

@@ -7,7 +7,8 @@ checks every invariant of ``tests/invariants.py``.
 
 * CI runs ``MILLPOND_CHECKER_SCHEDULES`` schedules (default 100), seeds 0, 1, 2, ...
 * A third of the seeds (``seed % 3 == 2``) run queue A's producers through a real
-  ``millpond coordinator`` (an ``AppendCoordinator`` served over loopback HTTP), which the
+  ``millpond coordinator`` (an ``AppendCoordinator`` served over loopback HTTP, with a token
+  every role sends from its ``MILLPOND_COORDINATOR_TOKEN``), which the
   schedule crashes, restarts and faults; the producers fall back to appending directly.
   Queue A's consumers send their dequeues through it too, and dequeue directly when it does
   not answer ``dequeued``.
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import pytest
 
+from millpond.queue.coordinator_http import TOKEN_ENV
+from tests.system.roles import TOKEN
 from tests.system.world import World, paces_fairly, schedule
 
 _COUNT = int(os.environ.get("MILLPOND_CHECKER_SCHEDULES", "100"))
@@ -55,6 +58,7 @@ def test_schedule_keeps_every_guarantee(
     seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MILLPOND_RUN_DIR", str(tmp_path / "run"))  # host coordinators' files
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the coordinator's, sent by every role
     events = schedule(seed)
     world = World(seed, tmp_path)
     try:
