@@ -133,7 +133,12 @@ def run(args: argparse.Namespace) -> int:
         busy_seconds=args.busy_seconds,
         consumer_yield_interval=args.consumer_yield_interval,
     )
-    server = CoordinatorServer(coordinator, args.bind, args.port, token=token)
+    try:
+        server = CoordinatorServer(coordinator, args.bind, args.port, token=token)
+    except OSError as err:
+        raise ConfigError(
+            "--bind", f"cannot listen on {args.bind} port {args.port}: {err.strerror or err}"
+        ) from err
     stopped = threading.Event()
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -431,9 +431,14 @@ class _Server(ThreadingHTTPServer):
     token: str | None = None
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class CoordinatorServer:
     """An :class:`AppendCoordinator` served over HTTP on ``host:port`` (0: a free port);
-    with a ``token``, every request without it in ``X-Millpond-Token`` is refused (``403``)."""
+    with a ``token``, every request without it in ``X-Millpond-Token`` is refused (``403``).
+    ``host`` may be an IPv6 address (``::1``; the URL then brackets it)."""
 
     def __init__(
         self,
@@ -444,7 +449,8 @@ class CoordinatorServer:
         token: str | None = None,
     ):
         self.coordinator = coordinator
-        self._server = _Server((host, port), _Handler)
+        server = _Server6 if ":" in host else _Server
+        self._server = server((host, port), _Handler)
         self._server.coordinator = coordinator
         self._server.token = token
         self._thread: threading.Thread | None = None
@@ -460,6 +466,8 @@ class CoordinatorServer:
     def url(self) -> str:
         host = self._server.server_address[0]
         text = host.decode() if isinstance(host, bytes) else str(host)
+        if ":" in text:  # IPv6
+            text = f"[{text}]"
         return f"http://{text}:{self.port}"
 
     def start(self) -> CoordinatorServer:

@@ -46,7 +46,8 @@ DEADLINE = 120.0
 SECRET = "s3cr3t-token"
 
 
-def _command(url: str, *args: str) -> list[str]:
+def service_command(url: str, *args: str) -> list[str]:
+    """``millpond coordinator`` on a free port (a later ``--port`` in ``args`` wins)."""
     return [
         sys.executable,
         "-m",
@@ -60,9 +61,21 @@ def _command(url: str, *args: str) -> list[str]:
     ]
 
 
-def _env(**extra: str) -> dict[str, str]:
+def service_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     return {**env, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9", **extra}
+
+
+def run_to_exit(url: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The service run with ``args`` until it exits (it is expected not to start)."""
+    return subprocess.run(
+        service_command(url, *args),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=DEADLINE,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -78,7 +91,10 @@ def service(queue: tuple[ObjectStore, str]) -> Iterator[tuple[str, subprocess.Po
     """The service with ``SECRET`` as its token, on 127.0.0.1: ``(its URL, its process)``."""
     _, url = queue
     proc = subprocess.Popen(
-        _command(url), stdout=subprocess.PIPE, text=True, env=_env(**{TOKEN_ENV: SECRET})
+        service_command(url),
+        stdout=subprocess.PIPE,
+        text=True,
+        env=service_env(**{TOKEN_ENV: SECRET}),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -187,14 +203,7 @@ def test_off_loopback_the_service_does_not_start_without_a_token(
     """Checked before anything is bound: 10.255.255.1 is not an address of this machine, so
     even a service that skipped the check could not listen there."""
     _, url = queue
-    result = subprocess.run(
-        _command(url, "--bind", "10.255.255.1"),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=DEADLINE,
-        check=False,
-    )
+    result = run_to_exit(url, "--bind", "10.255.255.1", env=service_env())
     assert result.returncode == 2, result.stderr
     assert TOKEN_ENV in result.stderr, result.stderr
     assert "10.255.255.1" in result.stderr, result.stderr
@@ -204,14 +213,7 @@ def test_a_token_an_http_header_cannot_carry_is_a_usage_error(
     queue: tuple[ObjectStore, str],
 ) -> None:
     _, url = queue
-    result = subprocess.run(
-        _command(url),
-        capture_output=True,
-        text=True,
-        env=_env(**{TOKEN_ENV: "two words"}),
-        timeout=DEADLINE,
-        check=False,
-    )
+    result = run_to_exit(url, env=service_env(**{TOKEN_ENV: "two words"}))
     assert result.returncode == 2, result.stderr
     assert TOKEN_ENV in result.stderr, result.stderr
 
