@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from millpond.errors import FormatError
 from millpond.queue.coordinator import DEFAULT_BUDGET, Outcome
-from millpond.queue.coordinator_http import HEALTH_PATH, TOKEN_ENV, TOKEN_HEADER
+from millpond.queue.coordinator_http import HEALTH_PATH, TOKEN_HEADER, TOKEN_REFUSED
 
 __all__ = ["LOST", "SENT", "UNSENT", "CoordinatorOptions", "Endpoint", "not_serving"]
 
@@ -228,10 +228,7 @@ class Endpoint:
 def not_serving(status: int, data: bytes, queue: str) -> str | None:
     """Why a ``GET /v1/health`` reply is not a live coordinator of ``queue`` (None: it is)."""
     if status == 403:
-        return (
-            f"did not take our token ({TOKEN_ENV} must hold the one the coordinator was "
-            "started with)"
-        )
+        return TOKEN_REFUSED
     try:
         health = json.loads(data)
     except ValueError:

@@ -42,8 +42,8 @@ from millpond.queue.coordinator_http import (
     QUEUE_HEADER,
     REFUSED,
     THROUGH_HEADER,
-    TOKEN_ENV,
     TOKEN_HEADER,
+    TOKEN_REFUSED,
 )
 
 __all__ = [
@@ -133,7 +133,8 @@ def send_dequeue(
 ) -> tuple[str, str]:
     """Ask the coordinator at ``url`` to dequeue through ``through`` for the consumer holding
     ``epoch`` of ``queue`` (its identity): ``(status, reason)``, the status one of
-    :data:`DEQUEUED`, :data:`FENCED`, :data:`REFUSED` or :data:`LOST`. A fresh connection each
+    :data:`DEQUEUED`, :data:`FENCED`, :data:`REFUSED`, :data:`FORBIDDEN` or :data:`LOST`. A
+    fresh connection each
     time (a consumer dequeues about once a second at most); never raises. ``token``: the
     coordinator's (:data:`~millpond.queue.coordinator_http.TOKEN_ENV`), if it wants one."""
     headers = {EPOCH_HEADER: str(epoch), THROUGH_HEADER: str(through)}
@@ -145,7 +146,8 @@ def send_make_way(
 ) -> tuple[str, str]:
     """Ask the coordinator at ``url`` to leave the manifest of ``queue`` alone for a moment
     (a consumer's takeover comes next): ``(status, reason)``, the status :data:`CLEAR` once
-    that moment has begun, else :data:`REFUSED` or :data:`LOST`. Never raises."""
+    that moment has begun, else :data:`REFUSED`, :data:`FORBIDDEN` or :data:`LOST`. Never
+    raises."""
     return _post(url, MAKE_WAY_PATH, queue, {}, timeout, token)
 
 
@@ -166,7 +168,7 @@ def _post(
     finally:
         conn.close()
     if response.status == 403:
-        return FORBIDDEN, f"it did not take our token ({TOKEN_ENV} must hold its token)"
+        return FORBIDDEN, TOKEN_REFUSED
     try:
         record = json.loads(data)
         return str(record["status"]), str(record.get("reason", ""))

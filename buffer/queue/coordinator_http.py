@@ -75,6 +75,7 @@ __all__ = [
     "THROUGH_HEADER",
     "TOKEN_ENV",
     "TOKEN_HEADER",
+    "TOKEN_REFUSED",
     "UNKNOWN",
     "CoordinatorServer",
     "Outcome",
@@ -114,6 +115,8 @@ on every request when set, and producers, the Spark driver and consumers send it
 coordinators they are given. Whoever reaches a coordinator without one can append to the queue
 and dequeue from it (a dequeue needs only the epoch, a small number), so a coordinator on any
 address but loopback refuses to start without it."""
+TOKEN_REFUSED = f"did not take our token ({TOKEN_ENV} must hold the one it was started with)"
+"""What a client says of a coordinator that answered 403 to its request."""
 _MAX_BODY = 64 << 20
 _OUTCOME_WAIT = 10.0  # seconds an outcome query waits for a round under way
 _IDLE_TIMEOUT = 120.0  # seconds a keep-alive connection may sit idle
