@@ -49,6 +49,7 @@ from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._coordinated_dequeue import CoordinatedDequeue
+from millpond.consumer._index_mover import IndexMover
 from millpond.consumer._read_ahead import ReadAhead
 from millpond.errors import (
     ClosedError,
@@ -165,7 +166,13 @@ class Consumer:
         self._closed = False
         self._fenced: FencedError | None = None
         self._index: BacklogIndex | None = None
-        self._unfinished_move = False  # moved into the index, not yet out of the manifest
+        self._mover = IndexMover(
+            self._queue,
+            config,
+            self.counters,
+            guard=self._guard,
+            dequeued=self._dequeued_through,
+        )
         self._mover_stop = threading.Event()
 
     # -- properties ------------------------------------------------------------------------
@@ -480,7 +487,7 @@ class Consumer:
         self._note_ack(sequence)
         if self._dequeue_due():
             self._dequeue()
-        if self._unfinished_move:
+        if self._mover.unfinished:
             self._maybe_move()  # producers are paying for those entries in the manifest
 
     def _note_ack(self, sequence: int) -> None:
@@ -711,8 +718,7 @@ class Consumer:
         in_manifest = index is None or through > index.end
         if in_manifest and not self._through_coordinator(through):
             self._guard(lambda: self._queue.dequeue(through))
-        self._dequeued = through
-        self._ack_waiting_since = None
+        self._dequeued_through(through)
         self.counters.add("dequeues")
 
     def _through_coordinator(self, through: int) -> bool:
@@ -721,51 +727,22 @@ class Consumer:
 
     def _maybe_move(self) -> None:
         """Move what the manifest holds into the backlog index once it holds too much."""
-        index = self._index
-        config = self._config
-        if index is None:
-            return
-        start = max(index.end, self._dequeued) + 1
-        try:
-            if self._unfinished_move:
-                # The manifest write of an earlier move failed: the entries are in both.
-                self._guard(lambda: self._queue.dequeue(index.end))
-                self._unfinished_move = False
-            if config.backlog_index and self._known - start + 1 >= config.backlog_index_threshold:
-                self._move(index, start, self._known)
-        except FencedError:
-            raise
-        except MillpondError as err:
-            # Only an optimisation: the entries are still queued in the manifest.
-            logger.warning(
-                "moving entries %s..%s into the backlog index failed: %s", start, self._known, err
+        if self._index is not None:
+            self._mover.maybe_move(
+                self._index, acked=self._acked, dequeued=self._dequeued, known=self._known
             )
 
-    def _move(self, index: BacklogIndex, start: int, end: int) -> None:
-        acked = self._acked
-        snapshot = self._guard(self._queue.read)
-        entries = [e for e in snapshot.manifest.entries if start <= e.sequence <= end]
-        to_index = [e for e in entries if e.sequence > acked]
-        if not to_index:
-            return
-        # The index first, the manifest after: a crash between them leaves the entries in
-        # both, which every reader takes once and the next initialize() tidies up.
-        self._guard(lambda: index.add(to_index, dequeued_through=acked))
-        if acked > self._dequeued:
-            self._dequeued = acked
-            self._ack_waiting_since = None
-        self._unfinished_move = True
-        self._guard(lambda: self._queue.dequeue(end))
-        self._unfinished_move = False
-        self.counters.add("index_moves")
-        logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
+    def _dequeued_through(self, sequence: int) -> None:
+        """The acked entries through ``sequence`` left the manifest (or went with a move)."""
+        self._dequeued = sequence
+        self._ack_waiting_since = None
 
     def _reset(self) -> None:
         self._shutdown()
         self._ahead.reset()
         self._known = -1
         self._ack_waiting_since = None
-        self._unfinished_move = False
+        self._mover.unfinished = False
         self._initialized = False
         self._fenced = None
 
