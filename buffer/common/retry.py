@@ -11,11 +11,16 @@ strategies decide how a loop that lost a compare-and-swap waits:
 * ``"aging"`` (issue 11): the oldest batches go first. A lost race reads the manifest at
   once, and the batch names the winners appended (ULIDs carry their mint time) decide the next
   write: a writer whose oldest batch is older than all of theirs was passed over and writes
-  at once; one that lost to older batches lets them go first, waiting a share of
-  ``conflict_spread`` *slots* (the measured duration of one store request): the share is how
-  much younger its batch is than the winners', as a part of their age (a batch minted just
-  now waits the whole spread, one nearly as old as theirs hardly at all, so writers line up
-  by age), and it shrinks as the loop ages, to nothing after ``aging_horizon`` slots. A
+  at once; one that lost to older batches lets them go first. How much younger its batch is
+  than the winners', as a part of their age, is its *share* (it shrinks as the loop ages, to
+  nothing after ``aging_horizon`` slots). Up to ``sit_out_share``, the loop waits that share
+  of ``conflict_spread`` *slots* (the measured duration of one store request) before it
+  writes, so the writers still in the race line up by age; past it, the loop sits the next
+  race out: it reads the manifest again ``sit_out_lag`` slots later, once the older writers'
+  write has landed, instead of sending a write that would lose to theirs, and writes on
+  what it read. Its next write then leaves in step with the writers it lost to, where a
+  pause as long as a young batch's share would leave it behind them; and the gaps between
+  stragglers' writes are what the manifest waits for between two appends. A
   writer that just won does not go first either: when it has lost a race lately it makes
   ``win_streak`` appends in a row (one by default), then waits ``contended_yield`` slots
   (time for a loser to read and write); when it has not, it waits a random part of
@@ -47,6 +52,7 @@ __all__ = [
     "Backoff",
     "Pacer",
     "RetryPolicy",
+    "Turn",
 ]
 
 STRATEGIES = ("exponential", "aging")
@@ -74,14 +80,26 @@ class RetryPolicy:
     aging_horizon: float = 16.0
     """``"aging"``: slots; a loop that has waited this long retries a lost race at once, and a
     writer that lost a race within this long counts as contended. Default 16."""
-    conflict_spread: float = 0.7
-    """``"aging"``: slots; after a lost race to batches older than its own, the longest a
-    loop waits before writing again (a loop whose batch was minted just now; one nearly as
-    old as the winners' waits a share as small), so the writers with older batches get their
-    writes in first. Default 0.7: with eight producers at 50 ms a request, the p99 of
-    ``wait()`` fell from about 9.5x to 7x the lone producer's p50 (a flat 0.15 slot for every
-    younger loop, the default before), for 5 % fewer appends a second (0.82x a lone writer
-    against 0.86x)."""
+    conflict_spread: float = 0.2
+    """``"aging"``: slots; after a lost race to batches older than its own, a loop whose
+    share (module docstring) is within ``sit_out_share`` waits that share of this many slots
+    before writing again, so the writers with older batches get their writes in first.
+    Default 0.2; 0.7 before ``sit_out_share`` existed, when every younger loop paused (a
+    0.2 spread alone then took the p99 of ``wait()`` of eight and sixteen producers at 50 ms
+    a request from 6.8x and 17x the lone producer's p50 to 9.4x and 41x)."""
+    sit_out_share: float = 0.5
+    """``"aging"``: a loop that lost to batches older than its own by more than this share
+    (module docstring) sits the next race out: it reads again instead of writing. Default
+    0.5; 1 or more: never (every younger loop waits its share of ``conflict_spread``).
+    Against a 0.7-slot spread for every younger loop, the default before, with eight bare
+    append loops at 50 ms a request: 0.90x-0.92x a lone writer's appends a second in six
+    runs against 0.76x-0.87x in seven, the p99 of ``wait()`` of eight and sixteen producers
+    appending directly 1.1-1.5 s and 2.8-3.6 s against 1.0-1.4 s and 2.1-3.0 s (2026-11-28;
+    ``bench/bench_contended_appends.py``, ``bench/bench_wait_latency.py``)."""
+    sit_out_lag: float = 0.06
+    """``"aging"``: slots; how long after deciding to sit a race out a loop sends its read,
+    so that the store serves it after the older writers' write (sent at once). Default
+    0.06."""
     contended_yield: float = 1.5
     """``"aging"``: slots; how long a writer that has seen contention lately waits before its
     next append, so a loser that is reading gets its write in first. Default 1.5."""
@@ -128,6 +146,8 @@ class RetryPolicy:
         for name in (
             "aging_horizon",
             "conflict_spread",
+            "sit_out_share",
+            "sit_out_lag",
             "contended_yield",
             "back_to_back_yield",
             "peek_lag",
@@ -145,6 +165,17 @@ class RetryPolicy:
         if self.strategy == "aging":
             return AgingPacer(self, clock or SystemClock())
         return Pacer(self, clock or SystemClock())
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What a loop that lost a race does before it writes again (:meth:`Backoff.before_write`)."""
+
+    pause: float = 0.0
+    """Seconds to wait first."""
+    sit_out: bool = False
+    """Whether to read the manifest again after the pause and write on what it shows
+    (sitting the race out) rather than write on the manifest already read."""
 
 
 class Backoff:
@@ -177,8 +208,8 @@ class Backoff:
         self.attempt += 1
         return min(random.uniform(0, cap), remaining)
 
-    def before_write(self, oldest: Callable[[], tuple[str, str | None] | None]) -> float:
-        """The pause before writing on a manifest read after a lost race (0 here).
+    def before_write(self, oldest: Callable[[], tuple[str, str | None] | None]) -> Turn:
+        """What to do before writing on a manifest read after a lost race (write at once here).
 
         Args:
             oldest: the ULIDs of this loop's oldest batch and of the oldest batch the winners
@@ -187,7 +218,7 @@ class Backoff:
                 that orders writers by age (it reads the winners' entries).
         """
         del oldest
-        return 0.0
+        return Turn()
 
     def again(self) -> bool:
         """Count an attempt that goes at once; ``False`` when the time budget is spent.
@@ -286,21 +317,26 @@ class _AgingBackoff(Backoff):
         self.attempt += 1
         return 0.0  # read at once: what the winners appended decides the pause (before_write)
 
-    def before_write(self, oldest: Callable[[], tuple[str, str | None] | None]) -> float:
+    def before_write(self, oldest: Callable[[], tuple[str, str | None] | None]) -> Turn:
         ulids = oldest()
         if ulids is not None and (ulids[1] is None or ulids[0] < ulids[1]):
-            return 0.0  # passed over by younger batches: write at once
+            return Turn()  # passed over by younger batches: write at once
         now = self._clock.monotonic()
         policy, slot = self._policy, self._pacer.slot
         waited = (now - self.started) / slot
         share = max(0.0, 1.0 - waited / policy.aging_horizon) if policy.aging_horizon else 0.0
         if ulids is not None and ulids[1] is not None:
             share *= _younger_by(ulids[0], ulids[1], self._clock.now_ms())
-        delay = policy.conflict_spread * slot * share * random.uniform(0.8, 1.0)
+        sit_out = share > policy.sit_out_share
+        if sit_out:
+            delay = policy.sit_out_lag * slot
+            self.attempt_requests += 1  # the read before the write
+        else:
+            delay = policy.conflict_spread * slot * share * random.uniform(0.8, 1.0)
         delay = max(0.0, min(delay, self._deadline - now))
         # The pause is the caller's, not the store's: the slot measures requests only.
         self.attempt_started += delay
-        return delay
+        return Turn(delay, sit_out)
 
 
 def _younger_by(mine: str, theirs: str, now_ms: int) -> float:

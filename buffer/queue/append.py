@@ -168,6 +168,7 @@ class QueueProducer:
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
         peeked: RawManifest | None = None  # the state a read sent alongside a lost write found
+        sat_out = False  # peeked is what a read made while sitting a race out found
         # the state the last write that may have landed was on
         written_on: RawManifest | None = None
         # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
@@ -183,7 +184,8 @@ class QueueProducer:
                 if current is None or maybe_landed_from is not None:
                     if peeked is not None:
                         current, peeked = peeked, None
-                        backoff.read_ahead()
+                        if not sat_out:
+                            backoff.read_ahead()
                     else:
                         try:
                             current = cas.read()
@@ -213,11 +215,12 @@ class QueueProducer:
                             current, entries, todo, result, maybe_landed_from, resume
                         )
                         lost_from, maybe_landed_from = maybe_landed_from, None
+                        sat_out = False
                         if not todo:
                             self._cached = current
                             return tuple(_filled(result))
                         if lost:
-                            pause = backoff.before_write(
+                            turn = backoff.before_write(
                                 partial(
                                     _oldest_against_winners,
                                     current.data,
@@ -227,8 +230,16 @@ class QueueProducer:
                                     resume,
                                 )
                             )
-                            if pause > 0:
-                                cas.clock.sleep(pause)
+                            if turn.pause > 0:
+                                cas.clock.sleep(turn.pause)
+                            if turn.sit_out:
+                                found = self._read_again(current)
+                                if found is not current:
+                                    # Looked at as after a lost race (a write of ours in
+                                    # doubt may have landed since), then written on at once.
+                                    peeked, maybe_landed_from = found, lost_from
+                                    sat_out, lost = True, False
+                                    continue
                 if grow and more is not None:
                     extra = list(more())
                     if any(e.location in locations for e in extra) or len(
@@ -367,6 +378,22 @@ class QueueProducer:
             )
         self._seen_next = found
 
+    def _read_again(self, current: RawManifest) -> RawManifest:
+        """The manifest as it is now, for a loop sitting a race out; ``current`` itself when
+        the read fails or finds none (the loop then writes on ``current``, as it would have).
+
+        What it finds is looked at as after a lost race: a write of ours in doubt (this
+        call's or an earlier one's, held back in the network) may have landed since
+        ``current`` was read (whole-system checker, seeds 510106 and 510858 before that look)."""
+        try:
+            found = self._cas.read()
+        except StorageError as err:
+            logger.debug(
+                "append to %s: reading again after a lost race failed: %s", self._cas.path, err
+            )
+            return current
+        return current if found is None else found
+
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
         """Under contention, a read of the manifest sent just behind the write."""
         if current is None or current.etag is None:
@@ -456,7 +483,8 @@ def _oldest_against_winners(
 
     Batch names carry their mint time (ULIDs): a writer that lost to younger batches than its
     own has waited longest and should write at once, one that lost to older ones lets them go
-    first, the longer the younger its own (:meth:`~millpond.common.retry.Backoff.before_write`).
+    first, the longer the younger its own, or sits the next race out
+    (:meth:`~millpond.common.retry.Backoff.before_write`).
     """
     mine = _oldest(entries[i].location for i in todo)
     if mine is None:

@@ -46,6 +46,8 @@ class FakeClock:
         self._now = 0.0
         self._start_ms = start_ms
         self.slept: list[float] = []
+        self.on_sleep: Callable[[float], object] | None = None
+        """Run after each sleep, with its seconds (another actor's move while this one waits)."""
 
     def now_ms(self) -> int:
         with self._lock:
@@ -59,6 +61,8 @@ class FakeClock:
         with self._lock:
             self.slept.append(seconds)
             self._now += max(0.0, seconds)
+        if self.on_sleep is not None:
+            self.on_sleep(seconds)
 
 
 Fault = Callable[[], object] | None

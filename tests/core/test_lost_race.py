@@ -8,6 +8,9 @@ conditional write refused because another writer appended first.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import pytest
 
 from millpond.common.retry import RetryPolicy
@@ -95,7 +98,12 @@ def test_more_may_not_repeat_a_location(store: ObjectStore) -> None:
     assert not set(_locations(store)) & {e.location for e in group}
 
 
-def _pause_after_losing(store: ObjectStore, *, mine_minted: float) -> float:
+def _pause_after_losing(
+    store: ObjectStore,
+    *,
+    mine_minted: float,
+    during_pause: Callable[[float], object] | None = None,
+) -> float:
     """Seconds an aging writer sleeps in an append whose first write loses a race to a batch
     minted one second ago on the writer's clock; the writer's own batch was minted
     ``mine_minted`` seconds after that one (before it, when negative)."""
@@ -115,6 +123,8 @@ def _pause_after_losing(store: ObjectStore, *, mine_minted: float) -> float:
         clock.sleep(1.0 - mine_minted)
     QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock()).append(theirs)
     clock.slept.clear()
+    if during_pause is not None:
+        clock.on_sleep = during_pause
     mine.append(group)
     assert mine.counters.get("cas_conflicts") == 1
     return sum(clock.slept)
@@ -122,17 +132,50 @@ def _pause_after_losing(store: ObjectStore, *, mine_minted: float) -> float:
 
 # Requests take no time on the fake clock, so the slot stays at base_delay, and the loop has
 # just started: it waits 80-100 % of conflict_spread slots times how much younger its batch is
-# than the winners', as a share of their age.
+# than the winners', as a share of their age, or, past sit_out_share, sits the race out.
 _SPREAD = AGING.conflict_spread * AGING.base_delay
+_SIT_OUT = AGING.sit_out_lag * AGING.base_delay
 
 
 def test_a_loser_writes_at_once_when_younger_batches_won(store: ObjectStore) -> None:
     assert _pause_after_losing(store, mine_minted=-0.5) == 0.0
 
 
-def test_a_loser_minted_just_now_lets_older_batches_go_first(store: ObjectStore) -> None:
-    pause = _pause_after_losing(store, mine_minted=1.0)
-    assert 0.8 * _SPREAD <= pause <= _SPREAD
+def test_a_loser_minted_just_now_sits_the_next_race_out(store: ObjectStore) -> None:
+    # It reads again a moment later instead of writing (a write that would lose to the
+    # older writers' write): the older writer's write lands during that moment, and the
+    # loser's write goes on top of it, with no second lost race.
+    rival = QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock())
+    older = pending(1, tag="older")
+    landed: list[tuple[int, ...]] = []
+
+    def older_writer_lands(seconds: float) -> None:
+        if seconds > 0 and not landed:  # the pause after the read, not the lost race's 0
+            landed.append(rival.append(older))
+
+    pause = _pause_after_losing(store, mine_minted=1.0, during_pause=older_writer_lands)
+    assert pause == pytest.approx(_SIT_OUT)
+    assert landed  # the older write landed while the loser sat the race out
+    locations = _locations(store)
+    assert len(locations) == 4  # first, theirs, the older writer's, then the loser's
+    assert locations[2] == older[0].location
+
+
+def test_a_loser_that_does_not_sit_out_lets_older_batches_go_first(store: ObjectStore) -> None:
+    never = dataclasses.replace(AGING, sit_out_share=1.0)
+    clock = FakeClock()
+    minter = UlidMinter(clock)
+    mine = QueueProducer(store, MANIFEST, retry=never, clock=clock)
+    mine.append(pending(1, tag="first"))
+    clock.sleep(100.0)
+    theirs = pending(1, tag="theirs", minter=minter)
+    clock.sleep(1.0)
+    group = pending(1, tag="mine", minter=minter)
+    QueueProducer(store, MANIFEST, retry=FAST_RETRY, clock=FakeClock()).append(theirs)
+    clock.slept.clear()
+    mine.append(group)
+    spread = never.conflict_spread * never.base_delay
+    assert 0.8 * spread <= sum(clock.slept) <= spread
 
 
 def test_a_loser_nearly_as_old_as_the_winners_lets_them_go_first_only_for_a_moment(

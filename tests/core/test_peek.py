@@ -27,7 +27,11 @@ from tests.support import StoreTarget
 
 from ._helpers import FAST_RETRY, MANIFEST, FakeClock, FaultyStore, open_target, pending
 
-AGING = RetryPolicy(strategy="aging", max_elapsed=60.0, base_delay=0.05, max_delay=1.0)
+# Never sitting a race out: these tests count the reads one lost race makes, and a loop that
+# sits the next race out reads once more (tests/core/test_lost_race.py).
+AGING = RetryPolicy(
+    strategy="aging", max_elapsed=60.0, base_delay=0.05, max_delay=1.0, sit_out_share=1.0
+)
 _WAIT = 30.0  # seconds; a deadline for what the test waits on, never reached when it passes
 
 

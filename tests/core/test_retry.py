@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from millpond.common.retry import AgingPacer, Backoff, Pacer, RetryPolicy
+from millpond.common.retry import AgingPacer, Backoff, Pacer, RetryPolicy, Turn
 from millpond.common.ulids import UlidMinter
 from millpond.errors import ConfigError
 
@@ -61,9 +61,11 @@ def test_a_pause_before_a_write_is_not_counted_as_store_time() -> None:
     _request(clock)  # the write that lost
     assert backoff.next_delay(conflict=True) == 0.0
     _request(clock)  # the read of the winners' manifest
-    pause = backoff.before_write(lambda: (mine, winners))
-    assert pause > 0
-    clock.sleep(pause)
+    turn = backoff.before_write(lambda: (mine, winners))
+    assert turn.pause > 0
+    assert turn.sit_out
+    clock.sleep(turn.pause)
+    _request(clock)  # the read of the race it sat out
     _request(clock)  # the write that wins
     pacer.won(backoff)
     assert pacer.slot == pytest.approx(REQUEST)
@@ -71,8 +73,9 @@ def test_a_pause_before_a_write_is_not_counted_as_store_time() -> None:
 
 def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() -> None:
     clock = FakeClock()
-    pacer = _measured_pacer(clock)
-    policy = AGING
+    # Never sitting out: every younger loop waits its share of the spread.
+    policy = dataclasses.replace(AGING, sit_out_share=1.0)
+    pacer = _measured_pacer(clock, policy)
     minter = UlidMinter(clock)
     oldest = minter.mint()
     backoff = pacer.start(cached=False)
@@ -84,19 +87,56 @@ def test_a_lost_race_reads_at_once_and_older_loops_wait_less_before_writing() ->
         _request(clock)
         younger = minter.mint()
         # Lost to younger batches (or to none named by a ULID): write at once.
-        assert backoff.before_write(lambda: (oldest, younger)) == 0.0  # noqa: B023
-        assert backoff.before_write(lambda: (oldest, None)) == 0.0
+        assert backoff.before_write(lambda: (oldest, younger)) == Turn()  # noqa: B023
+        assert backoff.before_write(lambda: (oldest, None)) == Turn()
         waited = clock.monotonic() - backoff.started  # type: ignore[attr-defined]
         share = max(0.0, 1 - waited / (policy.aging_horizon * pacer.slot))
         ceilings.append(policy.conflict_spread * pacer.slot * share)
         # Lost to older batches with one minted just now: let them go first, the whole spread.
-        pause = backoff.before_write(lambda: (younger, oldest))  # noqa: B023
-        pauses.append(pause)
-        clock.sleep(pause)
+        turn = backoff.before_write(lambda: (younger, oldest))  # noqa: B023
+        assert not turn.sit_out
+        pauses.append(turn.pause)
+        clock.sleep(turn.pause)
     assert all(0.8 * c - 1e-12 <= p <= c + 1e-12 for p, c in zip(pauses, ceilings, strict=True))
     assert ceilings == sorted(ceilings, reverse=True)  # the ceiling only shrinks with age
     assert ceilings[0] > 0
     assert pauses[-1] == 0.0  # past the horizon: write at once whoever won
+
+
+def test_a_loop_much_younger_than_the_winners_sits_the_next_race_out() -> None:
+    clock = FakeClock()
+    pacer = _measured_pacer(clock)
+    minter = UlidMinter(clock)
+    oldest = minter.mint()
+    clock.sleep(1.0)
+    backoff = pacer.start(cached=False)
+    turns = []
+    for _ in range(40):
+        _request(clock, 2)  # the attempt that lost
+        assert backoff.next_delay(conflict=True) == 0.0
+        _request(clock)
+        younger = minter.mint()  # minted now: younger than the winners by their whole age
+        waited = clock.monotonic() - backoff.started  # type: ignore[attr-defined]
+        share = max(0.0, 1 - waited / (AGING.aging_horizon * pacer.slot))
+        slot = pacer.slot
+        turn = backoff.before_write(lambda: (younger, oldest))  # noqa: B023
+        turns.append((share, slot, turn))
+        clock.sleep(turn.pause)
+        if turn.sit_out:
+            _request(clock)  # the read again
+    sat_out = [(slot, turn) for share, slot, turn in turns if share > AGING.sit_out_share]
+    stayed = [(share, slot, turn) for share, slot, turn in turns if share <= AGING.sit_out_share]
+    # The share shrinks as the loop ages: it sits out, then stays in.
+    assert sat_out
+    assert stayed
+    # Sitting out: a read sent a moment later, not a pause as long as its share of the spread.
+    for slot, turn in sat_out:
+        assert turn.sit_out
+        assert turn.pause == pytest.approx(AGING.sit_out_lag * slot)
+    for share, slot, turn in stayed:
+        assert not turn.sit_out
+        assert 0.8 * AGING.conflict_spread * slot * share - 1e-12 <= turn.pause
+        assert turn.pause <= AGING.conflict_spread * slot * share + 1e-12
 
 
 def test_the_last_winner_yields_before_its_next_append() -> None:
@@ -246,6 +286,8 @@ def test_strategy_and_aging_fields_are_validated() -> None:
         ("max_elapsed", math.inf),
         ("contended_yield", math.inf),  # sleep(inf) raises OverflowError in the writer
         ("conflict_spread", math.nan),
+        ("sit_out_share", -0.5),
+        ("sit_out_lag", math.inf),
         ("peek_lag", math.inf),  # the read alongside a write would never be sent
     ],
 )
