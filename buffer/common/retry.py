@@ -95,8 +95,8 @@ class RetryPolicy:
     append loops at 50 ms a request: 0.84x-0.94x a lone writer's appends a second in seven
     runs (median 0.91x) against 0.76x-0.87x in seven, the p99 of ``wait()`` of eight and
     sixteen producers appending directly 1.1-1.5 s and 2.8-3.6 s against 1.0-1.4 s and
-    2.1-3.0 s (2026-11-28;
-    ``bench/bench_contended_appends.py``, ``bench/bench_wait_latency.py``)."""
+    2.1-3.0 s (2026-11-28; ``bench/bench_contended_appends.py``,
+    ``bench/bench_wait_latency.py``)."""
     sit_out_lag: float = 0.06
     """``"aging"``: slots; how long after deciding to sit a race out a loop sends its read,
     so that the store serves it after the older writers' write (sent at once). Default

@@ -168,7 +168,9 @@ class QueueProducer:
         result: list[int | None] = [None] * len(entries)
         todo = list(range(len(entries)))  # indices not yet known to be in the queue
         peeked: RawManifest | None = None  # the state a read sent alongside a lost write found
-        sat_out = False  # peeked is what a read made while sitting a race out found
+        # peeked was read while sitting a race out (that read is counted by before_write, not
+        # as a read alongside a write)
+        sat_out = False
         # the state the last write that may have landed was on
         written_on: RawManifest | None = None
         # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
