@@ -100,10 +100,17 @@ class ProducerRole:
         self.next_number = 0
         self.produced: list[bytes] = []
         self.staged: list[bytes] = []
+        self._coordinated_before = 0  # by the processes of this role that died or closed
 
     @property
     def alive(self) -> bool:
         return self.producer is not None and self.store is not None and not self.store.dead
+
+    @property
+    def coordinated_appends(self) -> int:
+        """Appends a coordinator made for this role's processes (``coordinator_appends``):
+        the checker's proof that a schedule with a coordinator went through it."""
+        return self._coordinated_before + _coordinated_appends(self.producer)
 
     def start(self) -> None:
         self.store = RoleStore(
@@ -192,6 +199,7 @@ class ProducerRole:
     def crash(self) -> None:
         """The process dies: threads gone, WAL closed as it is (nothing released)."""
         producer, self.producer = self.producer, None
+        self._coordinated_before += _coordinated_appends(producer)
         if self.store is not None:
             self.store.dead = True
         if producer is not None:
@@ -203,6 +211,12 @@ class ProducerRole:
         producer, self.producer = self.producer, None
         if producer is not None:
             self._while_the_clock_runs(lambda: producer.close(timeout=5), _FLUSH_ROUNDS)
+        self._coordinated_before += _coordinated_appends(producer)
+
+
+def _coordinated_appends(producer: Producer | None) -> int:
+    appender = None if producer is None else producer._coordinated
+    return 0 if appender is None else appender.counters.get("coordinator_appends")
 
 
 def _kill_hosted_coordinator(producer: Producer) -> None:

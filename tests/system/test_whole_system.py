@@ -45,7 +45,7 @@ import pytest
 
 from millpond.queue.coordinator_http import TOKEN_ENV
 from tests.system.roles import TOKEN
-from tests.system.world import World, paces_fairly, schedule
+from tests.system.world import World, coordinated, hosts_coordinator, paces_fairly, schedule
 
 _COUNT = int(os.environ.get("MILLPOND_CHECKER_SCHEDULES", "100"))
 _FIRST = int(os.environ.get("MILLPOND_CHECKER_FIRST_SEED", "0"))
@@ -76,6 +76,33 @@ def test_schedule_keeps_every_guarantee(
             f"manifest writes that outlived the timing assumption (never landed): "
             f"{world.recorder.late or 'none'}"
         ) from err
+
+
+_FIRST_OF_A_KIND = 6
+
+
+@pytest.mark.parametrize("kind", ["standalone", "hosted"])
+def test_schedules_with_a_coordinator_append_through_it(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule that gives queue A a coordinator proves little if every append went around
+    it (refused, unreachable, misconfigured): in most of the first seeds of each kind,
+    appends went through the coordinator. Faults can keep it from every append of one
+    schedule (seeds 9 and 14 made none), not of most."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    chosen = coordinated if kind == "standalone" else hosts_coordinator
+    seeds = [seed for seed in range(200) if chosen(seed)][:_FIRST_OF_A_KIND]
+    through: dict[int, int] = {}
+    for seed in seeds:
+        directory = tmp_path / str(seed)
+        monkeypatch.setenv("MILLPOND_RUN_DIR", str(directory / "run"))
+        world = World(seed, directory)
+        world.run(schedule(seed))
+        world.check()
+        through[seed] = sum(producer.coordinated_appends for producer in world.producers)
+    assert sum(1 for n in through.values() if n > 0) >= _FIRST_OF_A_KIND - 2, (
+        f"appends through the {kind} coordinator by seed: {through}"
+    )
 
 
 def test_schedules_cover_every_kind_of_fault() -> None:
