@@ -353,6 +353,14 @@ class ConsumerRole:
         self.fenced = False
         self.coordinator: str | None = None
         """The ``millpond coordinator`` URL its dequeues go through, if any."""
+        self._coordinated_before = 0  # by the processes of this role that died or closed
+
+    @property
+    def coordinator_dequeues(self) -> int:
+        """Dequeues the coordinator made for this role's processes (``coordinator_dequeues``)."""
+        consumer = self.consumer
+        now = 0 if consumer is None else consumer.counters.get("coordinator_dequeues")
+        return self._coordinated_before + now
 
     def _open(self) -> None:
         if self.consumer is not None:
@@ -436,6 +444,7 @@ class ConsumerRole:
             sink.close()
         consumer, self.consumer = self.consumer, None
         if consumer is not None:
+            self._coordinated_before += consumer.counters.get("coordinator_dequeues")
             with contextlib.suppress(BaseException):
                 consumer._shutdown()
 
@@ -444,6 +453,7 @@ class ConsumerRole:
         if consumer is not None:
             with contextlib.suppress(MillpondError):
                 consumer.close()
+            self._coordinated_before += consumer.counters.get("coordinator_dequeues")
         if self.sink is not None:
             self.sink.close()
             self.sink = None

@@ -237,6 +237,8 @@ class World:
         self.events_a: list[ConsumerEvent] = []
         self.events_b: list[ConsumerEvent] = []
         self.consumers = 0
+        self.consumers_a: list[ConsumerRole] = []
+        """Queue A's consumer roles, in the order they were made."""
         self.violations: list[str] = []
         self.producers = [
             ProducerRole(
@@ -310,6 +312,8 @@ class World:
         )
         if queue is self.queue_a and self.coordinator is not None:
             role.coordinator = self.coordinator.url  # its dequeues too, with their fallback
+        if queue is self.queue_a:
+            self.consumers_a.append(role)
         return role
 
     # -- running --------------------------------------------------------------------------
