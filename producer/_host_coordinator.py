@@ -59,6 +59,7 @@ import stat
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -193,6 +194,34 @@ class HostCoordinator:
             return None
         found = _HOSTED.fullmatch(text)
         return (found.group(1), found.group(2)) if found else None
+
+    def gone(self, at: tuple[str, str]) -> bool:
+        """Whether the coordinator at ``at`` (URL, token) can start no write any more: its
+        host let go of the lock, which the kernel does only once the process is dead or it
+        closed the coordinator (after its last round). Proof: another host's URL (or none)
+        in the file, or the lock free. ``False`` while anyone holds it — the same host, alive
+        but slow, or the next one about to write its URL."""
+        if self._server is not None:
+            return (self._server.url, self._token) != at
+        try:
+            text = self.path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return False
+        found = _HOSTED.fullmatch(text)
+        if found is None or (found.group(1), found.group(2)) != at:
+            # Written (or emptied) only by whoever holds the lock: the host at ``at`` let go.
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held
+        finally:
+            os.close(fd)  # a lock taken here is let go at once: this process hosts nothing
+        return True
 
     def close(self) -> None:
         """Stop hosting (the round under way finishes, waiting requests are refused and go
@@ -336,6 +365,7 @@ class HostCoordinatedAppender:
             queue=self._queue,
             clock=self._clock,
             options=CoordinatorOptions(token=token),
+            gone=partial(self._host.gone, at),
         )
 
     def close(self) -> None:

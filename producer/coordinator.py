@@ -22,10 +22,12 @@ producer's own compare-and-swap:
 * **no reply** (the connection broke after the request was sent): ask the coordinator what
   became of the request (a request it never saw is then refused for good). When it cannot be
   asked, wait until the coordinator's promise has run out — no write containing a request is
-  sent later than ``budget`` seconds after it arrived; ``grace`` covers its way there — and
-  then do the landed-check as above. Only a write already in flight can land after that, and
-  it carries the ETag it was read at: it lands before the check's read, or makes the direct
-  compare-and-swap fail and be looked at again, or never lands. A request that arrives later
+  sent later than ``budget`` seconds after it arrived; ``grace`` covers its way there — and then
+  do the landed-check as above. Only a write already in flight can land after that, and it
+  carries the ETag it was read at: it lands before the check's read, or makes the direct
+  compare-and-swap fail and be looked at again, or never lands. A coordinator known to be gone —
+  a host coordinator whose process let go of its lock (``gone``) — starts no write any more, so
+  its promise is not waited out: the landed-check runs at once. A request that arrives later
   than the grace allowed cannot double anything either: the coordinator writes only on a
   manifest it read or wrote itself, and drops entries it finds there from the client's
   ``X-Millpond-From`` on (``present_from`` of ``QueueProducer.append``). Nor can it lose
@@ -104,6 +106,7 @@ class CoordinatedAppender:
         queue: str,
         clock: Clock,
         options: CoordinatorOptions | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> None:
         """Set up; nothing is sent until the first append.
 
@@ -114,6 +117,9 @@ class CoordinatedAppender:
             clock: time source.
             options: how to talk to the coordinators (default: ``CoordinatorOptions()`` with
                 the token in :data:`~millpond.queue.coordinator_http.TOKEN_ENV`, if set).
+            gone: whether the coordinators can start no write any more (their process is
+                dead or closed): asked while a lost reply cannot be asked about, so the
+                coordinator's promise is not waited out for nothing.
 
         Raises:
             ConfigError: that token has a character an HTTP header cannot carry.
@@ -124,6 +130,7 @@ class CoordinatedAppender:
         self._options = options or CoordinatorOptions(token=token_from_env())
         self._endpoints = [Endpoint(url, self._options) for url in urls]
         self._seen_next = 0
+        self._gone = gone
 
     @property
     def counters(self) -> Counters:
@@ -311,6 +318,13 @@ class CoordinatedAppender:
             kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)
             if kind == SENT and outcome is not None:
                 return outcome
+            if self._gone is not None and self._gone():
+                logger.info(
+                    "coordinator %s is gone (its host let go of the lock): looking in the "
+                    "manifest now, not after its promise",
+                    endpoint.url,
+                )
+                return None
             self._clock.sleep(min(0.2, max(0.0, promise - self._clock.monotonic())))
         return None
 

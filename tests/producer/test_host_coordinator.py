@@ -6,6 +6,7 @@ Not timing tests: each waits on a condition with a deadline and asserts what lan
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +23,23 @@ from typing import Any
 
 import pytest
 
+from millpond.common.clock import SystemClock
 from millpond.errors import ConfigError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer, ProducerConfig
+from millpond.producer._host_coordinator import HostCoordinator
 from millpond.queue.coordinator_http import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, TOKEN_HEADER
 from millpond.storage.store import ObjectStore, open_store
-from tests.producer.producer_support import claim_queue, config, drain, produce_until, wait_for
+from tests.producer.producer_support import (
+    MANIFEST,
+    PREFIX,
+    claim_queue,
+    config,
+    drain,
+    produce_until,
+    wait_for,
+)
 from tests.support import unique_root
 
 DEADLINE = 120.0
@@ -509,3 +521,104 @@ def test_the_hosted_coordinator_answers_only_requests_with_its_token(
         producer.produce([b"still mine"]).wait(DEADLINE)
         assert producer.metrics()["coordinator_appends"] >= 2
     assert sorted(drain(store)) == [b"mine", b"still mine"]
+
+
+_IDLE_HOST_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from millpond.producer import Producer, ProducerConfig
+    url, wal_dir = sys.argv[1], sys.argv[2]
+    options = json.loads(os.environ["HOST_CHILD_STORE_OPTIONS"])
+    config = ProducerConfig(store=url, store_options=options, wal_dir=wal_dir,
+                            flush_interval=0.02, host_coordinator=True)
+    with Producer(config) as producer:
+        producer.produce([b"host-0"]).wait(60)  # the first to append hosts
+        print("hosting", flush=True)
+        while True:
+            time.sleep(60)  # hosts, and appends nothing more of its own
+    """
+)
+
+
+def test_a_client_of_a_killed_host_looks_in_the_manifest_at_once_not_after_its_promise(
+    seaweedfs_s3: S3Endpoint, run_dir: Path, tmp_path: Path
+) -> None:
+    """A request in flight when its host is killed: the reply never comes and the coordinator
+    cannot be asked. Its lock, which the kernel let go with the process, proves it starts no
+    write any more, so the client looks in the manifest and appends directly at once instead
+    of waiting out the coordinator's promise (2 s budget + 3 s grace: 5 s), and its record
+    is in the queue once."""
+    with start_latency_proxy(seaweedfs_s3, delay=0.05) as proxy:
+        endpoint = proxy.endpoint
+        root = unique_root()
+        url = endpoint.url_for(root)
+        store = open_store(url, options=endpoint.store_options())
+        claim_queue(store)
+        env = {
+            **os.environ,
+            "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+            "HOST_CHILD_STORE_OPTIONS": json.dumps(endpoint.store_options()),
+        }
+        child = subprocess.Popen(
+            [sys.executable, "-c", _IDLE_HOST_CHILD, url, str(tmp_path / "child-wal")],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "hosting"
+            client = Producer(config(store, tmp_path / "wal", host_coordinator=True))
+            try:
+                # Rounds slow enough that the request is surely still out when the host dies.
+                proxy.set_delay(0.5)
+                before = _health(run_dir)["requests"]  # the host's own append came this way
+                handle = client.produce([b"client-0"])
+                wait_for(lambda: _health(run_dir)["requests"] > before, "the request at the host")
+                child.send_signal(signal.SIGKILL)
+                child.wait(30)
+                killed = time.monotonic()
+                handle.wait(DEADLINE)
+                after_kill = time.monotonic() - killed
+                metrics = client.metrics()
+            finally:
+                client.close(timeout=DEADLINE)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(30)
+        proxy.set_delay(0.0)
+        counts = drain(open_store(seaweedfs_s3.url_for(root), seaweedfs_s3.store_options()))
+    assert metrics["coordinator_lost"] == 1, (
+        {k: v for k, v in metrics.items() if "coord" in k or "direct" in k},
+        after_kill,
+    )
+    # Looked at once: a read and a write at 0.5 s a request, not the 5 s promise first.
+    assert after_kill < 3.0, f"{after_kill:.1f} s from the kill to wait() returning"
+    assert counts[b"client-0"] == 1
+    assert counts[b"host-0"] == 1
+
+
+def test_a_host_counts_as_gone_only_once_it_let_go_of_the_lock(
+    tmp_path: Path, run_dir: Path
+) -> None:
+    """``HostCoordinator.gone`` decides that a client stops waiting for a lost reply: never
+    while the lock is held (the host alive, however slow), always once it is free or another
+    host's URL is in the file."""
+    store = open_store(f"file://{tmp_path / 'store'}")
+    host = HostCoordinator(store, MANIFEST, data_path_prefix=PREFIX, queue="q", clock=SystemClock())
+    at = ("http://127.0.0.1:4242", "ab" * 16)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    host.path.write_text(f"{at[0]} {at[1]}\n")
+    holder = os.open(host.path, os.O_RDWR)  # the host's lock: another open file, as a process
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert not host.gone(at)
+        assert not host.gone(at)  # asking does not take the lock from it
+    finally:
+        os.close(holder)  # the host dies: the kernel lets go
+    assert host.gone(at)
+    host.path.write_text(f"http://127.0.0.1:4343 {'cd' * 16}\n")  # the next host's URL
+    assert host.gone(at)
+    host.path.write_text("")  # the next host between emptying the file and writing its URL
+    assert host.gone(at)
