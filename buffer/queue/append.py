@@ -130,9 +130,10 @@ class QueueProducer:
                 appended by another writer for the same producer (a coordinator's client that
                 stopped waiting appends its own entries directly). Whenever the manifest is read
                 from the store, an entry found there from this sequence on is taken as in the
-                queue (its sequence is returned) and is not written again. Entries are only
-                ever written on a manifest state this writer read or wrote itself, so no
-                location found in that state is appended twice.
+                queue (its sequence is returned) and is not written again; so is one found
+                in the state kept from this writer's last write, when it writes on that
+                without reading. Entries are only ever written on a state looked in this way,
+                so no location found in it is appended twice.
 
             more: after a lost race, or a pause to let other writers go first, called
                 before the next write for entries that became ready meanwhile; they join the
@@ -242,6 +243,12 @@ class QueueProducer:
                                     peeked, maybe_landed_from = found, lost_from
                                     sat_out, lost = True, False
                                     continue
+                elif present_from is not None:
+                    # Written on as this writer kept it: entries another writer appended are
+                    # in it since it was read, maybe before this call (checker, seed 550989).
+                    todo = self._drop_present(current, entries, todo, result, present_from)
+                    if not todo:
+                        return tuple(_filled(result))
                 if grow and more is not None:
                     extra = list(more())
                     if any(e.location in locations for e in extra) or len(

@@ -207,3 +207,25 @@ def test_batches_a_run_in_doubt_takes_in_after_a_lost_race_are_looked_for_too(
     again.in_doubt_from(looked)
     assert again.append(a, more=lambda: b) == (3, 1)
     assert _locations(store)[1:] == [e.location for e in b + c + a]
+
+
+def test_entries_another_writer_appended_are_not_written_again_on_a_cached_state(
+    store: ObjectStore,
+) -> None:
+    """``present_from`` (a coordinator's client may have appended its entries directly):
+    an entry already in the queue from that sequence on is not written again — also when the
+    manifest is not read for the call, because the writer writes on the state it wrote last.
+
+    Found by the whole-system checker (seed 550989, about 1 run in 10: "a location twice in
+    one manifest"): a producer's own write, held back in the network, landed just before the
+    coordinator hosted by the other producer created the manifest; the coordinator read it,
+    wrote its round on top, and kept that state. The producer then sent the same location
+    through the coordinator, which wrote its next round on the state it kept — the location
+    in it since its read, looked for only in states it read."""
+    other = QueueProducer(store, MANIFEST, retry=FAST_RETRY)
+    writer = QueueProducer(store, MANIFEST, retry=FAST_RETRY)
+    first, second, third = pending(3)
+    assert other.append([first]) == (0,)
+    assert writer.append([second]) == (1,)  # reads the manifest, keeps what it wrote
+    assert writer.append([first, third], present_from=0) == (0, 2)
+    assert _locations(store) == [first.location, second.location, third.location]
