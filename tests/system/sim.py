@@ -19,6 +19,8 @@ import builtins
 import contextlib
 import threading
 import time
+import types
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,6 +28,7 @@ from typing import Any
 
 from millpond.errors import CommitStateUnknownError, ConflictError, StorageError
 from millpond.formats.manifest import decode_manifest
+from millpond.queue import peek as peek_module
 from millpond.queue.index import decode_head
 from millpond.storage.store import (
     DeleteFailure,
@@ -44,6 +47,36 @@ class SimulatedCrash(BaseException):
     error; it ends the thread it hits, as a real crash ends the process."""
 
 
+_CLOCKS: weakref.WeakSet[SimClock] = weakref.WeakSet()
+"""Every simulated clock alive, for :class:`_SendingThread`."""
+
+
+class _SendingThread(threading.Thread):
+    """A thread that starts with the clock readings of the thread that made it.
+
+    ``Peek.outrun`` sends a writer's compare-and-swap on a thread of its own, right after the
+    writer checked its deadline on the clock: the write is sent on that reading, and the
+    timing assumption (:meth:`RoleStore._in_time`) must bound it by that reading — a new
+    thread has none of its own, and its writes went unbounded (a write whose writer was
+    descheduled while the schedule moved the clock 200 s landed: checker seed 560703,
+    "appended while it did not exist")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._readings = [(clock, clock.last_read()) for clock in list(_CLOCKS)]
+
+    def run(self) -> None:
+        for clock, at in self._readings:
+            clock.inherit(at)
+        super().run()
+
+
+_peek_threading = types.ModuleType("threading")
+_peek_threading.__dict__.update(threading.__dict__)
+_peek_threading.Thread = _SendingThread  # type: ignore[attr-defined]
+peek_module.threading = _peek_threading  # type: ignore[attr-defined]
+
+
 class SimClock:
     """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once.
 
@@ -56,6 +89,12 @@ class SimClock:
         self._start_ms = start_ms
         self._now = 0.0
         self._reads = threading.local()
+        _CLOCKS.add(self)
+
+    def inherit(self, at: float | None) -> None:
+        """Take ``at`` as this thread's last reading (one it has not made itself)."""
+        if at is not None and getattr(self._reads, "at", None) is None:
+            self._reads.at = at
 
     def now_ms(self) -> int:
         with self._lock:
