@@ -111,6 +111,23 @@ def _health(run_dir: Path) -> dict[str, Any]:
         return record
 
 
+def _start_child(
+    script: str, endpoint: S3Endpoint, url: str, wal_dir: Path
+) -> subprocess.Popen[str]:
+    """A producer process running ``script`` on ``url`` (no cloud credential chain)."""
+    env = {
+        **os.environ,
+        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+        "HOST_CHILD_STORE_OPTIONS": json.dumps(endpoint.store_options()),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", script, url, str(wal_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
 def _hosting(producer: Producer) -> bool:
     appender = producer._coordinated
     return bool(appender is not None and appender._host.hosting)
@@ -186,18 +203,8 @@ def test_a_killed_host_is_replaced_and_nothing_is_lost_or_doubled(
     url = slow_endpoint.url_for(root)
     store = open_store(url, options=slow_endpoint.store_options())
     claim_queue(store)
-    env = {
-        **os.environ,
-        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
-        "HOST_CHILD_STORE_OPTIONS": json.dumps(slow_endpoint.store_options()),
-    }
     child_wal = tmp_path / "child-wal"
-    child = subprocess.Popen(
-        [sys.executable, "-c", _HOST_CHILD, url, str(child_wal)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    child = _start_child(_HOST_CHILD, slow_endpoint, url, child_wal)
     child_staged: list[bytes] = []
 
     def read_child() -> None:
@@ -554,17 +561,7 @@ def test_a_client_of_a_killed_host_looks_in_the_manifest_at_once_not_after_its_p
         url = endpoint.url_for(root)
         store = open_store(url, options=endpoint.store_options())
         claim_queue(store)
-        env = {
-            **os.environ,
-            "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
-            "HOST_CHILD_STORE_OPTIONS": json.dumps(endpoint.store_options()),
-        }
-        child = subprocess.Popen(
-            [sys.executable, "-c", _IDLE_HOST_CHILD, url, str(tmp_path / "child-wal")],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        child = _start_child(_IDLE_HOST_CHILD, endpoint, url, tmp_path / "child-wal")
         try:
             assert child.stdout is not None
             assert child.stdout.readline().strip() == "hosting"
