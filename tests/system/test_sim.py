@@ -9,7 +9,8 @@ import pytest
 
 from millpond.errors import CommitStateUnknownError
 from millpond.formats.manifest import empty_manifest
-from millpond.storage.store import open_store
+from millpond.queue.peek import Peek
+from millpond.storage.store import GetResult, open_store
 from tests.system.sim import Fault, Recorder, RoleStore, SimClock
 
 MANIFEST = "q/manifest"
@@ -85,3 +86,22 @@ def test_roles_without_a_deadline_and_batch_writes_are_not_bounded() -> None:
     _store(recorder).put("q/data/x.batch", b"late but harmless")
     _store(recorder, bounded=False).put_if_match(MANIFEST, empty_manifest(next_sequence=2), etag)
     assert recorder.late == []
+
+
+def test_a_write_sent_on_a_thread_peek_starts_counts_from_its_makers_reading() -> None:
+    """``Peek.outrun`` sends a contended write on a thread of its own, right after the writer
+    checked its deadline: that reading bounds it (seed 560703's unbounded writes)."""
+    clock, recorder, etag = _world()
+    assert etag is not None
+    store = _store(recorder)
+    clock.monotonic()  # the writer checks its deadline
+    clock.advance(LIMIT + 1)  # and is descheduled while the schedule moves on
+    peek: Peek[GetResult] = Peek(lambda: None, 0.0)
+    with pytest.raises(CommitStateUnknownError, match="outlived the timing assumption"):
+        peek.outrun(
+            lambda: store.put_if_match(MANIFEST, empty_manifest(next_sequence=3), etag),
+            etag,
+            lambda state: False,
+        )
+    assert recorder.get(MANIFEST).etag == etag
+    assert len(recorder.late) == 1
