@@ -404,13 +404,14 @@ class QueueProducer:
         return current if found is None else found
 
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
-        """Under contention, a read of the manifest sent just behind the write."""
+        """Under contention, a read of the manifest sent just behind the write (and a second
+        a moment later, for when the store served the first before applying the write)."""
         if current is None or current.etag is None:
             return None
         lag = self._pacer.peek_lag()
         if lag is None:
             return None
-        return Peek(self._cas.read, lag, slot=self._pacer.slot)
+        return Peek(self._cas.read, lag, slot=self._pacer.slot, again=self._pacer.peek_again_lag())
 
     def _drop_present(
         self,

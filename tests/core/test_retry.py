@@ -265,6 +265,18 @@ def test_only_a_writer_that_lost_lately_sends_a_read_peek_lag_slots_behind_its_w
     assert RetryPolicy().pacer(clock).peek_lag() is None  # exponential: never
 
 
+def test_a_second_read_follows_only_under_contention_and_can_be_switched_off() -> None:
+    clock = FakeClock()
+    pacer = RetryPolicy(strategy="aging", peek_again_lag=0.3).pacer(clock)
+    assert pacer.peek_again_lag() is None  # no contention seen: no read
+    pacer.lost(clock.monotonic())
+    assert pacer.peek_again_lag() == pytest.approx(0.3 * pacer.slot)
+    off = RetryPolicy(strategy="aging", peek_again_lag=0.0).pacer(clock)
+    off.lost(clock.monotonic())
+    assert off.peek_again_lag() is None
+    assert RetryPolicy().pacer(clock).peek_again_lag() is None  # exponential: never
+
+
 def test_strategy_and_aging_fields_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         RetryPolicy(strategy="fifo")
@@ -289,6 +301,7 @@ def test_strategy_and_aging_fields_are_validated() -> None:
         ("sit_out_share", -0.5),
         ("sit_out_lag", math.inf),
         ("peek_lag", math.inf),  # the read alongside a write would never be sent
+        ("peek_again_lag", math.nan),
     ],
 )
 def test_a_time_that_is_not_a_finite_number_is_refused(field: str, value: float) -> None:
