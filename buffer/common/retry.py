@@ -108,27 +108,29 @@ class RetryPolicy:
     """``"aging"``: slots; the longest a writer whose previous append ended less than a slot
     ago waits before the next one, contention seen or not: a writer that always wins at once
     cannot see the others starve. Default 0.25."""
-    peek_lag: float = 0.03
+    peek_lag: float = 0.1
     """``"aging"``: slots; how long after a contended write its read of the manifest is sent
     (:mod:`millpond.queue.peek`), so that the store serves the read after the write. Too
     short, and the read is served while the store is still applying the write: it shows the
     old state, tells nothing, and the lost race costs a second round trip; too long, and
-    every hand-over waits for it. Default 0.03. With eight bare append loops 50 ms from
+    every hand-over waits for it. Default 0.1. With eight bare append loops 50 ms from
     SeaweedFS the reads found the old state in about 20 % of lost races at 0.03, 10 % at
-    0.06, 1-2 % at 0.1 and 0.1 % at 0.15; but committed appends/s did not rise with it: in
-    two paired ``bench_contended_appends`` runs 0.1 gave 0.76x and 0.74x a lone writer,
-    0.03 0.78x and 0.81x (each hand-over waits the longer lag). A store that applies a write
-    slowly against its round trip may want more."""
-    peek_again_lag: float = 0.12
+    0.06, 1-2 % at 0.1 and 0.1 % at 0.15. Before losers sat races out, 0.1 gave no more
+    appends a second than 0.03 (0.76x and 0.74x a lone writer against 0.78x and 0.81x);
+    since, in seven runs measuring both in one run, 0.1 made 0.919x-0.95x (median 0.934x)
+    against 0.868x-0.954x (median 0.922x) for 0.03 with a second read at 0.12
+    (``peek_again_lag``), at 13 requests per committed append instead of 18-19; and 0.03
+    alone 0.87x-0.94x (2026-11-28, ``bench/bench_contended_appends.py``)."""
+    peek_again_lag: float = 0.0
     """``"aging"``: slots; how long after a contended write a second read of the manifest is
     sent, used when the first (``peek_lag``) still shows the state the write was conditional
-    on; 0: none. Default 0.12. The first read stays early, so most hand-overs wait for it
-    only; the second spares the one in five lost races whose first read the store served
-    before applying the winner's write a full read more (a round trip). With eight bare
-    append loops 50 ms from SeaweedFS, committed appends/s went from 0.91x-0.94x a lone
-    writer's (five runs) to 0.95x-0.97x (seven runs, 0.12 and 0.18), p99/p50 from 3.0-4.0
-    to 2.3-3.1; requests per append from 13.6-13.9 to 18.2-19.2, the added ones all reads
-    (2026-11-28, ``bench/bench_contended_appends.py``)."""
+    on; 0 (the default): none. For a store that applies writes slowly against its round
+    trip, an early first read and a later second keep most hand-overs short at one request
+    more per contended attempt. With ``peek_lag`` 0.03, a second read at 0.12 took eight
+    bare append loops 50 ms from SeaweedFS from a median 0.91x to 0.93x a lone writer's
+    appends/s; a single read at 0.1 did as well with a third fewer requests, and sixteen
+    producers appending directly had a longer ``wait()`` tail with the second read (p99 24x
+    and 31x a lone producer's p50 against 22x and 26x in two paired runs)."""
     win_streak: int = 1
     """``"aging"``: appends a writer that has lost a race lately makes in a row before it
     yields ``contended_yield`` slots (a lost race ends the streak). Default 1. A hand-over

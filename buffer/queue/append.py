@@ -404,8 +404,9 @@ class QueueProducer:
         return current if found is None else found
 
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
-        """Under contention, a read of the manifest sent just behind the write (and a second
-        a moment later, for when the store served the first before applying the write)."""
+        """Under contention, a read of the manifest sent just behind the write (and, when the
+        policy asks, a second a moment later, for when the store served the first before
+        applying the write)."""
         if current is None or current.etag is None:
             return None
         lag = self._pacer.peek_lag()
