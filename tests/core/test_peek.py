@@ -10,6 +10,7 @@ write was conditional on, tells nothing, and must be dropped). Every store is re
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -159,14 +160,7 @@ def test_a_second_read_tells_the_lost_race_the_first_read_was_too_early_for(
     # SeaweedFS does for about one in five): it shows nothing new. The second, a moment
     # later, shows the rival's state, and the next write goes out on it without a read of
     # the writer's own (a round trip at 50 ms a request).
-    twice = RetryPolicy(
-        strategy="aging",
-        max_elapsed=60.0,
-        base_delay=0.05,
-        sit_out_share=1.0,
-        peek_lag=0.03,
-        peek_again_lag=0.12,
-    )
+    twice = dataclasses.replace(AGING, peek_lag=0.03, peek_again_lag=0.12)
     reads = _SideReadsInTurn(store, gates=2)
     faulty = FaultyStore(reads)
     rival = _rival(store)
