@@ -120,7 +120,10 @@ class RetryPolicy:
     since, in seven runs measuring both in one run, 0.1 made 0.919x-0.95x (median 0.934x)
     against 0.868x-0.954x (median 0.922x) for 0.03 with a second read at 0.12
     (``peek_again_lag``), at 13 requests per committed append instead of 18-19; and 0.03
-    alone 0.87x-0.94x (2026-11-28, ``bench/bench_contended_appends.py``)."""
+    alone 0.87x-0.94x (2026-11-28, ``bench/bench_contended_appends.py``). But the tail is
+    longer at 0.1 (p99 2.1x-9.8x its p50 in twelve runs, fairness index 0.85-0.99, against
+    2.1x-5.0x with the second read), and four later runs made 0.84x-0.98x: which default
+    serves a contended manifest better is not settled."""
     peek_again_lag: float = 0.0
     """``"aging"``: slots; how long after a contended write a second read of the manifest is
     sent, used when the first (``peek_lag``) still shows the state the write was conditional
