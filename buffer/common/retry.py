@@ -121,7 +121,7 @@ class RetryPolicy:
     against 0.868x-0.954x (median 0.922x) for 0.03 with a second read at 0.12
     (``peek_again_lag``), at 13 requests per committed append instead of 18-19; and 0.03
     alone 0.87x-0.94x (2026-11-28, ``bench/bench_contended_appends.py``). But the tail is
-    longer at 0.1 (p99 2.1x-9.8x its p50 in twelve runs, fairness index 0.85-0.99, against
+    longer at 0.1 (p99 3.0x-9.8x its p50 in twelve runs, fairness index 0.85-0.99, against
     2.1x-5.0x with the second read), and four later runs made 0.84x-0.98x: which default
     serves a contended manifest better is not settled."""
     peek_again_lag: float = 0.0
