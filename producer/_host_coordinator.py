@@ -188,12 +188,18 @@ class HostCoordinator:
                     return None
         if self._server is not None:
             return self._server.url, self._token
-        try:
-            text = self.path.read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
+        text = self._file_text()
+        if text is None:
             return None
         found = _HOSTED.fullmatch(text)
         return (found.group(1), found.group(2)) if found else None
+
+    def _file_text(self) -> str | None:
+        """The election file's text, or ``None`` when it cannot be read."""
+        try:
+            return self.path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def gone(self, at: tuple[str, str]) -> bool:
         """Whether the coordinator at ``at`` (URL, token) can start no write any more: its
@@ -203,9 +209,8 @@ class HostCoordinator:
         but slow, or the next one about to write its URL."""
         if self._server is not None:
             return (self._server.url, self._token) != at
-        try:
-            text = self.path.read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
+        text = self._file_text()
+        if text is None:
             return False
         found = _HOSTED.fullmatch(text)
         if found is None or (found.group(1), found.group(2)) != at:
