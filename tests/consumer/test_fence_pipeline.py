@@ -294,13 +294,35 @@ def test_a_takeover_at_any_step_fences_every_later_call(s3: Any, postgres_server
         newer = Consumer(_config(store))
         reader = database.sink()
 
-        def take_over(newer: Consumer = newer, reader: Any = reader, log: Log = log) -> None:
-            newer.initialize(last_acked_sequence=reader.last_sequence(newer.queue))
-            log.initialized = log.tick()
+        # The step may come on a read-ahead thread of the older consumer, whose main thread
+        # can then see the fence and end the run before ``initialize()`` returned there.
+        started, finished = threading.Event(), threading.Event()
+        failed: list[BaseException] = []
+
+        def take_over(
+            newer: Consumer = newer,
+            reader: Any = reader,
+            log: Log = log,
+            started: threading.Event = started,
+            finished: threading.Event = finished,
+            failed: list[BaseException] = failed,
+        ) -> None:
+            started.set()
+            try:
+                newer.initialize(last_acked_sequence=reader.last_sequence(newer.queue))
+                log.initialized = log.tick()
+            except BaseException as err:
+                failed.append(err)
+                raise
+            finally:
+                finished.set()
 
         steps = Steps(at, "before", take_over)
         try:
             outcome = _older_run(store, database, steps, log)
+            if started.is_set():
+                assert finished.wait(60), f"step {at}: the takeover never returned"
+                assert not failed, f"step {at}: the takeover failed: {failed[0]!r}"
             if log.initialized is None:
                 assert outcome is None
                 _assert_exactly_once(database)  # ran to the end, alone
