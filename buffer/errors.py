@@ -120,6 +120,24 @@ class InvalidInputError(MillpondError, ValueError):
     """An argument that can never succeed (empty entry list, out-of-order ack, ...)."""
 
 
+class ProgressBehindError(InvalidInputError):
+    """A consumer's ``last_acked_sequence`` is below the queue's first entry minus one: entries
+    were dequeued that the sink has not recorded.
+
+    Progress read before the takeover can trail an older consumer that was still writing and
+    dequeuing; the takeover has fenced it, so read again the progress holds every entry it
+    dequeued (``millpond.consumer.takeover.take_over`` does that). Read after the takeover, the
+    entries were dequeued without this sink.
+    """
+
+    def __init__(self, message: str, *, found: int, first: int) -> None:
+        super().__init__(message)
+        self.found = found
+        """The ``last_acked_sequence`` given."""
+        self.first = first
+        """The queue's first entry."""
+
+
 class ConfigError(MillpondError, ValueError):
     """A bad configuration value. ``key`` names the offending setting."""
 

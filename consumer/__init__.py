@@ -2,9 +2,10 @@
 
 ```python
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer.takeover import take_over
 
 with Consumer(ConsumerConfig(store="s3://bucket")) as consumer:
-    consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
+    take_over(consumer, lambda: sink.last_sequence(consumer.queue))  # initialize() after it
     while (batch := consumer.next_batch()) is not None:
         sink.write(batch)                 # rows + sequence + location in one transaction
         consumer.ack(batch.sequence)

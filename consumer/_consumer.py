@@ -56,6 +56,7 @@ from millpond.errors import (
     FencedError,
     InvalidInputError,
     MillpondError,
+    ProgressBehindError,
     StorageError,
 )
 from millpond.formats.manifest import Manifest, ManifestEntry
@@ -229,9 +230,12 @@ class Consumer:
 
         Raises:
             ConfigError: the queue refuses this consumer (see above), naming the setting.
-            InvalidInputError: ``last_acked_sequence`` is negative, not below the manifest's
-                ``next_sequence`` (the sink is ahead of this queue), or below the queue's
-                first entry minus one (entries it never saw were dequeued); or the manifest
+            ProgressBehindError: ``last_acked_sequence`` is below the queue's first entry
+                minus one (entries the sink never saw were dequeued, or progress read before
+                the takeover trailed an older consumer: :func:`millpond.consumer.takeover.
+                take_over` reads it again).
+            InvalidInputError: ``last_acked_sequence`` is negative or not below the
+                manifest's ``next_sequence`` (the sink is ahead of this queue); or the manifest
                 was replaced (deleted and created again, or restored from an older copy).
             FencedError: yet another consumer initialized meanwhile.
             FormatError: the manifest is corrupt.
@@ -306,10 +310,12 @@ class Consumer:
                 acked = last_acked_sequence
                 self._check_ahead(acked, manifest.next_sequence)
                 if acked < first - 1:
-                    raise InvalidInputError(
+                    raise ProgressBehindError(
                         f"last_acked_sequence: expected >= {first - 1} (the queue starts at "
                         f"{first}), found {acked}: entries {acked + 1}..{first - 1} were "
-                        "dequeued without this consumer's sink seeing them"
+                        "dequeued without this consumer's sink seeing them",
+                        found=acked,
+                        first=first,
                     )
             self._acked = acked
             self._dequeued = first - 1

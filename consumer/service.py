@@ -49,6 +49,7 @@ from millpond.consumer.quarantine import (
     set_aside,
 )
 from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError
+from millpond.consumer.takeover import take_over
 from millpond.errors import (
     ConfigError,
     FencedError,
@@ -195,11 +196,18 @@ class ConsumerService:
             )
             if stop.is_set():
                 return self.stats
-            # A store that is down at start-up is waited out like one that fails later.
-            self._with_retry(
+            # A store that is down at start-up is waited out like one that fails later. An
+            # older consumer still running may have written and dequeued past ``start``
+            # meanwhile: the sink is read again once it is fenced (take_over).
+            start = self._with_retry(
                 stop,
                 "take over the queue",
-                functools.partial(consumer.initialize, last_acked_sequence=start),
+                functools.partial(
+                    take_over,
+                    consumer,
+                    functools.partial(self._sink.last_sequence, consumer.queue),
+                    read=start,
+                ),
             )
             if stop.is_set():
                 return self.stats

@@ -8,9 +8,10 @@ first schema, extended and widened as schemas drift) and opaque entries into row
 
 ```python
 from millpond.consumer.sinks import open_sink
+from millpond.consumer.takeover import take_over
 
 with open_sink("postgresql://app@db:5432/warehouse", table="events") as sink:
-    consumer.initialize(last_acked_sequence=sink.last_sequence(consumer.queue))
+    take_over(consumer, lambda: sink.last_sequence(consumer.queue))
     ...
 ```
 """

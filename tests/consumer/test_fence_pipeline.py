@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 from consumer_support import FAST_RETRY, Database, ForwardingSink, QueueWriter, numbered
 
-from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
+from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, takeover
 from millpond.consumer.service import ConsumerService
 from millpond.errors import FencedError
 from millpond.storage.store import (
@@ -307,7 +308,8 @@ def test_a_takeover_at_any_step_fences_every_later_call(s3: Any, postgres_server
             failed: list[BaseException] = failed,
         ) -> None:
             try:
-                newer.initialize(last_acked_sequence=reader.last_sequence(newer.queue))
+                # As the service does: the sink read again if the older one dequeued past it.
+                takeover.take_over(newer, functools.partial(reader.last_sequence, newer.queue))
                 log.initialized = log.tick()
             except BaseException as err:
                 failed.append(err)

@@ -23,6 +23,7 @@ from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.service import ConsumerService
 from millpond.consumer.sinks import SinkError, open_sink
+from millpond.consumer.takeover import take_over
 from millpond.errors import FencedError, MillpondError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
@@ -397,8 +398,8 @@ class ConsumerRole:
         """``initialize()`` at the sink's last sequence (a service start)."""
         self._open()
         assert self.consumer is not None
-        start = self.sink.last_sequence(self.consumer.queue)
-        self.consumer.initialize(last_acked_sequence=start)
+        consumer = self.consumer
+        take_over(consumer, lambda: self.sink.last_sequence(consumer.queue))
         self.record("initialized")
 
     def run_service(self, on_bad_batch: str = "stop") -> None:
