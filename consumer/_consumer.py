@@ -301,7 +301,7 @@ class Consumer:
             # Without an index, the manifest as the epoch bump wrote it is as good as a read
             # (appends made since are found by the next refresh); with one, it is read after
             # the claim (module doc of millpond.queue.index).
-            snapshot = self._guard(lambda: self._queue.read(reuse=index.head is None))
+            snapshot = self._guard(lambda: self._queue.read(reuse=not index.holds_anything))
             manifest = queue_view(snapshot.manifest, index.head, indexed)
             first = self._first_available(manifest)
             if last_acked_sequence is None:

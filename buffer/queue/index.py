@@ -25,11 +25,13 @@ Protocol (only the consumer holding the manifest's epoch writes):
   the manifest is dequeued, so the index and the manifest together are always contiguous.
 * **fencing**: every head write is conditional on the ETag this consumer last saw and carries
   its epoch. A consumer's ``initialize()`` bumps the manifest epoch, then claims the head (a
-  conditional rewrite with its epoch) before reading it: no older consumer can write the head
-  after that, and an older one that finds a newer epoch there raises ``FencedError``. An older
-  consumer's write can still land between the epoch bump and the claim (one request); it can
-  only add entries that are still in the manifest too, or raise ``dequeued_through`` over
-  entries its sink has already written.
+  conditional rewrite with its epoch, or an empty head created with it when there is none)
+  before reading it: no older consumer can write the head after that, and an older one that
+  finds a newer epoch there raises ``FencedError``. An older consumer's write can still land
+  between the epoch bump and the claim (one request); it can only add entries that are still
+  in the manifest too, or raise ``dequeued_through`` over entries its sink has already
+  written. Once the claim has returned, no head write of an older consumer lands: each is
+  conditional on an ETag (or an absence) the claim replaced.
 
 Readers (GC, status) read the manifest first and the index after: an entry moved meanwhile is
 in the index by then, and one gone from both was consumed.
@@ -113,6 +115,12 @@ class IndexHead:
     epoch: int
     dequeued_through: int = -1
     segments: tuple[Segment, ...] = ()
+
+    @property
+    def blank(self) -> bool:
+        """Whether the head holds nothing at all: what a takeover leaves when it finds none
+        (:meth:`BacklogIndex.claim`), as good as no head for every reader."""
+        return not self.segments and self.dequeued_through < 0
 
     @property
     def end(self) -> int:
@@ -259,6 +267,12 @@ class BacklogIndex:
         return self._head
 
     @property
+    def holds_anything(self) -> bool:
+        """Whether the head, as last written or claimed, records anything (entries or a
+        drain); a blank one is as good as none."""
+        return self._head is not None and not self._head.blank
+
+    @property
     def live(self) -> bool:
         """Whether the index holds entries not yet drained."""
         return self._head is not None and bool(self._head.segments)
@@ -266,8 +280,13 @@ class BacklogIndex:
     def claim(self) -> list[ManifestEntry]:
         """Take the head over for this epoch; returns the entries it holds, in order.
 
-        Nothing is written when there is no head. Segments no head names (left by a move
-        that lost its head write) are deleted.
+        When there is no head, an empty one carrying this epoch is created: an older
+        consumer that passed its epoch check just before the takeover and is about to create
+        the head for its first move (``put_if_absent``) then finds it taken and is fenced,
+        instead of landing a head nobody would rewrite (a consumer with the index off never
+        writes it again, and GC and ``status`` would take its entries for the queue's
+        oldest). Segments no head names (left by a move that lost its head write) are
+        deleted.
 
         Raises:
             FencedError: the head carries a newer epoch.
@@ -280,10 +299,10 @@ class BacklogIndex:
                 dequeued_through=head.dequeued_through,
                 segments=head.segments,
             ),
-            create=False,
+            create=True,
             read_first=True,
         )
-        if self._head is None:
+        if self._head is None or self._head.blank:
             return []
         self._delete_orphans()
         for _ in range(_READ_ATTEMPTS):
