@@ -202,6 +202,8 @@ class ObstoreStore(ObjectStore):
         return GetResult(data=data, etag=self._token(result.meta))
 
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        if self._backend == "azure":
+            return self._get_tail_bounded(path, length, etag)
         options: dict[str, Any] = {"range": {"suffix": length}}
         if etag is not None and not self._generations:
             options["if_none_match"] = etag
@@ -216,6 +218,55 @@ class ObstoreStore(ObjectStore):
             return None  # a generation, which If-None-Match does not take: compared here
         data = self._call(path, lambda: bytes(result.bytes()))
         return GetResult(data=data, etag=token)
+
+    def _get_tail_bounded(self, path: str, length: int, etag: str | None) -> GetResult | None:
+        """:meth:`get_tail` where the store takes no suffix range (Azure Blob: obstore refuses
+        ``bytes=-N`` there before sending it): a HEAD for the size, then a bounded range.
+
+        The bytes and the ETag returned must come from one version of the object. The
+        consumer's fence check keeps the ETag and sends it as ``If-None-Match`` next time: a
+        304 then means "still the version whose footer was checked". A footer read from an
+        older version than the ETag kept would let a newer consumer's epoch bump go unseen by
+        every later check, and a fenced consumer would go on delivering. So:
+
+        1. the HEAD carries ``If-None-Match: etag``: a 304 is "unchanged" in one request, as
+           with the suffix range;
+        2. the range GET carries ``If-Match`` with the ETag the HEAD returned, so its bytes
+           are that version's or the store answers 412;
+        3. on a 412 (a writer replaced the object between the two requests) one whole
+           conditional GET: bytes and ETag from a single answer. Not another HEAD and range:
+           under a steady stream of appends each such pair can lose its race again, while the
+           whole GET always ends in one request (it costs the manifest's size, only then).
+        """
+        options: dict[str, Any] = {"head": True}
+        if etag is not None:
+            options["if_none_match"] = etag
+        try:
+            head = obstore.get(self._store, path, options=cast("Any", options))
+        except obx.NotModifiedError:
+            return None
+        except _STORE_ERRORS as err:
+            self._translate(path, err)
+        size = int(head.meta["size"])
+        version = head.meta.get("e_tag")
+        if size == 0 or version is None:
+            # Nothing to range over, or no ETag to pin the range to: read it whole.
+            return self._changed_whole(path, length, etag)
+        bounded: dict[str, Any] = {"range": (max(0, size - length), size), "if_match": version}
+        try:
+            result = obstore.get(self._store, path, options=cast("Any", bounded))
+        except obx.PreconditionError:
+            return self._changed_whole(path, length, etag)
+        except _STORE_ERRORS as err:
+            self._translate(path, err)
+        data = self._call(path, lambda: bytes(result.bytes()))
+        return GetResult(data=data, etag=self._token(result.meta))
+
+    def _changed_whole(self, path: str, length: int, etag: str | None) -> GetResult | None:
+        got = self.get_if_changed(path, etag)
+        if got is None:
+            return None
+        return GetResult(data=got.data[-length:], etag=got.etag)
 
     def head(self, path: str) -> ObjectInfo:
         meta = self._call(path, lambda: obstore.head(self._store, path))

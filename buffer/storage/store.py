@@ -92,9 +92,11 @@ class ObjectStore(ABC):
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
         """The last ``length`` bytes of an object, unless its ETag is still ``etag``.
 
-        ``None`` means unchanged. The ETag returned is the whole object's. Stores that can ask
-        for a suffix range with a precondition do so in one request (the consumer checks the
-        manifest's epoch this way on every call: a 304, or 22 bytes).
+        ``None`` means unchanged. The ETag returned is the whole object's, and the bytes are
+        that version's. Stores that can ask for a suffix range with a precondition do so in one
+        request (the consumer checks the manifest's epoch this way on every call: a 304, or 22
+        bytes); Azure Blob, which takes no suffix range, in a conditional HEAD (the 304) and,
+        when the object changed, a range pinned to the HEAD's ETag.
 
         Raises:
             NotFoundError: no object at ``path``.

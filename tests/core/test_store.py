@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
+import obstore
 import pytest
 
 from millpond.errors import ConfigError, ConflictError, NotFoundError
+from millpond.localstack import AzureEndpoint
 from millpond.storage.file_store import FileStore
-from millpond.storage.store import ObjectStore, open_store
-from tests.support import StoreTarget
+from millpond.storage.store import GetResult, ObjectStore, open_store
+from tests.support import StoreTarget, unique_root
 
 from ._helpers import open_target
 
@@ -95,6 +98,61 @@ def test_get_if_changed(store: ObjectStore) -> None:
     assert changed is not None
     assert (changed.data, changed.etag) == (b"v2", new_etag)
     assert store.get_if_changed("m", new_etag) is None
+
+
+def test_get_tail_reads_the_last_bytes_unless_unchanged(store: ObjectStore) -> None:
+    # The consumer's fence check (issue 44, case 2: Azure Blob refused the suffix range).
+    data = b"0123456789" * 3
+    first = store.put("m", data)
+    assert store.get_tail("m", 22) == GetResult(data=data[-22:], etag=first)
+    assert store.get_tail("m", 22, first) is None
+    second = store.put("m", b"short")
+    # Shorter than asked for: all of it, with the ETag of that version.
+    assert store.get_tail("m", 22, first) == GetResult(data=b"short", etag=second)
+    assert store.get_tail("m", 22, second) is None
+    with pytest.raises(NotFoundError):
+        store.get_tail("missing", 22)
+    with pytest.raises(NotFoundError):
+        store.get_tail("missing", 22, first)
+
+
+def test_case2_get_tail_on_azure_reads_one_version_when_replaced_between_head_and_range(
+    azurite_blob: AzureEndpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Azure takes no suffix range: a HEAD for the size, then a range pinned to its ETag. A
+    writer replacing the object between the two must not yield one version's bytes with
+    another's ETag (the fence check would then 304 forever on an epoch it never read): the
+    range is refused (412) and one whole conditional GET answers. The write in between is a
+    real one, on the real server, made when the HEAD has returned."""
+    url = azurite_blob.url_for(unique_root())
+    store = open_store(url, azurite_blob.store_options())
+    writer = open_store(url, azurite_blob.store_options())
+    seen = store.put("m", b"v1" * 10 + b"FOOTER-ONE")
+    store.put("m", b"v2" * 20 + b"FOOTER-TWO")
+    newest = b"v3" * 30 + b"FOOTER-333"
+    written: list[str | None] = []
+    sent: list[dict[str, Any]] = []
+    real_get = obstore.get
+
+    def get_then_replace(target: Any, path: str, *, options: Any = None) -> Any:
+        sent.append(dict(options or {}))
+        result = real_get(target, path, options=options)
+        if (options or {}).get("head") and not written:
+            written.append(writer.put("m", newest))
+        return result
+
+    monkeypatch.setattr(obstore, "get", get_then_replace)
+    got = store.get_tail("m", 10, seen)
+    assert got == GetResult(data=b"FOOTER-333", etag=written[0])
+    assert [sorted(options) for options in sent] == [
+        ["head", "if_none_match"],  # 200: changed since `seen`; v2's size and ETag
+        ["if_match", "range"],  # 412: v3 replaced v2 meanwhile
+        ["if_none_match"],  # v3, whole: bytes and ETag from one answer
+    ]
+    monkeypatch.undo()
+    # Undisturbed: a 304 on the HEAD, or the range of the version the HEAD named.
+    assert store.get_tail("m", 10, written[0]) is None
+    assert store.get_tail("m", 10, seen) == GetResult(data=b"FOOTER-333", etag=written[0])
 
 
 def test_list_recursive_and_not(store: ObjectStore) -> None:
