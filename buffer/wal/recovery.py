@@ -273,6 +273,7 @@ def _scan_mapped(
         start=start if start <= len(raw) else FILE_HEADER_SIZE,
         after_seq=released - 1,
         newest=newest,
+        file_no=file_no,
     )
     cut_to: int | None = None
     if scan.torn_tail:

@@ -7,6 +7,13 @@ byte costs the records it hit, not the rest of the file. A bad region that runs 
 the newest file is a torn tail (a write cut short by a crash) and is cut off; anywhere else it
 is corruption, and the file is quarantined by the caller.
 
+A file's header is fdatasynced before any record is written to it, so a power loss while a new
+file was being created leaves a file that never held a record: shorter than the header, or with
+parts of the header that never reached the disk read back as zeros (a file system that kept the
+new size but not the block), and nothing but zeros after it. In the newest file that whole file
+is a torn tail, like a record cut short. A header that differs from the one written by anything
+but zeros, or a damaged header followed by anything that is not zero, is corruption.
+
 Sequence numbers increase by one per record, so the records a bad region destroyed are exactly
 the numbers missing between the good records around it.
 """
@@ -22,12 +29,14 @@ from millpond.formats.wal import (
     FILE_HEADER_SIZE,
     BindBody,
     DropBody,
+    FileHeader,
     RecordType,
     decode_bind,
     decode_data_summary,
     decode_drop,
     decode_file_header,
     decode_record_head,
+    encode_file_header,
     plausible_head,
     record_type_markers,
 )
@@ -36,6 +45,9 @@ __all__ = ["BadRegion", "DataSummary", "FileScan", "ScannedRecord", "scan_file"]
 
 _MARKERS = record_type_markers()
 _TYPES = {int(t): t for t in RecordType}  # a dict lookup is cheaper than RecordType(n)
+# The header's bytes that do not depend on the file's number: magic, version, reserved.
+_HEADER_FIXED = encode_file_header(FileHeader(file_no=0))[:16]
+_ZERO_CHUNK = 1 << 20
 
 
 class DataSummary(NamedTuple):
@@ -103,6 +115,7 @@ def scan_file(
     start: int = FILE_HEADER_SIZE,
     after_seq: int = -1,
     newest: bool,
+    file_no: int | None = None,
 ) -> FileScan:
     """Scan ``raw`` (a whole WAL file) from ``start``.
 
@@ -112,6 +125,8 @@ def scan_file(
         start: the first record offset to read (the released sidecar may skip ahead).
         after_seq: every record of interest has a higher sequence (used to resynchronise).
         newest: whether this is the newest file, the only one that can have a torn tail.
+        file_no: the number the file's name gives it, so a torn header can be compared with
+            the one it was created with (without it, only the bytes every header shares are).
 
     Returns:
         The verified records, bad regions, and the torn-tail length.
@@ -126,8 +141,9 @@ def scan_file(
     except FormatError as err:
         if err.field == "version":
             raise
-        if newest and len(raw) < FILE_HEADER_SIZE:
-            # Created but never completed: a crash while rotating. Nothing in it was staged.
+        if newest and _torn_header(raw, file_no):
+            # Created but never completed: a crash while its header was being written (it is
+            # synced before any record is). Nothing in it was staged.
             scan.torn_tail = len(raw)
             scan.good_end = 0
             return scan
@@ -158,6 +174,24 @@ def scan_file(
         scan.bad_regions.append(BadRegion(pos, resume, last_good, next_record.seq))
         pos = resume
     return scan
+
+
+def _torn_header(raw: bytes | mmap.mmap, file_no: int | None) -> bool:
+    """Whether an unreadable header is what a power loss leaves of a file being created:
+    shorter than a header, or every byte of it as written or zero, and only zeros after it."""
+    if len(raw) < FILE_HEADER_SIZE:
+        return True
+    if file_no is not None:
+        written = encode_file_header(FileHeader(file_no=file_no))
+    else:
+        written = _HEADER_FIXED
+    found = raw[: len(written)]
+    if any(byte not in (0, expected) for byte, expected in zip(found, written, strict=True)):
+        return False
+    return all(
+        not raw[pos : pos + _ZERO_CHUNK].strip(b"\0")
+        for pos in range(FILE_HEADER_SIZE, len(raw), _ZERO_CHUNK)
+    )
 
 
 def _read_record(raw: bytes | mmap.mmap, pos: int, name: str) -> ScannedRecord | None:
