@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from millpond.errors import (
     BackpressureError,
+    BadBatchError,
+    BatchNotFoundError,
     ClosedError,
     CommitStateUnknownError,
     ConfigError,
     ConflictError,
+    CorruptBatchError,
     FencedError,
     FormatError,
     InvalidInputError,
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackpressureError",
+    "BadBatchError",
+    "BatchNotFoundError",
     "ClosedError",
     "CommitStateUnknownError",
     "CompressionType",
@@ -47,6 +52,7 @@ __all__ = [
     "ConsumedBatch",
     "Consumer",
     "ConsumerConfig",
+    "CorruptBatchError",
     "FencedError",
     "FormatError",
     "GarbageCollector",

@@ -4,7 +4,9 @@
   ``BackpressureError`` (the buffer stayed full past the timeout);
 - stop: ``FencedError`` (another consumer took over), ``ClosedError``;
 - fix the input or the data: ``FormatError``, ``InvalidInputError``, ``ConfigError``,
-  ``NotFoundError``;
+  ``NotFoundError``; of these, ``BadBatchError`` (``CorruptBatchError``,
+  ``BatchNotFoundError``) is one batch of the queue that cannot be used, and nothing else:
+  what a consumer may set aside, unlike an error of the manifest itself;
 - fix the store's set-up: ``StoreAccessError`` (missing or rejected credentials, a missing
   bucket, no permission, conditional writes that do not work). Retrying cannot help, so
   nothing retries it: it reaches the caller within seconds.
@@ -17,10 +19,13 @@ from __future__ import annotations
 
 __all__ = [
     "BackpressureError",
+    "BadBatchError",
+    "BatchNotFoundError",
     "ClosedError",
     "CommitStateUnknownError",
     "ConfigError",
     "ConflictError",
+    "CorruptBatchError",
     "FencedError",
     "FormatError",
     "InvalidInputError",
@@ -106,6 +111,46 @@ class StoreAccessError(MillpondError):
 
 class NotFoundError(MillpondError, FileNotFoundError):
     """The object does not exist. Also a ``FileNotFoundError`` so plain ``except`` clauses work."""
+
+
+class BadBatchError(MillpondError):
+    """One batch of the queue cannot be used: its object is missing or corrupt, or its
+    location is not a batch object's. ``sequence`` and ``location`` name it.
+
+    Only that batch is at fault: the manifest was read and checked. An error of the manifest
+    itself (missing, corrupt, answering 404 for a moment) is never one of these, so a consumer
+    that sets bad batches aside never sets aside a good batch for it.
+    """
+
+    sequence: int
+    location: str
+
+
+class CorruptBatchError(FormatError, BadBatchError):
+    """A batch object's bytes cannot be decoded, or its location is not
+    ``{data_path_prefix}/{ULID}.batch``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sequence: int,
+        location: str,
+        field: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message, field=field, offset=offset)
+        self.sequence = sequence
+        self.location = location
+
+
+class BatchNotFoundError(NotFoundError, BadBatchError):
+    """A batch object the manifest names does not exist."""
+
+    def __init__(self, message: str, *, sequence: int, location: str) -> None:
+        super().__init__(message)
+        self.sequence = sequence
+        self.location = location
 
 
 class BackpressureError(MillpondError):

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import NoReturn, Self, TypeVar
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.forks import OwnProcess
@@ -222,6 +222,11 @@ class Consumer:
                 sequence resumes right after it (what a sink stored with its last batch).
                 Entries up to it still in the manifest are dequeued at once.
 
+        Called again on a consumer that already holds the queue (to start over after the
+        sink's progress), it bumps the epoch only while the manifest still carries this
+        consumer's: one that lost the queue to a newer consumer raises ``FencedError`` and
+        never takes it back.
+
         Nothing is written, and no other consumer is fenced, when the queue refuses this one:
         its claim names another manifest (two queues on one data prefix), its GC grace period
         is shorter than the queue's, ``last_acked_sequence`` is not below the queue's
@@ -237,7 +242,8 @@ class Consumer:
             InvalidInputError: ``last_acked_sequence`` is negative or not below the
                 manifest's ``next_sequence`` (the sink is ahead of this queue); or the manifest
                 was replaced (deleted and created again, or restored from an older copy).
-            FencedError: yet another consumer initialized meanwhile.
+            FencedError: yet another consumer initialized meanwhile, or this consumer held
+                the queue before and another has taken it over since.
             FormatError: the manifest is corrupt.
             StorageError: the store failed past the retry budget.
             StoreAccessError: the store refuses for good (credentials, bucket, permission,
@@ -256,6 +262,10 @@ class Consumer:
         self._process.check()  # before the lock (_check_open)
         with self._lock:
             self._check_open()
+            if self._fenced is not None:
+                # A consumer that lost the queue never takes it back (it would fence the one
+                # that took over); a new Consumer may.
+                self._raise_fenced()
             preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
             if self._coordinator is not None:
@@ -285,7 +295,7 @@ class Consumer:
                 store_url=self._store.url,
                 data_path_prefix=self._prefix,
             )
-            held = self._queue.initialize()
+            held = self._guard(self._queue.initialize)
             write_epoch_mark(self._store, self._prefix, self._config.manifest_path, held)
             # Always claimed, enabled or not: a consumer that takes over drains an index an
             # earlier one left. Claimed before the manifest is read, so nothing older writes it.
@@ -360,9 +370,13 @@ class Consumer:
         """The next batch in sequence order, or ``None`` when the queue holds nothing new.
 
         Raises:
-            FormatError: the next entry's location is not ``{prefix}/{ULID}.batch``, its
-                object is corrupt, or the manifest is; names the sequence and location.
-            NotFoundError: the next entry's batch object is missing; names both.
+            CorruptBatchError: the next entry's location is not ``{prefix}/{ULID}.batch``, or
+                its object is corrupt; names the sequence and location (a ``FormatError``
+                and a ``BadBatchError``).
+            BatchNotFoundError: the next entry's batch object is missing; names both (a
+                ``NotFoundError`` and a ``BadBatchError``).
+            FormatError, NotFoundError: the manifest itself is corrupt or missing (never a
+                ``BadBatchError``: no batch is at fault).
             FencedError: another consumer took over.
             StorageError: the store failed; the same entry is tried again on the next call.
             ClosedError: the consumer was closed.
@@ -416,6 +430,39 @@ class Consumer:
             if batches:
                 self._next = batches[-1].sequence + 1
             return batches
+
+    def pass_over(self, sequence: int) -> None:
+        """Acknowledge the next entry, ``sequence``, without delivering it: its batch could
+        not be read (``next_batch()`` raised a :class:`~millpond.errors.BadBatchError` for it)
+        and the caller's sink has recorded it another way (set aside, or a duplicate of a
+        location it holds). Every batch before it must be acknowledged already.
+
+        One fencing check, as for an ack; the epoch is never bumped (a consumer that lost
+        the queue meanwhile raises ``FencedError`` and writes nothing).
+
+        Raises:
+            InvalidInputError: ``sequence`` is not the next entry, or a delivered batch before
+                it is not acknowledged.
+            FencedError, StorageError, ClosedError: as :meth:`ack`.
+        """
+        self._process.check()  # before the lock (_check_open)
+        with self._lock:
+            self._check_ready()
+            head = self._ahead.head()
+            if head is None or head.sequence != sequence or sequence != self._next:
+                raise InvalidInputError(
+                    f"sequence: expected the next entry {self._next}, not delivered, found "
+                    f"{sequence!r}"
+                )
+            if self._acked != sequence - 1:
+                raise InvalidInputError(
+                    f"sequence: expected every batch before {sequence} acknowledged, found the "
+                    f"last acknowledged {self._acked}"
+                )
+            self._guard(self._queue.check_fence)
+            self._ahead.skip_head()
+            self._next = sequence + 1
+            self._record_ack(sequence)
 
     def has_ready_batch(self) -> bool:
         """Whether :meth:`next_batch` would return a batch at once, without any IO.
@@ -631,12 +678,14 @@ class Consumer:
     def _check_ready(self) -> None:
         self._check_open()
         if self._fenced is not None:
-            err = self._fenced
-            raise FencedError(
-                str(err), expected_epoch=err.expected_epoch, found_epoch=err.found_epoch
-            )
+            self._raise_fenced()
         if not self._initialized:
             raise MillpondError("consumer is not initialized: call initialize() first")
+
+    def _raise_fenced(self) -> NoReturn:
+        err = self._fenced
+        assert err is not None
+        raise FencedError(str(err), expected_epoch=err.expected_epoch, found_epoch=err.found_epoch)
 
     def _guard(self, call: Callable[[], _T]) -> _T:
         """Run a queue operation; remember fencing and stop the collector on it."""

@@ -31,7 +31,13 @@ from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import parse_batch_name
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
-from millpond.errors import FormatError, MillpondError, NotFoundError
+from millpond.errors import (
+    BatchNotFoundError,
+    CorruptBatchError,
+    FormatError,
+    MillpondError,
+    NotFoundError,
+)
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import ManifestEntry
 from millpond.storage.store import ObjectStore
@@ -165,9 +171,11 @@ class ReadAhead:
             else:
                 future = Future()
                 future.set_exception(
-                    FormatError(
+                    CorruptBatchError(
                         f"{self._config.manifest_path}: sequence {entry.sequence}: location "
                         f"{entry.location!r} {problem}",
+                        sequence=entry.sequence,
+                        location=entry.location,
                         field="location",
                     )
                 )
@@ -206,6 +214,17 @@ class ReadAhead:
             self._window.short()
         self._ahead_at_return = len(self._inflight)
         return batches
+
+    def skip_head(self) -> ManifestEntry:
+        """Drop the entry delivered next without delivering it (its batch cannot be read and
+        the caller has recorded it elsewhere); returns it."""
+        if self._inflight:
+            entry, future = self._inflight.popleft()
+            future.cancel()
+        else:
+            entry = self._waiting.popleft()
+        self.top_up()
+        return entry
 
     def has_ready(self) -> bool:
         """Whether the head is fetched and decoded (delivering it needs no IO)."""
@@ -260,15 +279,21 @@ class ReadAhead:
         try:
             got = self._store.get(location)
         except NotFoundError as err:
-            raise NotFoundError(
+            raise BatchNotFoundError(
                 f"{self._config.manifest_path}: sequence {entry.sequence}: batch object "
-                f"{location} is missing"
+                f"{location} is missing",
+                sequence=entry.sequence,
+                location=location,
             ) from err
         try:
             records = decode_batch(got.data, name=location)
         except FormatError as err:
-            raise FormatError(
-                f"sequence {entry.sequence}: {err}", field=err.field, offset=err.offset
+            raise CorruptBatchError(
+                f"sequence {entry.sequence}: {err}",
+                sequence=entry.sequence,
+                location=location,
+                field=err.field,
+                offset=err.offset,
             ) from err
         self._counters.add("bytes", len(got.data))
         return ConsumedBatch(

@@ -22,7 +22,12 @@ Bad batches: by default the service stops on a batch it cannot decode or the dat
 for good, naming it, and says how to set it aside (``millpond quarantine``, see
 :mod:`millpond.consumer.quarantine`). ``--on-bad-batch quarantine`` sets such batches aside by
 itself, counting each, and stops after ``--quarantine-limit`` in a row (then the cause is the
-database or the configuration, not the data).
+database or the configuration, not the data). Only an error of a batch's own object (missing,
+corrupt: a :class:`~millpond.errors.BadBatchError`) or rows the database refuses make a bad
+batch; a manifest that answers 404 or bytes that do not decode is retried a few times
+(:data:`MANIFEST_ATTEMPTS`), then stops the service naming the manifest, setting nothing
+aside. Moving past a batch is an ack (with its fencing check), never a new takeover: a service
+that has lost the queue stops with ``FencedError``.
 
 Report: every ``--report-interval`` seconds, and when it stops, the service writes what it is
 doing where ``millpond status`` reads it from any other process (:mod:`millpond.consumer._report`).
@@ -51,6 +56,7 @@ from millpond.consumer.quarantine import (
 from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError
 from millpond.consumer.takeover import take_over
 from millpond.errors import (
+    BadBatchError,
     ConfigError,
     FencedError,
     FormatError,
@@ -58,14 +64,16 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.formats.manifest import ManifestEntry
-from millpond.queue import read_manifest
 
-__all__ = ["BadBatchPolicy", "ConsumerService", "ServiceStats"]
+__all__ = ["MANIFEST_ATTEMPTS", "BadBatchPolicy", "ConsumerService", "ServiceStats"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+MANIFEST_ATTEMPTS = 6
+"""Reads of the manifest that may fail in a row (404, bytes that do not decode) before the
+service stops naming it: about 15 s at the default retry delays (0.5 s doubling)."""
 
 
 class BadBatchPolicy(StrEnum):
@@ -170,6 +178,7 @@ class ConsumerService:
         self._ahead: Future[list[ConsumedBatch]] | None = None
         # The last sequence written into the sink (acked with the next delivery).
         self._written_through: int | None = None
+        self._manifest_failures = 0  # reads of the manifest that failed in a row
         self._started = self._window_start = self._clock.monotonic()
 
     def run(self, stop: threading.Event, *, until_idle: bool = False) -> ServiceStats:
@@ -178,9 +187,11 @@ class ConsumerService:
 
         Raises:
             FencedError: another consumer took over.
-            FormatError: a corrupt batch object or manifest, or a location outside the data
-                prefix; nothing after it was written.
-            NotFoundError: a manifest entry's object is missing; nothing after it was written.
+            FormatError: a corrupt batch object (``CorruptBatchError``) or a location outside
+                the data prefix; nothing after it was written. Or a manifest that did not
+                decode :data:`MANIFEST_ATTEMPTS` times in a row.
+            NotFoundError: a manifest entry's object is missing (``BatchNotFoundError``);
+                nothing after it was written. Or a manifest missing that many times in a row.
             SinkError: the database refused a batch for good.
             InvalidInputError: the sink's last sequence does not fit this queue.
         """
@@ -322,12 +333,19 @@ class ConsumerService:
                     stop.wait(idle_delay)
                     idle_delay = min(idle_delay * 2, self._poll_max)
                     continue
-                except (FormatError, NotFoundError) as err:
-                    # A batch object that cannot be read (or the manifest: then it raises
-                    # again). Everything written before it is acked by now.
+                except BadBatchError as err:
+                    # A batch object that cannot be read. Everything written before it is
+                    # acked by now.
                     if not self._bad_batch(None, err, stop):
                         return
                     continue
+                except (FormatError, NotFoundError) as err:
+                    # The manifest itself (the fencing check, a refresh): no batch is at
+                    # fault, none is set aside.
+                    if not self._manifest_trouble(err, stop):
+                        return
+                    continue
+                self._manifest_failures = 0
             if not group:
                 self._report_progress()
                 if until_idle:
@@ -345,6 +363,34 @@ class ConsumerService:
             )
             if not self._write_group(group, stop):
                 return  # stopped while the database was unavailable; nothing more is acked
+
+    def _manifest_trouble(self, err: FormatError | NotFoundError, stop: threading.Event) -> bool:
+        """The manifest answered 404 or bytes that do not decode: retried with backoff while
+        it may be passing (a store answering 404 for a moment, a read cut short), then a stop
+        naming the manifest. ``False`` when stopped meanwhile.
+
+        Raises:
+            FormatError, NotFoundError: the same error, :data:`MANIFEST_ATTEMPTS` times in a
+                row, with the manifest named.
+        """
+        self._manifest_failures += 1
+        manifest = f"{self._consumer.store.url}/{self._consumer.config.manifest_path}"
+        if self._manifest_failures >= MANIFEST_ATTEMPTS:
+            raise type(err)(
+                f"the queue manifest {manifest} could not be read {self._manifest_failures} "
+                f"times in a row (no batch is at fault; none was set aside): {err}"
+            ) from err
+        delay = min(self._retry_initial * 2 ** (self._manifest_failures - 1), self._retry_max)
+        logger.warning(
+            "reading the queue manifest %s failed (%s of %s), retrying in %.1f s: %s",
+            manifest,
+            self._manifest_failures,
+            MANIFEST_ATTEMPTS,
+            delay,
+            err,
+        )
+        self._note_retry("read the queue manifest", err)
+        return not stop.wait(delay)
 
     def _take_ahead(self, *, until_idle: bool) -> list[ConsumedBatch] | None:
         """The group delivered while the last one was written; ``None`` when there is none,
@@ -498,8 +544,8 @@ class ConsumerService:
     ) -> bool:
         """A batch that cannot be written: stop on it (raise ``err``) or set it aside.
 
-        ``batch`` is ``None`` when it could not even be fetched or decoded. ``False`` when
-        stopped meanwhile.
+        ``batch`` is ``None`` when it could not even be fetched or decoded (``err`` is then
+        the :class:`BadBatchError` naming it). ``False`` when stopped meanwhile.
 
         Raises:
             MillpondError: ``err`` itself when stopping on it (the default), or when
@@ -509,9 +555,13 @@ class ConsumerService:
         if batch is not None:
             sequence, location, metadata = batch.sequence, batch.location, batch.metadata
         else:
-            entry = self._pending_entry()
-            if entry is None:
-                raise err  # not a batch: the manifest itself
+            entry = self._consumer.next_entry()
+            if (
+                not isinstance(err, BadBatchError)
+                or entry is None
+                or (entry.sequence, entry.location) != (err.sequence, err.location)
+            ):
+                raise err  # not the batch the consumer would deliver next: nothing to set aside
             sequence, location, metadata = entry.sequence, entry.location, entry.metadata
         why = f"{type(err).__name__}: {err}"
         if batch is None and isinstance(err, NotFoundError):
@@ -594,10 +644,11 @@ class ConsumerService:
             if not self._ack(batch, stop):
                 return False
         else:
-            # Never delivered: the consumer would fetch it again. Resume after it, as a
-            # restarted service does (the sink's last sequence now covers it).
+            # Never delivered: the consumer would fetch it again. Acknowledged without being
+            # delivered, under a fencing check like any ack; never a new takeover, which
+            # would fence a consumer that took the queue over meanwhile.
             def move_past() -> bool:
-                consumer.initialize(last_acked_sequence=sequence)
+                consumer.pass_over(sequence)
                 return True
 
             if self._with_retry(stop, f"move past sequence {sequence}", move_past) is None:
@@ -646,24 +697,6 @@ class ConsumerService:
                 f"{sequence} ({location}) instead: that many look like a problem of the "
                 f"database or the configuration, not of the data. {why}"
             ) from err
-
-    def _pending_entry(self) -> ManifestEntry | None:
-        """The entry ``next_batch()`` failed on, or ``None`` when the manifest cannot be read.
-
-        The loop acks every batch it was handed before asking for the next, so the failing
-        one is the first entry after the last ack.
-        """
-        consumer = self._consumer
-        # The consumer knows it (it may sit in the backlog index, not the manifest).
-        known = consumer.next_entry()
-        if known is not None:
-            return known
-        try:
-            manifest = read_manifest(consumer.store, consumer.config.manifest_path).manifest
-        except MillpondError:
-            return None
-        acked = consumer.acked_sequence
-        return next((e for e in manifest.entries if acked is None or e.sequence > acked), None)
 
     def _report_progress(self) -> None:
         if self._reporter is None:

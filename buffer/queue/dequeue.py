@@ -96,7 +96,10 @@ class QueueConsumer:
         """Increment the manifest epoch (creating an empty manifest if none exists).
 
         An ambiguous write is never taken as ours: another consumer may have written the same
-        epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads.
+        epoch. Bumping again is harmless, so the loop simply bumps past whatever it reads —
+        unless this consumer held an epoch before: then it bumps only a manifest that still
+        carries it (every write is conditional on what was read), and one that lost the queue
+        raises ``FencedError`` instead of fencing the consumer that took it over.
         Right after :meth:`peek`, the first attempt writes over what it read
         (conditional on its ETag, so only if nothing changed since) instead of reading again.
 
@@ -105,6 +108,8 @@ class QueueConsumer:
 
         Raises:
             FormatError: the stored manifest is corrupt.
+            FencedError: this consumer held an epoch before, and the manifest carries
+                another now.
             StorageError: the retry budget ran out.
         """
         cas = self._cas
@@ -114,7 +119,10 @@ class QueueConsumer:
             try:
                 current = known if known is not None else cas.read()
                 base = current.data if current is not None else empty_manifest()
-                epoch = decode_footer(base, name=cas.path).epoch + 1
+                found = decode_footer(base, name=cas.path).epoch
+                if self._epoch is not None:
+                    self._check_epoch(found)  # lost the queue: never take it back
+                epoch = found + 1
                 data = with_epoch(base, epoch)
                 etag = cas.write(current, data)
             except ConflictError as err:

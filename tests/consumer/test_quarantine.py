@@ -402,7 +402,11 @@ def test_on_bad_batch_quarantine_sets_each_aside_and_counts_it(
     assert _numbers(database) == [*range(10, 20), *range(30, 40)]
     rows = _quarantine_rows(database)
     assert [s for s, _r, _ in rows] == [0, 2]
-    assert all(r.startswith("--on-bad-batch quarantine: FormatError") for _s, r, _ in rows)
+    # Sequence 0 cannot be decoded (its object's error), sequence 2's rows are refused.
+    assert [r.split(":")[:2] for _s, r, _ in rows] == [
+        ["--on-bad-batch quarantine", " CorruptBatchError"],
+        ["--on-bad-batch quarantine", " FormatError"],
+    ]
     assert {o.path for o in store.list(DEAD)} == {
         path for sequence in (0, 2) for path in dead_letter_paths(DEAD, sequence)
     }
@@ -443,7 +447,7 @@ def test_a_stop_on_a_batch_is_reported_with_the_command(
     assert report.stopped_on is not None
     assert report.stopped_on.sequence == 1
     assert report.stopped_on.command == "millpond quarantine --sequence 1"
-    assert "FormatError" in report.stopped_on.error
+    assert "CorruptBatchError" in report.stopped_on.error
     assert (report.rows, report.last_sequence) == (10, 0)
 
 

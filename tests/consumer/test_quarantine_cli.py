@@ -120,7 +120,7 @@ def test_quarantine_and_replay_end_to_end_on_seaweedfs_and_postgresql(
     report = record["consumer"]
     assert report["state"] == "stopped_on_batch"
     assert report["stopped_on"]["sequence"] == 3
-    assert "FormatError" in report["stopped_on"]["error"]
+    assert "CorruptBatchError" in report["stopped_on"]["error"]
     text = _cli("status", target.url, *_store_args(target)).stdout
     assert f"STOPPED on sequence 3 ({poison})" in text
     command = report["stopped_on"]["command"]

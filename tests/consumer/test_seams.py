@@ -8,18 +8,32 @@ consumer that failed its start checks leaving objects behind (6).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from consumer_support import PREFIX, QueueWriter, quiet_consumer
+from consumer_support import (
+    FAST_RETRY,
+    MANIFEST,
+    PREFIX,
+    Database,
+    QueueWriter,
+    numbered,
+    quiet_consumer,
+)
 
-from millpond.consumer import Consumer
-from millpond.errors import FencedError
+from millpond.consumer import Consumer, ConsumerConfig
+from millpond.consumer.service import MANIFEST_ATTEMPTS, ConsumerService, ServiceStats
+from millpond.consumer.sinks import AdbcSink
+from millpond.errors import BadBatchError, FencedError, FormatError, NotFoundError
+from millpond.queue import read_manifest
 from millpond.queue.index import head_path, read_indexed
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+
+GARBAGE = b"\x00 this is not a batch object \x00"
 
 
 class _BeforeWrite(ForwardingStore):
@@ -98,4 +112,167 @@ def _drain(consumer: Consumer) -> list[Any]:
     return out
 
 
-_ = threading
+# -- case 4 --------------------------------------------------------------------------------
+
+
+class _LedgerHook:
+    """The service's quarantine ledger (the sink), running ``hook`` once before the first look
+    the service takes at it for a batch it cannot read: between the fencing check that let it
+    see the batch and the move past it."""
+
+    def __init__(self, sink: AdbcSink, hook: Callable[[], None]) -> None:
+        self._sink = sink
+        self._hook: Callable[[], None] | None = hook
+
+    def _fire(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+
+    def skip_recorded(self, queue: str, *, sequence: int, location: str) -> int | None:
+        self._fire()
+        return self._sink.skip_recorded(queue, sequence=sequence, location=location)
+
+    def quarantined(self, queue: str) -> Any:
+        self._fire()
+        return self._sink.quarantined(queue)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)
+
+
+def _queue_for_case4(store: ObjectStore, database: Database, kind: str) -> None:
+    """Sequence 1 is a batch the service cannot read: a corrupt object (``quarantine``), or
+    (``duplicate``) a location written before whose object was collected since."""
+    writer = QueueWriter(store)
+    if kind == "quarantine":
+        writer.append_arrow(numbered(0, 10))
+        _seq, corrupt = writer.append_arrow(numbered(10, 10))
+        store.put(corrupt, GARBAGE)
+    else:
+        _seq, location = writer.append_arrow(numbered(10, 10))
+        _serve(store, database)  # written and dequeued
+        store.delete_many([location])  # then collected
+        writer.append_arrow(numbered(0, 10))
+        writer.enqueue(location)  # the same location again: the sink skips it
+    writer.append_arrow(numbered(20, 10))
+
+
+def _serve(store: ObjectStore, database: Database, **options: Any) -> ServiceStats:
+    consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    with database.sink() as sink:
+        service = ConsumerService(consumer, sink, retry_initial_delay=0.01, **options)
+        return service.run(threading.Event(), until_idle=True)
+
+
+@pytest.mark.parametrize("kind", ["quarantine", "duplicate"])
+def test_case4_an_older_service_never_takes_the_queue_back_after_moving_past_a_batch(
+    store: ObjectStore, database: Database, kind: str
+) -> None:
+    """A service moving past a batch it could not read (set aside by ``--on-bad-batch
+    quarantine``, or a duplicate of a location whose object is gone under the default policy)
+    called ``initialize()`` again, bumping the epoch over a newer consumer that had taken
+    over meanwhile (a rolling restart), and went on consuming."""
+    _queue_for_case4(store, database, kind)
+    newer = quiet_consumer(store)
+    older = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY))
+    with database.sink() as sink:
+        service = ConsumerService(
+            older,
+            sink,
+            retry_initial_delay=0.01,
+            on_bad_batch="quarantine" if kind == "quarantine" else "stop",
+            ledger=_LedgerHook(sink, newer.initialize),  # type: ignore[arg-type]
+        )
+        with pytest.raises(FencedError):
+            service.run(threading.Event(), until_idle=True)
+    assert newer.epoch is not None
+    assert read_manifest(store, MANIFEST).manifest.epoch == newer.epoch
+    with contextlib.suppress(BadBatchError):  # not FencedError: it still holds the queue
+        newer.next_batch()  # the batch it cannot read, or the one after it
+    newer.close()
+
+
+def test_case4_a_consumer_that_lost_the_queue_never_bumps_the_epoch_again(
+    store: ObjectStore,
+) -> None:
+    writer = QueueWriter(store)
+    writer.append([b"r0"])
+    older = quiet_consumer(store)
+    older.initialize()
+    newer = quiet_consumer(store)
+    newer.initialize()
+    with pytest.raises(FencedError):
+        older.initialize()  # it has not even noticed yet: the manifest tells it
+    with pytest.raises(FencedError):
+        older.initialize()  # and once it knows, without a request
+    assert read_manifest(store, MANIFEST).manifest.epoch == newer.epoch
+    batch = newer.next_batch()
+    assert batch is not None
+    newer.ack(batch.sequence)
+    newer.close()
+    older.close()
+
+
+# -- case 5 --------------------------------------------------------------------------------
+
+
+class _ManifestAnswers(ForwardingStore):
+    """The fencing check's read of the manifest answers 404 or garbage ``times`` times."""
+
+    def __init__(self, inner: ObjectStore, answer: str, times: int) -> None:
+        super().__init__(inner)
+        self._answer = answer
+        self.left = times
+
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        if path == MANIFEST and self.left > 0:
+            self.left -= 1
+            if self._answer == "404":
+                raise NotFoundError(f"{path}: not found (injected)")
+            return GetResult(b"\xff" * length, "garbage-etag")
+        return self.inner.get_tail(path, length, etag)
+
+
+def _queue_of_three(store: ObjectStore) -> None:
+    writer = QueueWriter(store)
+    for i in range(3):
+        writer.append_arrow(numbered(i * 10, 10))
+
+
+@pytest.mark.parametrize("policy", ["stop", "quarantine"])
+@pytest.mark.parametrize("answer", ["404", "garbage"])
+def test_case5_a_manifest_error_for_a_moment_sets_no_good_batch_aside(
+    store: ObjectStore, database: Database, answer: str, policy: str
+) -> None:
+    """One transient 404 (or a read that does not decode) of the manifest at the fencing
+    check was taken for the next batch's fault: set aside, or a stop telling the operator to
+    quarantine a good batch."""
+    _queue_of_three(store)
+    flaky = _ManifestAnswers(store, answer, times=2)
+    stats = _serve(flaky, database, on_bad_batch=policy)
+    assert flaky.left == 0, "the fencing check never met the injected answer"
+    assert (stats.batches, stats.quarantined, stats.skipped) == (3, 0, 0)
+    assert sorted(n for (n,) in database.query(f'SELECT n FROM "{database.table}"')) == list(
+        range(30)
+    )
+    assert read_manifest(store, MANIFEST).manifest.entries == ()
+    with database.sink() as sink:
+        assert sink.quarantined(queue=quiet_consumer(store).queue) == []
+
+
+@pytest.mark.parametrize("answer", ["404", "garbage"])
+def test_case5_a_manifest_that_stays_unreadable_stops_the_service_naming_it(
+    store: ObjectStore, database: Database, answer: str
+) -> None:
+    _queue_of_three(store)
+    flaky = _ManifestAnswers(store, answer, times=1000)
+    expected = NotFoundError if answer == "404" else FormatError
+    with pytest.raises(expected) as caught:
+        _serve(flaky, database, on_bad_batch="quarantine")
+    assert not isinstance(caught.value, BadBatchError)
+    message = str(caught.value)
+    assert f"the queue manifest {store.url}/{MANIFEST} could not be read" in message
+    assert f"{MANIFEST_ATTEMPTS} times in a row" in message
+    with database.sink() as sink:
+        assert sink.quarantined(queue=quiet_consumer(store).queue) == []

@@ -21,6 +21,9 @@ EXPECTED_TREE: dict[str, tuple[type[BaseException], ...]] = {
     "InvalidInputError": (errors.MillpondError, ValueError),
     "ConfigError": (errors.MillpondError, ValueError),
     "StoreAccessError": (errors.MillpondError,),
+    "BadBatchError": (errors.MillpondError,),
+    "CorruptBatchError": (errors.FormatError, errors.BadBatchError),
+    "BatchNotFoundError": (errors.NotFoundError, errors.BadBatchError),
 }
 
 
