@@ -10,7 +10,11 @@ signed-URL route it would take ignores ``x-goog-if-generation-match``. Its JSON 
 to a small translating proxy on another loopback port (:class:`_XmlUploadProxy`): it turns
 each XML upload into a JSON multipart upload carrying the same precondition, answers with the
 ``ETag`` and ``x-goog-generation`` headers the XML API would send, and passes every other
-request through untouched. The compare-and-swap is the server's own; the proxy only translates.
+request through untouched. An XML copy (a ``PUT`` naming ``x-goog-copy-source``) becomes the JSON
+API's ``copyTo``, which answers 404 for a missing source; fake-gcs-server's ``copyTo`` ignores
+preconditions, so a copy carrying ``x-goog-if-generation-match`` reads the source and writes it
+with a multipart upload carrying that precondition instead. The compare-and-swap is the server's
+own; the proxy only translates.
 ``GcsEndpoint.direct_url`` is the server without the proxy, for showing what ``millpond
 doctor`` says about it.
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from xml.sax.saxutils import escape
 
 from millpond.localstack._child import ChildServer, start_or_close
 from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
@@ -44,6 +49,12 @@ _NO_SUCH_BUCKET = (
     "<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchBucket</Code>"
     "<Message>The specified bucket does not exist.</Message></Error>"
 )
+_NO_SUCH_KEY = (
+    "<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchKey</Code>"
+    "<Message>The specified key does not exist.</Message><Details>No such object: {}</Details>"
+    "</Error>"
+)
+_XML = [("Content-Type", "application/xml; charset=UTF-8")]
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -264,6 +275,11 @@ class _XmlUploadProxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # TCP_NODELAY: the status line and headers go out in one write and the body in
+            # another; with Nagle on, the body waits for the client's delayed ACK (~40 ms on
+            # every answer with a body). The upstream side needs nothing: http.client sets
+            # TCP_NODELAY itself and sends a bytes body with its headers.
+            disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: Any) -> None:
                 if logger.isEnabledFor(logging.DEBUG):
@@ -316,7 +332,9 @@ class _XmlUploadProxy:
             and not any(k == "uploadType" for k, _ in parse_qsl(parts.query))
         )
         try:
-            if is_xml_upload:
+            if is_xml_upload and "x-goog-copy-source" in request.headers:
+                status, headers, payload = self._copy(request, segments[0], segments[1])
+            elif is_xml_upload:
                 status, headers, payload = self._upload(request, segments[0], segments[1], body)
             else:
                 status, headers, payload = self._forward(request, body)
@@ -344,13 +362,97 @@ class _XmlUploadProxy:
     def _upload(
         self, request: http.server.BaseHTTPRequestHandler, bucket: str, name: str, body: bytes
     ) -> tuple[int, list[tuple[str, str]], bytes]:
-        query = {"uploadType": "multipart", "name": unquote(name)}
+        status, headers, payload = self._insert(
+            unquote(bucket),
+            unquote(name),
+            body,
+            request.headers.get("Content-Type") or "application/octet-stream",
+            request.headers.get("x-goog-if-generation-match"),
+        )
+        if status == 404:  # the JSON API's way of saying what the XML API calls NoSuchBucket
+            return 404, _XML, _NO_SUCH_BUCKET.encode()
+        if status != 200:
+            return status, headers, payload
+        attrs = json.loads(payload)
+        return (
+            200,
+            [("ETag", f'"{attrs["etag"]}"'), ("x-goog-generation", str(attrs["generation"]))],
+            b"",
+        )
+
+    def _copy(
+        self, request: http.server.BaseHTTPRequestHandler, bucket: str, name: str
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        """An XML-API copy: ``PUT /{bucket}/{name}`` with ``x-goog-copy-source:
+        [/]{bucket}/{object}`` (obstore percent-encodes the object name) and an empty body."""
+        untranslated = sorted(
+            key
+            for key in request.headers
+            if key.lower().startswith("x-goog-copy-source-")
+            or key.lower() == "x-goog-metadata-directive"
+        )
+        if untranslated:  # refused aloud rather than copied without them
+            message = f"gcs proxy: a copy with {', '.join(untranslated)} is not translated"
+            return 501, [("Content-Type", "text/plain")], message.encode()
+        source = request.headers["x-goog-copy-source"].lstrip("/")
+        source_bucket, _, source_name = (unquote(part) for part in source.partition("/"))
+        bucket, name = unquote(bucket), unquote(name)
         generation = request.headers.get("x-goog-if-generation-match")
+        if generation is None:
+            status, headers, payload = self._send(
+                "POST",
+                f"/storage/v1/b/{_q(source_bucket)}/o/{_q(source_name)}"
+                f"/copyTo/b/{_q(bucket)}/o/{_q(name)}",
+                b"",
+                {"Content-Type": "application/json"},
+            )
+        else:
+            # fake-gcs-server's copyTo writes unconditionally: read the source, and let a
+            # multipart upload carry the precondition, which the server checks atomically.
+            status, headers, payload = self._send(
+                "GET", f"/download/storage/v1/b/{_q(source_bucket)}/o/{_q(source_name)}", b"", {}
+            )
+            if status == 200:
+                content_type = next(
+                    (v for k, v in headers if k.lower() == "content-type"),
+                    "application/octet-stream",
+                )
+                status, headers, payload = self._insert(
+                    bucket, name, payload, content_type, generation
+                )
+        if status == 404:  # a missing source object, or a missing bucket at either end
+            if not (self._bucket_exists(source_bucket) and self._bucket_exists(bucket)):
+                return 404, _XML, _NO_SUCH_BUCKET.encode()
+            return 404, _XML, _NO_SUCH_KEY.format(escape(source)).encode()
+        if status != 200:
+            return status, headers, payload
+        attrs = json.loads(payload)
+        etag = f'"{attrs["etag"]}"'
+        result = (
+            "<?xml version='1.0' encoding='UTF-8'?><CopyObjectResult>"
+            f"<LastModified>{escape(str(attrs.get('updated', '')))}</LastModified>"
+            f"<ETag>{escape(etag)}</ETag></CopyObjectResult>"
+        )
+        return (
+            200,
+            [*_XML, ("ETag", etag), ("x-goog-generation", str(attrs["generation"]))],
+            result.encode(),
+        )
+
+    def _bucket_exists(self, bucket: str) -> bool:
+        status, _, _ = self._send("GET", f"/storage/v1/b/{_q(bucket)}", b"", {})
+        return status != 404
+
+    def _insert(
+        self, bucket: str, name: str, body: bytes, content_type: str, generation: str | None
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
+        """A JSON-API multipart upload of ``body`` to ``bucket``/``name`` (both unquoted),
+        carrying ``ifGenerationMatch`` when ``generation`` is not ``None``."""
+        query = {"uploadType": "multipart", "name": name}
         if generation is not None:
             query["ifGenerationMatch"] = generation
         boundary = uuid.uuid4().hex
-        content_type = request.headers.get("Content-Type") or "application/octet-stream"
-        metadata = json.dumps({"name": unquote(name), "contentType": content_type}).encode()
+        metadata = json.dumps({"name": name, "contentType": content_type}).encode()
         multipart = b"".join(
             [
                 f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
@@ -360,21 +462,11 @@ class _XmlUploadProxy:
                 f"\r\n--{boundary}--\r\n".encode(),
             ]
         )
-        path = f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?" + "&".join(
-            f"{k}={quote(v, safe='')}" for k, v in query.items()
+        path = f"/upload/storage/v1/b/{_q(bucket)}/o?" + "&".join(
+            f"{k}={_q(v)}" for k, v in query.items()
         )
-        status, headers, payload = self._send(
+        return self._send(
             "POST", path, multipart, {"Content-Type": f"multipart/related; boundary={boundary}"}
-        )
-        if status == 404:  # the JSON API's way of saying what the XML API calls NoSuchBucket
-            return 404, [("Content-Type", "application/xml")], _NO_SUCH_BUCKET.encode()
-        if status != 200:
-            return status, headers, payload
-        attrs = json.loads(payload)
-        return (
-            200,
-            [("ETag", f'"{attrs["etag"]}"'), ("x-goog-generation", str(attrs["generation"]))],
-            b"",
         )
 
     def _send(
@@ -401,6 +493,11 @@ class _XmlUploadProxy:
                 if attempt == 2 or (sent and method not in ("GET", "HEAD")):
                     raise
         raise AssertionError("unreachable")
+
+
+def _q(text: str) -> str:
+    """Percent-encode a bucket or object name as one path segment (``/`` included)."""
+    return quote(text, safe="")
 
 
 def start_fake_gcs(

@@ -11,9 +11,12 @@ import uuid
 import warnings
 from pathlib import Path
 
+import obstore
+import obstore.exceptions
+import obstore.store
 import pytest
 
-from millpond.errors import ConflictError, StorageError
+from millpond.errors import ConflictError, StorageError, StoreAccessError
 from millpond.localstack import (
     AzureEndpoint,
     Azurite,
@@ -126,6 +129,32 @@ def _race(store: ObjectStore, path: str, base: str | None, contenders: int) -> l
     for thread in threads:
         thread.join()
     return winners
+
+
+def test_the_gcs_proxy_copies_under_x_goog_if_generation_match(fake_gcs: GcsEndpoint) -> None:
+    """obstore's copy-if-not-exists sends ``x-goog-if-generation-match: 0``; fake-gcs-server's
+    copyTo ignores preconditions, so the proxy must not route such a copy through it."""
+    store = obstore.store.from_url(fake_gcs.url_for(_root()), config=fake_gcs.store_options())
+    obstore.put(store, "src", b"source")
+    obstore.put(store, "taken", b"taken")
+    with pytest.raises(obstore.exceptions.AlreadyExistsError):
+        obstore.copy(store, "src", "taken", overwrite=False)
+    assert bytes(obstore.get(store, "taken").bytes()) == b"taken"
+    obstore.copy(store, "src", "free", overwrite=False)
+    assert bytes(obstore.get(store, "free").bytes()) == b"source"
+    with pytest.raises(FileNotFoundError):
+        obstore.copy(store, "missing", "free-2", overwrite=False)
+    with pytest.raises(FileNotFoundError):
+        obstore.head(store, "free-2")
+
+
+def test_a_gcs_copy_in_a_missing_bucket_names_the_bucket(fake_gcs: GcsEndpoint) -> None:
+    """A 404 from the JSON copy is a missing object unless a bucket is missing, which the XML
+    API calls NoSuchBucket and millpond reports as the store's bucket problem."""
+    store = open_store(f"gs://no-such-bucket-{uuid.uuid4().hex}/r", fake_gcs.store_options())
+    with pytest.raises(StoreAccessError) as info:
+        store.copy("a", "b")
+    assert info.value.problem == "bucket"
 
 
 def test_azurite_through_the_emulator_variables(

@@ -155,6 +155,30 @@ def test_case2_get_tail_on_azure_reads_one_version_when_replaced_between_head_an
     assert store.get_tail("m", 10, seen) == GetResult(data=b"FOOTER-333", etag=written[0])
 
 
+def test_copy_copies_the_bytes_and_overwrites(store: ObjectStore) -> None:
+    """The quarantine and the Spark commit copy objects. fake-gcs-server's proxy once turned
+    obstore's copy (a PUT with ``x-goog-copy-source`` and no body) into an upload of nothing."""
+    etag = store.put("a/src", b"payload")
+    store.copy("a/src", "b/new copy")
+    assert store.get("b/new copy").data == b"payload"
+    store.put("b/old", b"older bytes")
+    store.copy("a/src", "b/old")
+    assert store.get("b/old").data == b"payload"
+    assert store.head("b/old").size == len(b"payload")
+    assert store.get("a/src") == GetResult(data=b"payload", etag=etag)
+
+
+def test_copy_of_a_missing_object_is_not_found_and_writes_nothing(store: ObjectStore) -> None:
+    with pytest.raises(NotFoundError):
+        store.copy("nope/obj", "b/dst")
+    with pytest.raises(NotFoundError):
+        store.get("b/dst")
+    store.put("b/kept", b"kept")
+    with pytest.raises(NotFoundError):
+        store.copy("nope/obj", "b/kept")
+    assert store.get("b/kept").data == b"kept"
+
+
 def test_list_recursive_and_not(store: ObjectStore) -> None:
     for path in ["p/a", "p/b", "p/sub/c", "p/sub/deeper/d", "pother/x", "top"]:
         store.put(path, path.encode())
