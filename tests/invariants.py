@@ -195,13 +195,27 @@ class ConsumerEvent:
 
 
 def assert_fenced_delivered_nothing(events: Sequence[ConsumerEvent]) -> None:
-    """After consumer ``c``'s ``initialize()`` returned, no consumer ``< c`` delivered or acked."""
-    newest = -1
+    """After consumer ``c``'s ``initialize()`` returned, no consumer whose ``initialize()``
+    returned before it delivered or acked, or took the queue back.
+
+    Takeovers are ordered by when they returned, not by who started first: a takeover that
+    runs inside another's (between two of its requests, before its epoch bump) returns first
+    and is fenced by the one it ran inside.
+    """
+    holder: int | None = None
+    fenced: dict[int, int] = {}  # fenced consumer -> the consumer whose takeover fenced it
     for event in events:
         if event.kind == "initialized":
-            newest = max(newest, event.consumer)
-        elif event.consumer < newest:
+            if event.consumer in fenced:
+                raise AssertionError(
+                    f"step {event.step}: consumer {event.consumer} took the queue back after "
+                    f"consumer {fenced[event.consumer]} had taken it over"
+                )
+            if holder is not None and holder != event.consumer:
+                fenced[holder] = event.consumer
+            holder = event.consumer
+        elif event.consumer in fenced:
             raise AssertionError(
                 f"step {event.step}: consumer {event.consumer} {event.kind} sequence "
-                f"{event.sequence} after consumer {newest} had taken over"
+                f"{event.sequence} after consumer {fenced[event.consumer]} had taken over"
             )

@@ -337,8 +337,13 @@ class ConsumerRole:
         progress_table: str | None = None,
         read_ahead: int = 1,
         backlog_index: bool = False,
+        took_over: Callable[[ConsumerRole], None] | None = None,
     ) -> None:
         self.number = number
+        self._took_over = took_over
+        self.after_takeover: list[Fault] = []
+        """Faults armed on its store once its takeover has returned (a manifest that answers
+        404 for a while is met mid-run, not at start-up)."""
         self._read_ahead = read_ahead
         self.queue = queue
         self.backlog_index = backlog_index
@@ -394,13 +399,22 @@ class ConsumerRole:
     def record(self, kind: str, sequence: int | None = None) -> None:
         self._events.append(ConsumerEvent(self._step(), self.number, kind, sequence))
 
+    def _taken(self) -> None:
+        """Its takeover returned: older consumers are fenced; faults for mid-run are armed."""
+        self.record("initialized")
+        if self._took_over is not None:
+            self._took_over(self)
+        for fault in self.after_takeover:
+            self.store.arm(fault)
+        self.after_takeover = []
+
     def take_over(self) -> None:
         """``initialize()`` at the sink's last sequence (a service start)."""
         self._open()
         assert self.consumer is not None
         consumer = self.consumer
         take_over(consumer, lambda: self.sink.last_sequence(consumer.queue))
-        self.record("initialized")
+        self._taken()
 
     def run_service(self, on_bad_batch: str = "stop") -> None:
         """``millpond consume --exit-when-idle [--on-bad-batch ...]``: take over and drain."""
@@ -420,7 +434,7 @@ class ConsumerRole:
 
         def initialize(last_acked_sequence: int | None = None) -> None:
             original(last_acked_sequence)
-            self.record("initialized")
+            self._taken()
 
         self.consumer.initialize = initialize  # type: ignore[method-assign]
         service.run(stop, until_idle=True)

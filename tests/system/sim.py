@@ -8,9 +8,16 @@
 * :class:`RoleStore` — what one role (a producer process, a consumer, a collector, a Spark
   driver) sees of the store. The schedule arms faults on it: a call that fails before it reaches
   the store, one that lands and then reports failure, a conditional write held back and landed
-  later (behind a newer one's back), the store down for a while, and a crash of the role at any
-  call (before or after the call lands), after which every call of that role raises
-  :class:`SimulatedCrash`.
+  later (behind a newer one's back), the store down for a while, the queue's manifest answering
+  404 or garbage to the role's reads for a while, and a crash of the role at any call (before
+  or after the call lands), after which every call of that role raises
+  :class:`SimulatedCrash`. A schedule may also run another role's action between any two of
+  this role's requests (:meth:`RoleStore.interleave`): a takeover between any two requests of an
+  older consumer.
+
+Fencing at the store: once a newer consumer's takeover has returned (:meth:`Recorder.fence`),
+no conditional write of an older consumer of that queue — the manifest, the backlog index
+head — may land; the recorder notes any that does (:attr:`Recorder.fenced_writes`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from millpond.errors import CommitStateUnknownError, ConflictError, StorageError
+from millpond.errors import CommitStateUnknownError, ConflictError, NotFoundError, StorageError
 from millpond.formats.manifest import decode_manifest
 from millpond.queue import peek as peek_module
 from millpond.queue.index import decode_head
@@ -173,6 +180,15 @@ class Recorder(ForwardingStore):
         """Locations a manifest state held twice (step and location), for the checker."""
         self.held: list[Callable[[], object]] = []
         """Conditional manifest writes held back; they land before the next manifest write."""
+        self.fenced: set[str] = set()
+        """Role names of consumers a newer consumer's takeover has fenced (it returned)."""
+        self.fenced_writes: list[str] = []
+        """Conditional writes of a fenced consumer that landed after the takeover returned."""
+
+    def fence(self, roles: Iterable[str]) -> None:
+        """A takeover returned: no conditional write of these consumers may land from now."""
+        with self.lock:
+            self.fenced.update(roles)
 
     # -- recording ------------------------------------------------------------------------
 
@@ -285,11 +301,13 @@ class Fault:
 
     op: str
     """``cas`` (conditional manifest writes), ``put`` (batch object writes), ``read`` (any
-    read), ``delete``, or ``any``."""
+    read), ``delete``, ``any``; or ``manifest``: the role's reads of a queue's manifest, with
+    the modes ``missing`` and ``garbage`` (and only those)."""
     mode: str
     """``fail`` (before the store), ``land`` (lands, then reports failure), ``hold`` (a
     conditional write held back and landed later), ``crash`` (the role dies before the call)
-    or ``crash_after`` (it dies after the call landed)."""
+    or ``crash_after`` (it dies after the call landed); for ``manifest``, ``missing`` (a 404)
+    or ``garbage`` (bytes that do not decode)."""
     after: int = 0
     times: int = 1
 
@@ -324,6 +342,28 @@ class RoleStore(ForwardingStore):
         self.faults: list[Fault] = []
         self.dead = False
         self._lock = threading.Lock()
+        self.requests = 0
+        """Requests made so far, fetches of batch objects not counted (the read-ahead's
+        threads send them in no fixed order)."""
+        self._interleave: tuple[int, Callable[[], None]] | None = None
+
+    def interleave(self, at: int, action: Callable[[], None]) -> None:
+        """Run ``action`` once, just before this role's request number ``at`` (from 0) is
+        sent, on the thread sending it: another role acts between two of this one's."""
+        with self._lock:
+            self._interleave = (at, action)
+
+    def _point(self, path: str, *, fetch: bool = False) -> None:
+        """A request is about to be sent: count it, and run the interleaved action if due."""
+        if fetch and path.endswith(".batch"):
+            return
+        with self._lock:
+            number, self.requests = self.requests, self.requests + 1
+            due = self._interleave
+            if due is None or due[0] != number:
+                return
+            self._interleave = None
+        due[1]()
 
     def arm(self, fault: Fault) -> None:
         with self._lock:
@@ -338,7 +378,7 @@ class RoleStore(ForwardingStore):
             if self.dead:
                 raise SimulatedCrash(f"{self.name} is dead")
             for fault in self.faults:
-                if fault.op not in (op, "any"):
+                if fault.op not in (op, "any") or (op == "manifest") != (fault.op == "manifest"):
                     continue
                 if fault.after > 0:
                     fault.after -= 1
@@ -359,7 +399,14 @@ class RoleStore(ForwardingStore):
             self.dead = True
         raise SimulatedCrash(f"{self.name} crashed after a {op} landed")
 
-    def _read(self, call: Callable[[], Any]) -> Any:
+    def _read(self, path: str, call: Callable[[], Any], *, garbage: int = 64) -> Any:
+        self._point(path, fetch=True)
+        if path in self.recorder.footers:
+            answer = self._take("manifest")
+            if answer == "missing":
+                raise NotFoundError(f"{path}: not found (simulated: the manifest answers 404)")
+            if answer == "garbage":
+                return GetResult(b"\xff" * garbage, '"garbage"')
         mode = self._take("read")
         if mode == "fail":
             raise StorageError(f"{self.name}: injected read failure")
@@ -389,8 +436,27 @@ class RoleStore(ForwardingStore):
 
         return land
 
+    def _fenced_check(self, op: str, path: str, call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call``, noting it when it lands after a takeover fenced this role (decided under
+        the recorder's lock, which the landing and :meth:`Recorder.fence` both take)."""
+        if op != "cas" and not path.endswith("/_millpond/index/head"):
+            return call
+
+        def land() -> Any:
+            with self.recorder.lock:
+                result = call()
+                if self.name in self.recorder.fenced:
+                    self.recorder.fenced_writes.append(
+                        f"step {self.recorder.step}: {self.name} wrote {path} after a newer "
+                        "consumer's takeover returned"
+                    )
+                return result
+
+        return land
+
     def _write(self, op: str, path: str, call: Callable[[], Any], held: bool = False) -> Any:
-        call = self._in_time(op, path, call)
+        self._point(path)
+        call = self._fenced_check(op, path, self._in_time(op, path, call))
         mode = self._take(op)
         if mode == "fail":
             raise CommitStateUnknownError(f"{path}: injected failure before sending")
@@ -415,24 +481,26 @@ class RoleStore(ForwardingStore):
     # -- the ObjectStore surface ----------------------------------------------------------
 
     def get(self, path: str) -> GetResult:
-        result: GetResult = self._read(lambda: self.inner.get(path))
+        result: GetResult = self._read(path, lambda: self.inner.get(path))
         return result
 
     def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        result: GetResult | None = self._read(lambda: self.inner.get_if_changed(path, etag))
+        result: GetResult | None = self._read(path, lambda: self.inner.get_if_changed(path, etag))
         return result
 
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
-        result: GetResult | None = self._read(lambda: self.inner.get_tail(path, length, etag))
+        result: GetResult | None = self._read(
+            path, lambda: self.inner.get_tail(path, length, etag), garbage=length
+        )
         return result
 
     def head(self, path: str) -> ObjectInfo:
-        result: ObjectInfo = self._read(lambda: self.inner.head(path))
+        result: ObjectInfo = self._read(path, lambda: self.inner.head(path))
         return result
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         result: builtins.list[ObjectInfo] = self._read(
-            lambda: self.inner.list(prefix, recursive=recursive)
+            prefix, lambda: self.inner.list(prefix, recursive=recursive)
         )
         return result
 
@@ -462,6 +530,7 @@ class RoleStore(ForwardingStore):
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         wanted = list(paths)
+        self._point(wanted[0] if wanted else "")
         mode = self._take("delete")
         if mode == "fail":
             return [DeleteFailure(p, "injected failure") for p in wanted]

@@ -142,8 +142,11 @@ def test_schedules_cover_every_kind_of_fault() -> None:
         "restart_coordinator",
         "arm_coordinator",
         "poison",
+        "takeover_at",
+        "stale_restart",
     }
     assert modes >= {"fail", "land", "hold", "crash", "crash_after"}
     if _ONE is None and len(SEEDS) >= 20:
         assert {paces_fairly(seed) for seed in SEEDS} == {True, False}
     assert modes >= {"corrupt", "refuse", "operator", "auto"}  # poison, and who sets it aside
+    assert modes >= {"manifest", "missing", "garbage", "service", "consumer"}  # the seams

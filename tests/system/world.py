@@ -15,6 +15,13 @@ other queue's table, and poison batches (an object corrupted in the store, rows 
 refuses for good): the consumer stops on one and the operator quarantines it, or the service
 sets it aside itself (``--on-bad-batch quarantine``); at the end the cause is fixed and the
 batch replayed (``tests/system/poison.py``).
+
+The seams (issue 44): a newer consumer takes over between any two store requests of an older
+one — hand-stepped, or the service under either bad-batch policy, its backlog index mover
+included (``takeover_at``); the manifest answers 404 or garbage to the service for a while
+(``consume_with_fault`` with ``manifest``); a producer restarts on a WAL whose batches were
+uploaded and bound but not appended, later than ``reupload_after`` (``stale_restart``). At the
+store, no conditional write of a consumer lands after a newer consumer's takeover returned.
 """
 
 from __future__ import annotations
@@ -104,6 +111,19 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
         events[at:at] = [("stall", rng_index.randint(0, 2)), ("advance", 200.0), ("gc",)]
         for _ in range(2):
             events.insert(rng_index.randrange(len(events) + 1), ("stall", rng_index.randint(0, 3)))
+    # The seams (issue 44, issue 50): a draw of their own, inserted after the main ones.
+    seams = random.Random(seed ^ 0x5EA45)
+    for _ in range(seams.choice([1, 1, 2])):
+        at = seams.randrange(len(events) + 1)
+        how = seams.choice(["consumer", "service"])
+        events.insert(at, ("takeover_at", seams.randrange(40), how, seams.randint(0, 3)))
+    if seams.random() < 0.4:
+        mode = seams.choice(["missing", "garbage"])
+        fault = ("consume_with_fault", "manifest", mode, seams.randrange(3), seams.randint(1, 3))
+        events.insert(seams.randrange(len(events) + 1), fault)
+    if seams.random() < 0.3:
+        stale = ("stale_restart", seams.randrange(2), seams.randint(1, 4))
+        events.insert(seams.randrange(len(events) + 1), stale)
     if coordinated(seed):
         # The coordinator is started first, then crashed, restarted and faulted at points
         # its own generator picks (the other events stay those of the seed).
@@ -237,6 +257,8 @@ class World:
         self.events_a: list[ConsumerEvent] = []
         self.events_b: list[ConsumerEvent] = []
         self.consumers = 0
+        self._taken: dict[str, list[str]] = {}
+        """Per queue, the consumers whose takeover returned, oldest first."""
         self.consumers_a: list[ConsumerRole] = []
         """Queue A's consumer roles, in the order they were made."""
         self.violations: list[str] = []
@@ -309,12 +331,20 @@ class World:
             progress_table=progress,
             read_ahead=self.read_ahead,
             backlog_index=self.backlog_index and queue is self.queue_a,
+            took_over=self._fence_older,
         )
         if queue is self.queue_a and self.coordinator is not None:
             role.coordinator = self.coordinator.url  # its dequeues too, with their fallback
         if queue is self.queue_a:
             self.consumers_a.append(role)
         return role
+
+    def _fence_older(self, role: ConsumerRole) -> None:
+        """``role``'s takeover returned: every other consumer of its queue that took over
+        before is fenced, at the store too (no conditional write of theirs may land now)."""
+        taken = self._taken.setdefault(role.queue.name, [])
+        self.recorder.fence(name for name in taken if name != role.store.name)
+        taken.append(role.store.name)
 
     # -- running --------------------------------------------------------------------------
 
@@ -381,10 +411,14 @@ class World:
         elif kind == "consume":
             self._consume(self.queue_a)
         elif kind == "consume_with_fault":
-            _, op, mode, after = event
-            self._consume(self.queue_a, fault=Fault(op, mode, after))
+            _, op, mode, after, *times = event
+            self._consume(self.queue_a, fault=Fault(op, mode, after, *times))
         elif kind == "takeover":
             self._takeover(event[1], event[2])
+        elif kind == "takeover_at":
+            self._takeover_at(event[1], event[2], event[3])
+        elif kind == "stale_restart":
+            self._stale_restart(event[1], event[2])
         elif kind == "stall":
             self._stall(event[1])
         elif kind == "gc":
@@ -423,6 +457,9 @@ class World:
         # (once per poisoned batch at most).
         for _ in range(1 + self.poison.poisoned):
             role = self._consumer(queue)
+            if fault is not None and fault.op == "manifest":
+                role.after_takeover.append(fault)  # met mid-run, not at start-up
+                fault = None
             if fault is not None:
                 role.store.arm(fault)
                 fault = None
@@ -472,6 +509,80 @@ class World:
             self.violations.append(f"step {self.step}: takeover failed: {err}")
         for role in (older, newer):
             role.close()
+
+    def _takeover_at(self, at: int, how: str, after: int) -> None:
+        """An older consumer runs — by hand, or as the service with this schedule's bad-batch
+        policy — and a newer one takes over just before the older's request number ``at``
+        (its takeover's requests, its fetches' fencing checks, its index mover's writes, its
+        moves past bad batches alike). The older must be fenced and write nothing that lands
+        after that; the newer goes on."""
+        older = self._consumer(self.queue_a)
+        newer = self._consumer(self.queue_a)
+        outcome: list[BaseException | None] = []
+
+        def take_over() -> None:
+            try:
+                newer.take_over()
+                outcome.append(None)
+            except (SimulatedCrash, MillpondError) as err:
+                outcome.append(err)
+
+        older.store.interleave(at, take_over)
+        try:
+            if how == "service":
+                older.run_service(self.poison.on_bad_batch)
+            else:
+                older.take_over()
+                older.step_batches(3)
+        except (FencedError, SimulatedCrash, StorageError):
+            pass  # fenced: right; a dead role or the store down: nothing promised
+        except (FormatError, SinkError) as err:
+            if not self.poison.stopped_on_poison(err):
+                self.violations.append(f"step {self.step}: older consumer failed: {err}")
+        except MillpondError as err:
+            self.violations.append(f"step {self.step}: older consumer failed: {err}")
+        if not outcome:
+            take_over()  # the older made fewer requests: the takeover comes after
+        taken = outcome[0]
+        order = self._taken.get(self.queue_a.name, [])
+        # A takeover inside the older's own takeover, before its epoch bump: the older's
+        # returned last and it holds the queue now (two takeovers raced; the last one wins).
+        older_last = older.store.name in order and (
+            newer.store.name not in order
+            or order.index(older.store.name) > order.index(newer.store.name)
+        )
+        try:
+            if taken is not None:
+                raise taken
+            newer.step_batches(after)
+        except FencedError as err:
+            if not older_last:
+                self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+        except (SimulatedCrash, StorageError):
+            pass
+        except (FormatError, SinkError) as err:
+            if not self.poison.stopped_on_poison(err):
+                self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+        except MillpondError as err:
+            self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+        for role in (older, newer):
+            role.close()
+
+    def _stale_restart(self, index: int, count: int) -> None:
+        """A producer uploads (and binds) batches whose append fails, dies, and restarts on
+        its WAL later than ``reupload_after``: every batch must be written again under its own
+        name, confirmed after the delete window, and appended (issue 50)."""
+        producer = self.producers[index]
+        if producer.alive and producer.store is not None:
+            producer.store.arm(Fault("cas", "fail", times=1000))
+            producer.produce(count)
+            producer.flush()
+            producer.crash()
+        self.clock.advance(GRACE / 2 + 15.0)  # past reupload_after (GRACE / 2)
+        if not producer.alive:
+            producer.crash()
+            producer.start()
+        producer.flush()
 
     def _stall(self, count: int) -> None:
         """A consumer takes over (moving what is queued into its index), writes ``count``
@@ -553,6 +664,9 @@ class World:
     def check(self) -> None:
         """Assert every invariant; raises ``AssertionError`` naming the first broken one."""
         assert not self.violations, "; ".join(self.violations)
+        assert not self.recorder.fenced_writes, (
+            f"a fenced consumer's write landed after the takeover: {self.recorder.fenced_writes}"
+        )
         assert not self.recorder.doubled, (
             f"a location twice in one manifest: {self.recorder.doubled}"
         )
