@@ -10,7 +10,9 @@ A job that fails and is run again is a new job: it uploads new objects. When the
 append landed (or may have) before the failure, the rerun would enqueue the same rows twice —
 unless the job names itself with the ``write_id`` option: then the commit goes through a state
 object (:mod:`millpond.producer.spark.commit_state`) and a second job with the same write id
-enqueues nothing if the first one landed.
+enqueues nothing if the first one landed. One that commits while the first still does waits for
+the first one's outcome (taking its state over only once it stayed unchanged for a lease, the
+retry policy's ``max_elapsed``): the write id is appended once either way.
 
 Streaming (:func:`commit_micro_batch`). A micro-batch is committed the same way, keyed by the
 stream and the batch id: Spark runs the same batch id again after a driver restart (the sink
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -408,6 +411,16 @@ def _commit_keyed(
     backoff = retry.start(clock)
     fresh = tuple(entries)
     late = 0
+    # This commit, in every attempt: it goes on with a pending state it claimed itself, and
+    # waits for any other commit's (commit_state's docstring). Its lease: as long as one
+    # append may retry.
+    owner = uuid.uuid4().hex
+    waited = False
+
+    def on_wait() -> None:
+        nonlocal waited
+        waited = True
+
     while True:
         fresh = fresh_copies(
             store, fresh, data_path_prefix=data_path_prefix, limit=limit, clock=clock
@@ -423,6 +436,9 @@ def _commit_keyed(
                 manifest_path=manifest_path,
                 hold_by=append_deadline(fresh, limit=limit, clock=clock),
                 clock=clock,
+                owner=owner,
+                lease=retry.max_elapsed,
+                on_wait=on_wait,
             )
         except HoldTooLate as err:
             # Not a failed attempt: the next decision holds fresh copies at once.
@@ -431,6 +447,11 @@ def _commit_keyed(
                 raise
             logger.warning("%s; copying them to fresh names", err)
         except (ConflictError, StorageError) as err:
+            if waited:
+                # Waiting for another commit's outcome is no failed attempt: the budget
+                # starts again from here.
+                waited = False
+                backoff = retry.start(clock)
             if not backoff.sleep():
                 raise StorageError(
                     f"{path}: commit of {key} batch {batch_id} gave up after {backoff.attempt} "

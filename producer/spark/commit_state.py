@@ -4,10 +4,25 @@ A stream's micro-batch (keyed by stream id and batch id) and a batch job run wit
 ``write_id`` option (keyed by the write id) are committed through a small state object, kept as
 a *hold* (:mod:`millpond.queue.holds`) under the data prefix::
 
-    pending    written with compare-and-swap BEFORE the append: the entries, and the manifest's
-               next_sequence when the append began. As a hold it names the entries' locations,
-               so no millpond collector deletes them while the outcome is open.
+    pending    written with compare-and-swap BEFORE the append: the entries, the manifest's
+               next_sequence when the append began, and the commit that owns it. As a hold it
+               names the entries' locations, so no millpond collector deletes them while the
+               outcome is open.
     committed  written AFTER the append: the sequences the entries got; it names no location.
+
+Ownership. Only the commit that wrote a pending state appends its entries, and only for a
+*lease* after that write (``lease`` seconds: the append's deadline, so no write of it is sent
+later). Every decision to append writes the state first (a create, or a compare-and-swap on
+what was read): the commit claims it, and the state changes with every claim. A commit that
+finds another's pending state whose entries are not all in the queue does not append them: it
+waits for that commit's outcome, reading the state now and then, and decides again when it
+changes (committed: ``skipped``). Only once the state has stayed the same for a whole lease on
+its own clock — the owner stopped, and sends nothing more — does it take the state over (a
+claim conditional on the state it watched) and resolve it as below. Two jobs with one write id
+at once, or a rerun started while the first run still commits, thus append once; a rerun after
+a driver died mid-commit waits out one lease first. An append of remembered entries also looks
+for them in the manifest before every write (``in_doubt_from``): a write of the former owner
+sent just before its deadline and landing late is found, not doubled.
 
 A commit that finds the state of its own key resolves it by looking, never by guessing:
 
@@ -33,19 +48,34 @@ import json
 import logging
 import math
 import re
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from hashlib import sha256
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.errors import FormatError, MillpondError, NotFoundError, StorageError
+from millpond.errors import (
+    ConflictError,
+    FormatError,
+    MillpondError,
+    NotFoundError,
+    StorageError,
+)
 from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
 from millpond.queue.cas import Appender
 from millpond.queue.holds import encode_hold, hold_path, locations_of
-from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.queue.landed import Landing, LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 
-__all__ = ["CommitOutcome", "CommitState", "HoldTooLate", "commit_with_state", "state_path"]
+__all__ = [
+    "DEFAULT_LEASE",
+    "CommitOutcome",
+    "CommitState",
+    "HoldTooLate",
+    "commit_with_state",
+    "state_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +83,17 @@ _VERSION = 2
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 PENDING = "pending"
 COMMITTED = "committed"
+DEFAULT_LEASE = 60.0
+"""Seconds a commit owns the pending state it wrote (module docstring)."""
+# The most a commit waiting out another's lease goes without reading the state.
+_POLL = 1.0
+# Decisions made again within one attempt because the state changed under a write of ours or
+# our lease ran out before the append was sent; then the commit's own retries take over.
+_AGAIN = 8
+
+
+class _LeaseOver(StorageError):
+    """The append was not sent: this commit's lease ran out first (it was held up)."""
 
 
 class HoldTooLate(StorageError):
@@ -85,6 +126,10 @@ class CommitState:
     """The manifest's ``next_sequence`` when the append began."""
     entries: tuple[PendingEntry, ...]
     sequences: tuple[int, ...] | None = None
+    owner: str | None = None
+    """The commit that last claimed it (``None``: written before owners were recorded)."""
+    claim: int = 0
+    """How many claims it has seen: every claim writes one more, so the bytes change."""
 
     def encode(self) -> bytes:
         extra: dict[str, Any] = {
@@ -94,6 +139,8 @@ class CommitState:
             "status": self.status,
             "next_sequence": self.next_sequence,
             "sequences": list(self.sequences) if self.sequences is not None else None,
+            "owner": self.owner,
+            "claim": self.claim,
             "entries": [
                 {
                     "location": e.location,
@@ -133,6 +180,7 @@ class CommitState:
                 for e in record["entries"]
             )
             sequences = record.get("sequences")
+            owner = record.get("owner")
             return cls(
                 key=str(record["key"]),
                 batch_id=int(record["batch_id"]),
@@ -140,6 +188,8 @@ class CommitState:
                 next_sequence=int(record["next_sequence"]),
                 entries=entries,
                 sequences=tuple(int(s) for s in sequences) if sequences is not None else None,
+                owner=str(owner) if owner is not None else None,
+                claim=int(record.get("claim", 0)),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise FormatError(f"{name}: not a millpond commit state: {err}") from err
@@ -163,12 +213,21 @@ def commit_with_state(
     manifest_path: str,
     hold_by: float | None = None,
     clock: Clock | None = None,
+    owner: str | None = None,
+    lease: float = DEFAULT_LEASE,
+    on_wait: Callable[[], None] | None = None,
 ) -> CommitOutcome:
     """One attempt at committing ``fresh`` under ``key`` (see the module docstring).
 
     ``hold_by``: a time on ``clock``'s monotonic time after which ``fresh`` is not held (nor
     appended): until its hold is written nothing keeps a collector from its uploads, and by
     then the oldest may be past the grace period.
+
+    ``owner``: this commit, the same in each of its attempts (default: a new one), so that it
+    goes on with a pending state it claimed in an earlier attempt. ``lease``: seconds after a
+    claim during which its append may be sent, and for which another commit's pending state
+    must stay unchanged before this one takes it over. ``on_wait``: called after each wait for
+    another commit's outcome.
 
     Raises:
         HoldTooLate: ``hold_by`` passed before ``fresh`` was held (nothing written).
@@ -189,6 +248,9 @@ def commit_with_state(
         fresh,
         math.inf if hold_by is None else hold_by,
         clock or SystemClock(),
+        owner or uuid.uuid4().hex,
+        lease,
+        on_wait,
     ).run()
 
 
@@ -205,11 +267,46 @@ class _Attempt:
     fresh: tuple[PendingEntry, ...]
     hold_by: float
     clock: Clock
+    owner: str
+    lease: float
+    on_wait: Callable[[], None] | None
     etag: str | None = None
+    seen: bytes | None = None
     raw: bytes = b""
+    appended: CommitOutcome | None = None
+    """What this commit's own append returned, before it marked the state committed."""
 
     def run(self) -> CommitOutcome:
-        state, self.etag = _read(self.store, self.path)
+        conflicts = 0
+        while True:
+            try:
+                outcome = self._decide()
+            except (ConflictError, _LeaseOver):
+                # The state changed between our read and our write (another commit claimed or
+                # marked it: its progress, not a failure of ours), or this commit was held up
+                # past its lease before its append was sent: decide again at once.
+                conflicts += 1
+                if conflicts > _AGAIN:
+                    raise
+                continue
+            if outcome is None:
+                continue
+            if (
+                self.appended is not None
+                and outcome.status == "skipped"
+                and outcome.sequences == self.appended.sequences
+            ):
+                # Our append's outcome, marked committed by another commit that saw it land.
+                return self.appended
+            return outcome
+
+    def _decide(self) -> CommitOutcome | None:
+        """The outcome, or ``None`` when another commit's state changed while this one waited
+        for it (decide again)."""
+        state, self.etag, self.seen = _read(self.store, self.path)
+        # The owner's claim was sent before this moment: its lease ends a lease from now at
+        # the latest.
+        seen_at = self.clock.monotonic()
         if state is not None and state.batch_id > self.batch_id:
             # Spark only ever re-runs its latest batch: an older id means the checkpoint was
             # reset or two queries share one stream id. Skipping would lose data, appending may
@@ -226,33 +323,121 @@ class _Attempt:
                     "%s batch %s: already committed; skipping the re-run", self.key, self.batch_id
                 )
                 return CommitOutcome("skipped", state.sequences)
+            landed = self._landing(state).status is LandingStatus.LANDED
+            if state.owner != self.owner and not landed:
+                # Another commit's, still open: its outcome, not ours to decide yet.
+                if not self._outlast(state, seen_at):
+                    return None
+                # Unchanged for a whole lease: its owner sends nothing more. Take it over, on
+                # the manifest as it is now.
+                self.raw = _manifest(self.store, self.manifest_path)
             return self._resolve(state)
         if not self.fresh:
             return CommitOutcome("empty")
-        return self._append_fresh()
+        return self._append_fresh(state)
 
-    def _append_fresh(self) -> CommitOutcome:
-        """Hold the fresh entries (pending), append them, mark them committed."""
+    def _append_fresh(self, replacing: CommitState | None) -> CommitOutcome:
+        """Hold the fresh entries (pending, claimed), append them, mark them committed."""
         next_sequence = decode_footer(self.raw, name=self.manifest_path).next_sequence
-        pending = CommitState(self.key, self.batch_id, PENDING, next_sequence, self.fresh)
+        pending = CommitState(
+            self.key,
+            self.batch_id,
+            PENDING,
+            next_sequence,
+            self.fresh,
+            owner=self.owner,
+            claim=replacing.claim + 1 if replacing is not None else 0,
+        )
         if self.clock.monotonic() >= self.hold_by:
             raise HoldTooLate(
                 f"{self.key} batch {self.batch_id}: its uploads got older than half the GC "
                 f"grace period before {self.path} could hold them"
             )
+        deadline = self.clock.monotonic() + self.lease
         self._write(pending)
-        sequences = self.queue.append(self.fresh)
+        # Nobody else appends these (they are this commit's own) unless this commit stopped
+        # past its lease and was taken over: look before every write anyway.
+        self.queue.in_doubt_from(next_sequence)
+        sequences = self._append(self.fresh, deadline)
+        self.appended = CommitOutcome("appended", sequences)
         self._write(replace(pending, status=COMMITTED, sequences=sequences))
         return CommitOutcome("appended", sequences)
 
-    def _resolve(self, state: CommitState) -> CommitOutcome:
-        where = f"{state.key} batch {state.batch_id}"
-        landing = resolve_landing(
+    def _append(self, entries: Sequence[PendingEntry], deadline: float) -> tuple[int, ...]:
+        """Append under a claim whose lease ends at ``deadline``.
+
+        Raises:
+            _LeaseOver: the append gave up with the lease over: this commit was held up, and
+                sends nothing more under that claim (decide again; the state and the
+                manifest say what is known).
+            CommitStateUnknownError, StorageError, MillpondError: as ``Appender.append``.
+        """
+        try:
+            return self.queue.append(entries, deadline=deadline)
+        except StorageError as err:
+            if self.clock.monotonic() < deadline:
+                raise
+            raise _LeaseOver(f"{self.path}: lease of {self.lease:.1f} s over: {err}") from err
+
+    def _landing(self, state: CommitState) -> Landing:
+        return resolve_landing(
             self.raw,
             [e.location for e in state.entries],
             from_sequence=state.next_sequence,
             name=self.manifest_path,
         )
+
+    def _outlast(self, state: CommitState, seen_at: float) -> bool:
+        """Wait for another commit's outcome: ``False`` as soon as the state changes, ``True``
+        once it has stayed as it was for a lease since ``seen_at`` (take it over then)."""
+        until = seen_at + self.lease
+        logger.warning(
+            "%s batch %s: another commit (%s) holds %s pending and its entries are not all in "
+            "the queue; waiting up to %.1f s for its outcome before taking it over",
+            self.key,
+            self.batch_id,
+            state.owner or "owner not recorded",
+            self.path,
+            max(0.0, until - self.clock.monotonic()),
+        )
+        try:
+            while True:
+                left = until - self.clock.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "%s batch %s: %s unchanged for %.1f s; taking it over",
+                        self.key,
+                        self.batch_id,
+                        self.path,
+                        self.lease,
+                    )
+                    return True
+                self.clock.sleep(min(_POLL, self.lease / 8, left))
+                try:
+                    got = self.store.get(self.path)
+                except NotFoundError:
+                    return False
+                except StorageError as err:
+                    # Only a change matters; the claim that takes it over is conditional on it.
+                    logger.debug("%s: reading it while waiting failed: %s", self.path, err)
+                    continue
+                if got.data != self.seen:
+                    return False
+        finally:
+            if self.on_wait is not None:
+                self.on_wait()
+
+    def _claim(self, state: CommitState) -> tuple[CommitState, float]:
+        """Write ``state`` claimed by this commit; the claimed state, and the deadline of an
+        append made under it."""
+        claimed = replace(state, owner=self.owner, claim=state.claim + 1)
+        deadline = self.clock.monotonic() + self.lease
+        self._write(claimed)
+        return claimed, deadline
+
+    def _resolve(self, state: CommitState) -> CommitOutcome:
+        where = f"{state.key} batch {state.batch_id}"
+        landing = self._landing(state)
         known = list(landing.sequences)
         if landing.status is LandingStatus.LANDED:
             logger.warning(
@@ -274,7 +459,7 @@ class _Attempt:
                 if not self.fresh:
                     self._write(replace(state, status=COMMITTED, entries=(), sequences=()))
                     return CommitOutcome("empty")
-                return self._append_fresh()
+                return self._append_fresh(state)
             raise MillpondError(
                 f"{where}: cannot tell whether it was enqueued: its locations are not in the "
                 f"manifest, entries from sequence {state.next_sequence} on were dequeued since, "
@@ -284,10 +469,16 @@ class _Attempt:
                 f'{self.path} with the same JSON and "status": "committed", and the re-run is '
                 f"skipped. Not found: delete {self.path}; the re-run is then enqueued"
             )
-        sequences = self.queue.append([state.entries[i] for i in missing])
+        state, deadline = self._claim(state)
+        # A write of the former owner, sent before its lease ended, may land yet: look for the
+        # entries before every write, not only now.
+        self.queue.in_doubt_from(state.next_sequence)
+        sequences = self._append([state.entries[i] for i in missing], deadline)
         for index, sequence in zip(missing, sequences, strict=True):
             known[index] = sequence
         done = tuple(s for s in known if s is not None)
+        status = "reappended" if landing.status is LandingStatus.UNKNOWN else "appended"
+        self.appended = CommitOutcome(status, done)
         self._write(replace(state, status=COMMITTED, sequences=done))
         if landing.status is LandingStatus.UNKNOWN:
             logger.warning(
@@ -297,8 +488,7 @@ class _Attempt:
                 state.next_sequence,
                 len(missing),
             )
-            return CommitOutcome("reappended", done)
-        return CommitOutcome("appended", done)
+        return self.appended
 
     def _write(self, state: CommitState) -> None:
         data = state.encode()
@@ -306,14 +496,15 @@ class _Attempt:
             self.etag = self.store.put_if_absent(self.path, data)
         else:
             self.etag = self.store.put_if_match(self.path, data, self.etag)
+        self.seen = data
 
 
-def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None]:
+def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None, bytes | None]:
     try:
         got = store.get(path)
     except NotFoundError:
-        return None, None
-    return CommitState.decode(got.data, name=f"{store.url}/{path}"), got.etag
+        return None, None, None
+    return CommitState.decode(got.data, name=f"{store.url}/{path}"), got.etag, got.data
 
 
 def _manifest(store: ObjectStore, path: str) -> bytes:
