@@ -18,15 +18,13 @@ with open_sink("postgresql://app@db:5432/warehouse", table="events") as sink:
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs, unquote, urlsplit
-
 from millpond.consumer.sinks._adbc import AdbcSink
 from millpond.consumer.sinks._dead_letter import QuarantineLedger, QuarantineRow, SetAside
 from millpond.consumer.sinks._rows import OPAQUE_SCHEMA, batch_rows, detect_format
+from millpond.consumer.sinks._url import SinkUrl, parse_sink_url
 from millpond.consumer.sinks.base import EntryFormat, Sink, SinkError
 from millpond.consumer.sinks.postgres import PostgresSink, redact
-from millpond.consumer.sinks.sqlite import DEFAULT_BUSY_TIMEOUT_MS, SQLiteSink
-from millpond.errors import ConfigError
+from millpond.consumer.sinks.sqlite import SQLiteSink
 
 __all__ = [
     "OPAQUE_SCHEMA",
@@ -39,9 +37,11 @@ __all__ = [
     "SetAside",
     "Sink",
     "SinkError",
+    "SinkUrl",
     "batch_rows",
     "detect_format",
     "open_sink",
+    "parse_sink_url",
     "redact",
 ]
 
@@ -55,7 +55,8 @@ def open_sink(
     progress_table: str = "millpond_progress",
 ) -> AdbcSink:
     """A sink from a URL: ``sqlite:///absolute/path.db[?busy_timeout_ms=N]`` or
-    ``postgresql://...`` (libpq's URL, ``?options=-c lock_timeout=...`` and all).
+    ``postgresql://...`` (libpq's URL, ``?options=-c lock_timeout=...`` and all), read by
+    :func:`parse_sink_url` as every command reads ``--sink``.
 
     Args:
         url: where the database is.
@@ -66,36 +67,24 @@ def open_sink(
         progress_table: the table recording written sequences and locations.
 
     Raises:
-        ConfigError: an unsupported URL or a bad option.
+        ConfigError: an unsupported URL or a bad option, or a SQLite path whose directory
+            does not exist.
     """
-    parts = urlsplit(url)
-    if parts.scheme == "sqlite":
-        path = unquote(parts.path)
-        if parts.netloc or not path.startswith("/"):
-            raise ConfigError("sink", f"expected sqlite:///absolute/path.db, found {url!r}")
-        query = parse_qs(parts.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"busy_timeout_ms"})
-        if unknown:
-            raise ConfigError("sink", f"expected only busy_timeout_ms in {url!r}, found {unknown}")
-        timeout = query.get("busy_timeout_ms", [str(DEFAULT_BUSY_TIMEOUT_MS)])[-1]
-        if not (timeout.isascii() and timeout.isdigit()):  # not "²"
-            raise ConfigError(
-                "busy_timeout_ms", f"expected milliseconds (an integer), found {timeout!r}"
-            )
+    parsed = parse_sink_url(url)
+    if parsed.kind == "sqlite":
+        assert parsed.path is not None
         return SQLiteSink(
-            path,
-            busy_timeout_ms=int(timeout),
+            parsed.path,
+            busy_timeout_ms=parsed.busy_timeout_ms,
             table=table,
             entry_format=entry_format,
             sequence_column=sequence_column,
             progress_table=progress_table,
         )
-    if parts.scheme in ("postgresql", "postgres"):
-        return PostgresSink(
-            url,
-            table=table,
-            entry_format=entry_format,
-            sequence_column=sequence_column,
-            progress_table=progress_table,
-        )
-    raise ConfigError("sink", f"expected a sqlite:/// or postgresql:// URL, found {redact(url)!r}")
+    return PostgresSink(
+        parsed.url,
+        table=table,
+        entry_format=entry_format,
+        sequence_column=sequence_column,
+        progress_table=progress_table,
+    )

@@ -23,6 +23,17 @@ of another queue pointed at that table is refused by :meth:`last_sequence` — b
 consumer takes over or dequeues anything — and by every write, naming both queues. Several
 queues write into one database side by side, each into its own table.
 
+Progress and ownership are keyed by the table the database resolves, not by the name as typed
+(:mod:`millpond.consumer.sinks._names`): ``public.kill3`` and ``kill3`` on PostgreSQL,
+``EVENTS`` and ``events`` on SQLite, share one progress and one owner. Versions before kept
+the name as typed; the first transaction that claims the table on a connection moves rows
+recorded under another spelling of it to the resolved name (:meth:`AdbcSink._merge_spellings`)
+and refuses a table two spellings gave to two queues.
+
+Nothing is set up before it is needed: the progress, quarantine and owners tables are created in
+the first transaction on a connection, together with its work, so a start refused there (another
+queue's table) or a probe rolled back (``millpond doctor``) leaves nothing behind.
+
 The progress rows are kept for good: they are how a batch appended again (a producer recovering
 after its first append was consumed) is recognised however late it comes back. Deleting old
 rows by hand shortens that horizon to what is left.
@@ -44,7 +55,7 @@ import pyarrow as pa
 from millpond.common.metrics import Counters
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX, QuarantineLedger
-from millpond.consumer.sinks._names import TableName, quote
+from millpond.consumer.sinks._names import TableName, quote, same_table, spellings_sql
 from millpond.consumer.sinks._rows import batch_rows
 from millpond.consumer.sinks._schema import SchemaPlan, plan_schema, unreconcilable
 from millpond.consumer.sinks.base import EntryFormat, SinkError
@@ -93,12 +104,22 @@ class AdbcSink(QuarantineLedger, ABC):
         self._description = description
         # Credentials the driver may quote in its messages (a URL it could not parse).
         self._secrets = tuple(secrets)
-        self._table = TableName.parse("table", table)
+        self._given = TableName.parse("table", table)
+        # The target table as given until a transaction resolves it (_identify): from then on
+        # as the database resolves it, which is what progress and ownership are keyed by.
+        self._table = self._given
         self._progress = TableName.parse("progress_table", progress_table)
         self._quarantine = self._progress.sibling(QUARANTINE_SUFFIX)
         # Next to the target table and whatever the progress table is called: a consumer of
         # another queue configured with another progress table still meets the owner record.
         self._owners = TableName(name=_OWNERS, schema=self._table.schema)
+        # Per connection: the resolved target and owners tables, whether the set-up DDL and
+        # the merge of other spellings' rows have committed on it.
+        self._identity: tuple[TableName, TableName] | None = None
+        self._set_up = False
+        self._merged: str | None = None
+        # Run once the current transaction commits; dropped when it fails.
+        self._after_commit: list[Callable[[], None]] = []
         self._entry_format = EntryFormat.parse(entry_format)
         if sequence_column is not None and not sequence_column:
             raise ConfigError("sequence_column", "expected a column name or None, found ''")
@@ -117,7 +138,8 @@ class AdbcSink(QuarantineLedger, ABC):
 
     @property
     def table(self) -> str:
-        """The target table, ``[schema.]name``."""
+        """The target table, ``[schema.]name``: as given until the sink has connected, then as
+        the database resolves it (what progress and ownership are keyed by)."""
         return str(self._table)
 
     def last_sequence(self, queue: str) -> int | None:
@@ -261,6 +283,15 @@ class AdbcSink(QuarantineLedger, ABC):
         """A column name as the database compares names (two names, one key: one column)."""
 
     @abstractmethod
+    def _resolve(self, cur: Any, table: TableName) -> TableName:
+        """``table`` as the database resolves it: one spelling per table (see
+        :mod:`millpond.consumer.sinks._names`)."""
+
+    @abstractmethod
+    def _exists(self, cur: Any, table: TableName) -> bool:
+        """Whether ``table`` exists."""
+
+    @abstractmethod
     def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
         """The target table's columns in order, or ``None`` when it does not exist."""
 
@@ -296,9 +327,16 @@ class AdbcSink(QuarantineLedger, ABC):
     # -- the transaction -------------------------------------------------------------------
 
     def _own(self, cur: Any, queue: str) -> None:
-        """Make the target table ``queue``'s if it is nobody's; refuse it if it is another's."""
+        """Make the target table ``queue``'s if it is nobody's; refuse it if it is another's.
+
+        Keyed by the table as the database resolves it; rows an earlier version recorded
+        under another spelling of it are moved to that key first, in this transaction.
+        """
         now_ms = time.time_ns() // 1_000_000
         table = str(self._table)
+        if self._merged != table:
+            self._merge_spellings(cur, now_ms)
+            self._after_commit.append(lambda: setattr(self, "_merged", table))
         p = self._param
         claimed = self._fetch(
             cur,
@@ -334,6 +372,126 @@ class AdbcSink(QuarantineLedger, ABC):
                 "database side by side, never a table",
                 transient=False,
             )
+
+    def _identify(self, cur: Any) -> None:
+        """Resolve the target table, and the owners table next to it, once per connection."""
+        if self._identity is None:
+            table = self._resolve(cur, self._given)
+            self._identity = (table, self._resolve(cur, TableName(_OWNERS, table.schema)))
+        self._table, self._owners = self._identity
+
+    def _spellings(self, cur: Any, owner_tables: Sequence[TableName]) -> list[str]:
+        """The other spellings of the target table that progress, quarantine or owner rows
+        are recorded under (by versions that kept the name as typed)."""
+        recorded: list[Any] = []
+        for kept in (self._progress, self._quarantine):
+            recorded += [row[0] for row in self._fetch(cur, spellings_sql(kept), ())]
+        for owners in owner_tables:
+            recorded += [
+                row[0] for row in self._fetch(cur, f"SELECT target_table FROM {owners.sql}", ())
+            ]
+        return same_table(
+            recorded,
+            self._table,
+            resolve=lambda spelled: self._resolve(cur, spelled),
+            name_key=self._name_key,
+        )
+
+    def _owner_tables(self, cur: Any) -> list[TableName]:
+        """Where owner records of the target table can be: next to it, and where an
+        unqualified ``millpond_owners`` resolves (an unqualified name was kept there)."""
+        found = [self._owners]
+        unqualified = self._resolve(cur, TableName(_OWNERS))
+        if unqualified != self._owners and self._exists(cur, unqualified):
+            found.append(unqualified)
+        return found
+
+    def _merge_spellings(self, cur: Any, now_ms: int) -> None:
+        """Move what is recorded under other spellings of the target table to its resolved
+        name, in the caller's transaction.
+
+        A sequence recorded under two spellings (a consumer restarted under another one wrote
+        it again) keeps the resolved name's row; a location written under both becomes a
+        duplicate. Owner records move too; two spellings owned by two queues are refused.
+
+        Raises:
+            SinkError: two spellings of the table belong to two queues (permanent).
+        """
+        owner_tables = self._owner_tables(cur)
+        if not self._spellings(cur, owner_tables):
+            return
+        # Two sinks merging at once take turns; the second finds nothing left to move.
+        self._lock_schema(cur)
+        spellings = self._spellings(cur, owner_tables)
+        if not spellings:
+            return
+        table = str(self._table)
+        p = self._param
+        keys = [table, *spellings]
+        marks = ", ".join(p(i + 1) for i in range(len(keys)))
+        queues = [
+            (str(spelled), str(queue))
+            for owners in owner_tables
+            for spelled, queue in self._fetch(
+                cur,
+                f"SELECT target_table, queue FROM {owners.sql} WHERE target_table IN ({marks})",
+                tuple(keys),
+            )
+        ]
+        for spelled, queue in queues[1:]:
+            if not same_queue(queue, queues[0][1]):
+                raise SinkError(
+                    f"{self._description}: table {table} is one table under two names, and "
+                    f"each is recorded for another queue: {queues[0][0]} for queue "
+                    f"{queues[0][1]}, {spelled} for queue {queue}. Its rows are of both; move "
+                    "one queue's rows to a table of its own and delete that queue's rows from "
+                    f"{self._progress} and {_OWNERS}",
+                    transient=False,
+                )
+        progress, quarantine = self._progress.sql, self._quarantine.sql
+        for spelled in spellings:
+            # A sequence recorded under both: the resolved name's row stands.
+            cur.execute(
+                f"DELETE FROM {progress} WHERE target_table = {p(1)} AND sequence IN "
+                f"(SELECT sequence FROM {progress} WHERE target_table = {p(2)})",
+                (spelled, table),
+            )
+            # A location written under both: its rows are in the table twice already; the
+            # second record becomes a duplicate of the first, as the unique index requires.
+            cur.execute(
+                f"UPDATE {progress} SET duplicate = TRUE WHERE target_table = {p(1)} AND NOT "
+                f"duplicate AND location IN (SELECT location FROM {progress} WHERE "
+                f"target_table = {p(2)} AND NOT duplicate)",
+                (spelled, table),
+            )
+            cur.execute(
+                f"UPDATE {progress} SET target_table = {p(1)} WHERE target_table = {p(2)}",
+                (table, spelled),
+            )
+            cur.execute(
+                f"DELETE FROM {quarantine} WHERE target_table = {p(1)} AND sequence IN "
+                f"(SELECT sequence FROM {quarantine} WHERE target_table = {p(2)})",
+                (spelled, table),
+            )
+            cur.execute(
+                f"UPDATE {quarantine} SET target_table = {p(1)} WHERE target_table = {p(2)}",
+                (table, spelled),
+            )
+            for owners in owner_tables:
+                cur.execute(f"DELETE FROM {owners.sql} WHERE target_table = {p(1)}", (spelled,))
+        if queues:
+            cur.execute(
+                f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
+                f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING",
+                (table, queues[0][1], now_ms),
+            )
+        logger.warning(
+            "table %s: progress recorded under %s (an earlier version kept the name as typed) "
+            "is now recorded under %s",
+            table,
+            ", ".join(spellings),
+            table,
+        )
 
     def _write(
         self, cur: Any, batches: Sequence[ConsumedBatch], rows: Sequence[pa.Table]
@@ -545,11 +703,21 @@ class AdbcSink(QuarantineLedger, ABC):
             raise self._translate(err) from err
         try:
             self._begin(conn, cur)
+            self._after_commit = []
+            if not self._set_up:
+                # In this transaction: work refused here (another queue's table) or rolled
+                # back (a probe) takes the set-up with it, leaving nothing behind.
+                self._setup(cur)
+                self._after_commit.append(lambda: setattr(self, "_set_up", True))
+            self._identify(cur)
             result = work(cur)
             self._commit(conn, cur)
+            for done in self._after_commit:
+                done()
             return result
         except BaseException as err:
             self._columns = None
+            self._after_commit = []
             try:
                 self._rollback(conn, cur)
             except Exception:  # the connection is unusable; reopen next time
@@ -583,50 +751,45 @@ class AdbcSink(QuarantineLedger, ABC):
 
     def _connection(self) -> Any:
         if self._conn is None:
-            conn = self._open()
-            try:
-                self._setup(conn)
-            except BaseException:
-                _close_quietly(conn)
-                raise
-            self._conn = conn
+            self._conn = self._open()
         return self._conn
 
-    def _setup(self, conn: Any) -> None:
-        cur = conn.cursor()
-        try:
-            self._begin(conn, cur)
-            self._lock_setup(cur)
-            cur.execute(
-                f"CREATE TABLE IF NOT EXISTS {self._progress.sql} ("
-                "target_table TEXT NOT NULL, sequence BIGINT NOT NULL, location TEXT NOT NULL, "
-                "row_count BIGINT NOT NULL, duplicate BOOLEAN NOT NULL, "
-                "committed_at_ms BIGINT NOT NULL, PRIMARY KEY (target_table, sequence))"
-            )
-            index = quote(self._progress.name + LOCATION_INDEX_SUFFIX)
-            cur.execute(
-                f"CREATE UNIQUE INDEX IF NOT EXISTS {index} "
-                f"ON {self._progress.sql} (target_table, location) WHERE NOT duplicate"
-            )
-            cur.execute(
-                f"CREATE TABLE IF NOT EXISTS {self._owners.sql} ("
-                "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
-                "claimed_at_ms BIGINT NOT NULL)"
-            )
-            self._create_quarantine_table(cur)
-            self._commit(conn, cur)
-        except BaseException:
-            try:
-                self._rollback(conn, cur)
-            except Exception:
-                logger.debug("rollback after a failed setup failed", exc_info=True)
-            raise
-        finally:
-            cur.close()
+    def _setup(self, cur: Any) -> None:
+        """Create the progress, quarantine and owners tables where missing, in the caller's
+        transaction."""
+        self._identify(cur)
+        index = self._progress.sibling(LOCATION_INDEX_SUFFIX)
+        if all(
+            self._exists(cur, table)
+            for table in (self._progress, index, self._quarantine, self._owners)
+        ):
+            # Nothing to create: no DDL, whose locks (PostgreSQL's CREATE INDEX takes a share
+            # lock on the progress table) would last as long as the work of this transaction.
+            return
+        self._lock_setup(cur)
+        cur.execute(
+            f"CREATE TABLE IF NOT EXISTS {self._progress.sql} ("
+            "target_table TEXT NOT NULL, sequence BIGINT NOT NULL, location TEXT NOT NULL, "
+            "row_count BIGINT NOT NULL, duplicate BOOLEAN NOT NULL, "
+            "committed_at_ms BIGINT NOT NULL, PRIMARY KEY (target_table, sequence))"
+        )
+        cur.execute(
+            f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(index.name)} "
+            f"ON {self._progress.sql} (target_table, location) WHERE NOT duplicate"
+        )
+        cur.execute(
+            f"CREATE TABLE IF NOT EXISTS {self._owners.sql} ("
+            "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
+            "claimed_at_ms BIGINT NOT NULL)"
+        )
+        self._create_quarantine_table(cur)
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         self._columns = None
+        self._identity = None
+        self._set_up = False
+        self._merged = None
         if conn is not None:
             _close_quietly(conn)
 

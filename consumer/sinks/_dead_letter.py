@@ -112,11 +112,11 @@ class QuarantineLedger:
             SinkError: the table belongs to another queue, the sequence is quarantined with
                 another location (permanent), or the database failed.
         """
-        table = str(self._table)
         now_ms = time.time_ns() // 1_000_000
 
         def work(cur: Any) -> SetAside:
             self._own(cur, queue)
+            table = str(self._table)  # as resolved by _own: what progress is keyed by
             p = self._param
             claimed = self._fetch(
                 cur,
@@ -163,11 +163,11 @@ class QuarantineLedger:
         Raises:
             SinkError: the table belongs to another queue, or the database failed.
         """
-        table = str(self._table)
         now_ms = time.time_ns() // 1_000_000
 
         def work(cur: Any) -> int | None:
             self._own(cur, queue)
+            table = str(self._table)  # as resolved by _own: what progress is keyed by
             p = self._param
             earlier = self._fetch(
                 cur,
@@ -228,11 +228,11 @@ class QuarantineLedger:
         """
         rows = batch_rows(batch, self._entry_format, sequence_column=self._sequence_column)
         count = int(rows.num_rows)
-        table = str(self._table)
         now_ms = time.time_ns() // 1_000_000
 
         def work(cur: Any) -> int | None:
             self._own(cur, batch.queue)
+            table = str(self._table)  # as resolved by _own: what progress is keyed by
             p = self._param
             marked = self._fetch(
                 cur,

@@ -12,22 +12,23 @@ error classes: :mod:`millpond.consumer.sinks.errors`.
 from __future__ import annotations
 
 import logging
-import re
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 
 from millpond.consumer.sinks._adbc import LOCATION_INDEX_SUFFIX, AdbcSink, quote
 from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX
+from millpond.consumer.sinks._names import TableName
 from millpond.consumer.sinks._schema import postgres_identifier
+from millpond.consumer.sinks._url import postgres_url, redact, secrets
 from millpond.consumer.sinks._values import for_postgres
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass, classify_postgres
 from millpond.consumer.sinks.types import POSTGRES, ColumnType, Dialect
 from millpond.errors import ConfigError
 
-__all__ = ["PostgresSink"]
+__all__ = ["PostgresSink", "redact", "resolve_postgres_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +61,10 @@ class PostgresSink(AdbcSink):
                 "sink",
                 "PostgreSQL sink needs adbc-driver-postgresql: pip install 'millpond[postgres]'",
             ) from err
-        parts = urlsplit(url)
-        if parts.scheme not in ("postgresql", "postgres") or not parts.hostname:
-            raise ConfigError(
-                "sink", f"expected postgresql://user@host:port/database, found {redact(url)!r}"
-            )
-        self._url = url
+        self._url = postgres_url(url)
         super().__init__(
             description=redact(url),
-            secrets=_secrets(url),
+            secrets=secrets(url),
             table=table,
             entry_format=entry_format,
             sequence_column=sequence_column,
@@ -131,6 +127,13 @@ class PostgresSink(AdbcSink):
             return {} if exists and exists[0][0] else None
         return {str(name): POSTGRES.parse(str(sql)) for name, sql in rows}
 
+    def _resolve(self, cur: Any, table: TableName) -> TableName:
+        return resolve_postgres_table(lambda sql, params: self._fetch(cur, sql, params), table)
+
+    def _exists(self, cur: Any, table: TableName) -> bool:
+        found = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (table.sql,))
+        return bool(found and found[0][0])
+
     def _lock_schema(self, cur: Any) -> None:
         # A transaction-scoped advisory lock per table: two consumers creating or altering
         # the same table take turns instead of failing on each other's DDL.
@@ -184,38 +187,36 @@ class PostgresSink(AdbcSink):
         return (adbc_driver_manager.Error,)
 
 
-def redact(url: str) -> str:
-    """The URL without its passwords (credentials never reach logs or errors).
+def resolve_postgres_table(
+    fetch: Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]], table: TableName
+) -> TableName:
+    """``table`` schema-qualified, as PostgreSQL resolves it for the sink's statements.
 
-    Done on the text, not on a parse: a password with a ``#``, ``?`` or ``/`` left unescaped
-    ends the URL's authority early for :func:`~urllib.parse.urlsplit`, which then finds no
-    password at all. Everything between ``user:`` and the last ``@`` goes, and the value of a
-    ``password`` or ``sslpassword`` query parameter (libpq reads both).
+    A schema given is kept. Without one, an existing table is where ``search_path`` finds it
+    (the catalog says), and a table not yet created is where ``CREATE TABLE`` would put it
+    (``current_schema()``). Each part is exact: the sink quotes it, so PostgreSQL folds nothing.
+
+    Args:
+        fetch: runs a query with ``$n`` parameters, returns its rows.
+        table: the table as given.
+
+    Raises:
+        SinkError: no schema in ``search_path`` to create the table in (permanent).
     """
-    split = _split_password(url)
-    if split is not None:
-        url = f"{split[0]}***{split[2]}"
-    return _PASSWORD_PARAMETER.sub(r"\1***", url)
-
-
-def _secrets(url: str) -> list[str]:
-    """What of ``url`` :func:`redact` hides, as written and percent-decoded (libpq's messages
-    quote a value it could not decode)."""
-    split = _split_password(url)
-    found = [split[1]] if split is not None else []
-    found += [m.group(2) for m in _PASSWORD_PARAMETER.finditer(url)]
-    found += [unquote(secret) for secret in found]
-    return sorted({secret for secret in found if secret}, key=len, reverse=True)
-
-
-def _split_password(url: str) -> tuple[str, str, str] | None:
-    """``(up to "user:", the password, from the last "@")``, or ``None`` without one."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return None
-    userinfo, at, host = rest.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    return (f"{scheme}{sep}{user}:", password, f"{at}{host}") if colon else None
-
-
-_PASSWORD_PARAMETER = re.compile(r"(?i)([?&](?:ssl)?password=)([^&#]*)")
+    if table.schema is not None:
+        return table
+    found = fetch(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)",
+        (table.sql,),
+    )
+    if found:
+        return TableName(name=str(found[0][1]), schema=str(found[0][0]))
+    current = fetch("SELECT current_schema()", ())
+    if not current or current[0][0] is None:
+        raise SinkError(
+            f"table {table}: expected a schema in search_path to create it in, found none; "
+            f"name it schema.{table.name}",
+            transient=False,
+        )
+    return TableName(name=table.name, schema=str(current[0][0]))

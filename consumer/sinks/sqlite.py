@@ -17,7 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from millpond.consumer.sinks._adbc import AdbcSink, quote
+from millpond.consumer.sinks._names import TableName, sqlite_table
 from millpond.consumer.sinks._schema import ascii_casefold
+from millpond.consumer.sinks._url import DEFAULT_BUSY_TIMEOUT_MS, sqlite_database_path
 from millpond.consumer.sinks._values import for_sqlite
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass, classify_sqlite
@@ -28,8 +30,6 @@ __all__ = ["DEFAULT_BUSY_TIMEOUT_MS", "SQLiteSink"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUSY_TIMEOUT_MS = 30_000
-"""How long a writer waits for another process's lock before SQLite reports "busy"."""
 _MAX_PARAMS = 500  # bound parameters per statement, well under SQLite's limit
 
 
@@ -46,13 +46,15 @@ class SQLiteSink(AdbcSink):
         progress_table: str = "millpond_progress",
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     ) -> None:
-        """Open (lazily) the database at ``path``; it is created on first use.
+        """Open (lazily) the database at ``path``; it is created on first use, its directory
+        never (a missing one is a typo).
 
         ``busy_timeout_ms`` is how long a write waits for another process's lock before it
         fails with ``SQLITE_BUSY`` (transient: the service retries with backoff).
 
         Raises:
-            ConfigError: a bad table name or entry format, or adbc-driver-sqlite missing.
+            ConfigError: a bad table name or entry format, a path whose directory does not
+                exist (named), or adbc-driver-sqlite missing.
         """
         try:
             import adbc_driver_sqlite.dbapi  # noqa: F401 - fail at construction, not later
@@ -60,10 +62,8 @@ class SQLiteSink(AdbcSink):
             raise ConfigError(
                 "sink", "SQLite sink needs adbc-driver-sqlite: pip install 'millpond[sqlite]'"
             ) from err
-        self._path = Path(path)
+        self._path = sqlite_database_path(path)
         self._busy_timeout_ms = busy_timeout_ms
-        if str(path) in ("", ":memory:"):
-            raise ConfigError("sink", f"expected a database file path, found {str(path)!r}")
         super().__init__(
             description=f"sqlite://{self._path.resolve()}",
             table=table,
@@ -79,7 +79,6 @@ class SQLiteSink(AdbcSink):
     def _open(self) -> Any:
         import adbc_driver_sqlite.dbapi as sqlite_dbapi
 
-        self._path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite_dbapi.connect(str(self._path), autocommit=True)
         cur = conn.cursor()
         try:
@@ -119,6 +118,19 @@ class SQLiteSink(AdbcSink):
         if not rows:
             return None
         return {str(row[1]): SQLITE.parse(str(row[2] or "")) for row in rows}
+
+    def _resolve(self, cur: Any, table: TableName) -> TableName:
+        return sqlite_table(table)
+
+    def _exists(self, cur: Any, table: TableName) -> bool:
+        schema = f"{quote(table.schema)}." if table.schema else ""
+        found = self._fetch(
+            cur,
+            f"SELECT 1 FROM {schema}sqlite_master WHERE type IN ('table', 'index') "
+            "AND name = ? COLLATE NOCASE",
+            (table.name,),
+        )
+        return bool(found)
 
     def _lock_schema(self, cur: Any) -> None:
         pass  # BEGIN IMMEDIATE already holds the database's write lock

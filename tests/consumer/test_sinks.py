@@ -139,8 +139,8 @@ def test_postgres_sinks_setting_up_a_fresh_database_at_once_all_get_in(
     test_two_sinks_racing_on_one_batch_write_it_once), or with a duplicate key on pg_type.
 
     The window is narrow, so many fresh sets of tables are each set up by several sinks at
-    once. Connections are opened beforehand and handed to each sink's setup (what its first
-    transaction runs), so every round is a race of setups, not of connects."""
+    once. Connections are opened beforehand and handed to each sink, whose first transaction
+    sets up (inside it), so every round is a race of setups, not of connects."""
     import adbc_driver_postgresql.dbapi as pg
 
     conns = [pg.connect(postgres_database.url) for _ in range(SETUPS_AT_ONCE)]
@@ -149,7 +149,8 @@ def test_postgres_sinks_setting_up_a_fresh_database_at_once_all_get_in(
     def setup(sink: Any, conn: Any, barrier: threading.Barrier) -> None:
         try:
             barrier.wait(timeout=60)
-            sink._setup(conn)
+            sink._conn = conn
+            sink._transaction_once(lambda cur: None)
         except BaseException as err:
             errors.append(err)
 
