@@ -127,7 +127,7 @@ class Committer:
                         if head.settle_until is not None:
                             delay = head.settle_until - self._clock.monotonic()
                             if delay > 0:
-                                state.committer_wake.wait(delay)
+                                state.wait(state.committer_wake, delay)
                                 continue
                             return "confirm", [head]
                         if self._needs_refresh(head):
@@ -136,7 +136,7 @@ class Committer:
                         linger = self._linger(head)
                         if linger > 0:
                             # More uploads may land meanwhile and share this append's CAS.
-                            state.committer_wake.wait(linger)
+                            state.wait(state.committer_wake, linger)
                             continue
                         return "append", self._append_group()
                 if state.unsettled:

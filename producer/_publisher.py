@@ -136,7 +136,7 @@ class Sealer:
                 delay = self._seal_delay()
                 if delay is not None and delay <= 0:
                     break
-                state.sealer_wake.wait(delay)
+                state.wait(state.sealer_wake, delay)
             records: list[Staged] = []
             size = 0
             while state.pending and (not records or size < self._config.flush_size_bytes):

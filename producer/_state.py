@@ -67,6 +67,9 @@ COUNTER_NAMES = (
     "direct_appends",
 )
 
+_INJECTED_CLOCK_TICK = 0.01
+"""Real seconds a timed wait lasts at most under an injected clock, which may run ahead."""
+
 
 class Interrupted(Exception):
     """Raised inside a retry sleep once the producer is shutting down."""
@@ -263,6 +266,7 @@ class State:
         """An append settled batches since the WAL releaser last ran."""
         self.stop = threading.Event()
         self.clock = clock
+        self._real_clock = isinstance(clock, SystemClock)
         self.counters = Counters(*COUNTER_NAMES)
         self.fsync_latency = LatencySummary()
         self.append_latency = LatencySummary()
@@ -294,6 +298,18 @@ class State:
         self.fatal: BaseException | None = None
         self.mem_budget = mem_budget
         self.mem_bytes = 0
+
+    def wait(self, condition: threading.Condition, seconds: float | None = None) -> None:
+        """Wait on ``condition`` (the lock held) until notified, or until ``seconds`` have
+        passed on the producer's clock (``None``: until notified).
+
+        Threads wait in real time. An injected clock (a test's, the whole-system checker's)
+        may run ahead of it, so under one a timed wait ends at least every 10 ms and the
+        caller reads the clock again.
+        """
+        if seconds is not None and not self._real_clock:
+            seconds = min(seconds, _INJECTED_CLOCK_TICK)
+        condition.wait(seconds)
 
     def wake_all(self) -> None:
         """Wake every waiting thread (closing, stopping, failing)."""

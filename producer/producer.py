@@ -357,7 +357,7 @@ class Producer:
                 remaining = None if deadline is None else deadline - state.clock.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"flush(): not everything was published within {timeout} s")
-                state.cond.wait(remaining)
+                state.wait(state.cond, remaining)
                 self._check_usable()
 
     def close(self, timeout: float | None = None) -> CloseReport:
@@ -394,7 +394,7 @@ class Producer:
                 remaining = None if deadline is None else deadline - state.clock.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                state.cond.wait(remaining)
+                state.wait(state.cond, remaining)
         self._stop_threads()
         self._releaser.finish()
         if self._coordinated is not None:
