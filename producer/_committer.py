@@ -24,13 +24,20 @@ and consumed — must come back under the same name, never a new one. Each recov
   under the same name — refreshing its last-modified time — and appended only after the
   collectors' delete window has passed and a HEAD has found it: a collector that listed the old
   copy has finished deleting by then (:mod:`millpond.queue.gc_rules`). A replayed batch is aged
-  by the time in its ULID, which is no later than its first upload.
+  by the time in its ULID, which is no later than its first upload. Stale batches are written
+  again together: when the head of the line needs it, so does every batch behind it that would
+  pass ``reupload_after`` before the head's delete window ends (none of them can be appended
+  before the head). Each keeps its own window and HEAD; the head waits a little
+  (``flush_interval``) for the rest of the group to land, then one pass of HEADs confirms
+  whatever has passed its window, and the confirmed batches go into one append. A stale
+  backlog of N batches takes one delete window plus N uploads, not N windows.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 from itertools import takewhile
@@ -59,10 +66,12 @@ __all__ = ["Committer"]
 logger = logging.getLogger(__name__)
 
 _MAX_GROUP = 256  # batches per manifest append
+_HEADS_AT_ONCE = 16  # HEAD requests in flight when batches written again are confirmed
 # Writes of one batch back after a late append: a collector pass that listed the old copy can
 # delete one write-back; a pass that starts after the append landed sees the reference.
 _WRITE_BACKS = 3
 _T = TypeVar("_T")
+_I = TypeVar("_I")
 _IN_FLIGHT = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
 
 
@@ -102,7 +111,7 @@ class Committer:
                 if kind == "verify":
                     self._verify(batches)
                 elif kind == "confirm":
-                    self._confirm(batches[0])
+                    self._confirm(batches)
                 else:
                     self._append(batches)
         except Interrupted:
@@ -124,24 +133,36 @@ class Committer:
                         )
                         return "verify", group + state.unsettled
                     if head.state is BatchState.UPLOADED:
-                        if head.settle_until is not None:
-                            delay = head.settle_until - self._clock.monotonic()
-                            if delay > 0:
-                                state.wait(state.committer_wake, delay)
-                                continue
-                            return "confirm", [head]
-                        if self._needs_refresh(head):
-                            self._refresh(head)
-                            continue
-                        linger = self._linger(head)
-                        if linger > 0:
-                            # More uploads may land meanwhile and share this append's CAS.
-                            state.wait(state.committer_wake, linger)
-                            continue
-                        return "append", self._append_group()
+                        work = self._uploaded_head(head)
+                        if isinstance(work, tuple):
+                            return work
+                        if work > 0:
+                            state.wait(state.committer_wake, work)
+                        continue
                 if state.unsettled:
                     return "verify", list(state.unsettled)
                 state.committer_wake.wait()
+
+    def _uploaded_head(self, head: Batch) -> tuple[str, list[Batch]] | float:
+        """What to do about an uploaded head of the line: work, or seconds to wait first
+        (0: look again at once). Holds ``state.cond``."""
+        now = self._clock.monotonic()
+        if self._must_rewrite(head, now):
+            # None behind the head can be appended before its delete window ends.
+            behind = self._stale_behind(now + self._session.delete_window)
+            self._refresh([head, *behind])
+            return 0.0
+        if head.settle_until is not None:
+            # Uploads that landed since, already too old when the head's window ends: written
+            # again now, to share it (none written with the head is older than the head).
+            late = self._stale_behind(head.settle_until)
+            if late:
+                self._refresh(late)
+            wait = self._settle_wait(head, now)
+            return ("confirm", self._settled(now)) if wait <= 0 else wait
+        linger = self._linger(head)
+        # More uploads may land meanwhile and share this append's CAS.
+        return ("append", self._append_group()) if linger <= 0 else linger
 
     def _linger(self, head: Batch) -> float:
         """Seconds to hold the uploaded head back so more batches share its CAS (0: now).
@@ -252,28 +273,90 @@ class Committer:
 
     def _needs_refresh(self, batch: Batch) -> bool:
         """Whether the batch's object may be too old to be safe from GC until its append."""
-        uploaded_at = batch.uploaded_at
-        if uploaded_at is None:
-            return True
-        return self._clock.monotonic() - uploaded_at > self._session.reupload_after
+        return self._stale_by(batch, self._clock.monotonic())
 
-    def _refresh(self, batch: Batch) -> None:
-        """Queue the batch to be written again under its name (holding ``state.cond``)."""
+    def _stale_by(self, batch: Batch, moment: float) -> bool:
+        """Whether the batch's object may have been written more than ``reupload_after``
+        before ``moment`` (a monotonic time)."""
+        uploaded_at = batch.uploaded_at
+        return uploaded_at is None or moment - uploaded_at > self._session.reupload_after
+
+    def _must_rewrite(self, head: Batch, now: float) -> bool:
+        """Whether the head must be written again before it can be appended: it is stale now,
+        or will be when the delete window it waits out ends (waiting would be in vain)."""
+        settle_until = head.settle_until
+        return self._stale_by(head, now if settle_until is None else max(now, settle_until))
+
+    def _stale_behind(self, moment: float) -> list[Batch]:
+        """The uploaded batches behind the head that would be stale at ``moment``: written
+        again with the head, they wait out one delete window together (holding
+        ``state.cond``)."""
+        return [
+            batch
+            for batch in itertools.islice(self._state.batches, 1, None)
+            if batch.state is BatchState.UPLOADED and self._stale_by(batch, moment)
+        ]
+
+    def _settle_wait(self, head: Batch, now: float) -> float:
+        """Seconds before the HEAD pass that confirms the head after its delete window.
+
+        The head waits for its own window, then up to ``flush_interval`` more for the batches
+        written again with it that are still uploading or in their window, so one pass of HEADs
+        and one append take the whole group.
+        """
+        assert head.settle_until is not None
+        wait = head.settle_until - now
+        if wait > 0:
+            return wait
+        group_end = self._refresh_group_end(head)
+        if group_end is None:
+            return 0.0
+        return min(group_end, head.settle_until + self._config.flush_interval) - now
+
+    def _refresh_group_end(self, head: Batch) -> float | None:
+        """When the last window of the refreshed batches right behind the head ends (infinity
+        while one is still uploading; ``None`` when none is pending)."""
+        end: float | None = None
+        for batch in itertools.islice(self._state.batches, 1, _MAX_GROUP):
+            if batch.settle_until is not None and batch.state is BatchState.UPLOADED:
+                moment = batch.settle_until
+            elif batch.overwrite and batch.state in _IN_FLIGHT:
+                moment = float("inf")
+            else:
+                break
+            end = moment if end is None else max(end, moment)
+        return end
+
+    def _settled(self, now: float) -> list[Batch]:
+        """Every uploaded batch whose delete window after its rewrite has passed, in line
+        order: one pass of HEADs confirms them (holding ``state.cond``)."""
+        return [
+            batch
+            for batch in self._state.batches
+            if batch.state is BatchState.UPLOADED
+            and batch.settle_until is not None
+            and batch.settle_until <= now
+        ]
+
+    def _refresh(self, batches: list[Batch]) -> None:
+        """Queue the batches to be written again under their names, ahead of every other
+        upload and in line order (holding ``state.cond``)."""
         state = self._state
-        batch.overwrite = True
-        batch.settle_until = None
-        batch.state = BatchState.SEALED
-        if state.batches and batch is state.batches[0]:
-            state.upload_queue.appendleft(batch)
-        else:
-            state.upload_queue.append(batch)
-        state.counters.add("batches_refreshed")
+        for batch in batches:
+            batch.overwrite = True
+            batch.settle_until = None
+            batch.state = BatchState.SEALED
+        state.upload_queue.extendleft(reversed(batches))
+        state.counters.add("batches_refreshed", len(batches))
         state.upload_wake.notify_all()
         logger.info(
-            "batch %s waited longer than reupload_after (%.0f s) for its append; writing it "
-            "again under the same name",
-            batch.location,
+            "%s batches (%s first) waited longer than reupload_after (%.0f s) for their append, "
+            "or would before it; writing them again under the same names, then appending them "
+            "once the delete window (%.1f s) has passed",
+            len(batches),
+            batches[0].location,
             self._session.reupload_after,
+            self._session.delete_window,
         )
 
     # -- the three kinds of work ----------------------------------------------------------
@@ -396,28 +479,40 @@ class Committer:
             batch.append_from = from_sequence
         self._state.space.notify_all()  # drop_oldest may now drop them
 
-    def _confirm(self, batch: Batch) -> None:
-        """After writing an object again and waiting out the delete window: is it there?"""
+    def _confirm(self, batches: list[Batch]) -> None:
+        """After writing objects again and waiting out their delete window: are they there?
+        One HEAD each, ``_HEADS_AT_ONCE`` at a time; a batch that vanished is written again,
+        one the store did not answer for waits for the next pass."""
+        answers = _in_parallel(self._look, batches, _HEADS_AT_ONCE)
+        failed = next((err for err in answers if isinstance(err, StorageError)), None)
+        if failed is None:
+            self._backoff = None
+        with self._state.cond:
+            vanished = []
+            for batch, found in zip(batches, answers, strict=True):
+                if batch.dropped or batch.settle_until is None or not isinstance(found, bool):
+                    continue
+                if found:
+                    batch.settle_until = None
+                else:
+                    # A collector working from a listing older than our write took it: again.
+                    logger.warning("batch %s vanished after it was written again", batch.location)
+                    vanished.append(batch)
+            if vanished:
+                self._refresh(vanished)
+            self._state.committer_wake.notify()
+        if failed is not None:
+            self._pause("HEAD of batches written again", failed)
+
+    def _look(self, batch: Batch) -> bool | StorageError:
+        """Whether the batch's object is there (the store's error when it did not answer)."""
         try:
             self._store.head(batch.location)
         except NotFoundError:
-            found = False
+            return False
         except StorageError as err:
-            self._pause(f"HEAD {batch.location}", err)
-            return
-        else:
-            found = True
-        self._backoff = None
-        with self._state.cond:
-            if batch.dropped or batch.settle_until is None:
-                return
-            if found:
-                batch.settle_until = None
-            else:
-                # A collector working from a listing older than our write took it: again.
-                logger.warning("batch %s vanished after it was written again", batch.location)
-                self._refresh(batch)
-            self._state.committer_wake.notify()
+            return err
+        return True
 
     def _verify(self, batches: list[Batch]) -> None:
         state = self._state
@@ -550,3 +645,38 @@ def _groups(batches: list[Batch]) -> list[list[Batch]]:
             seen.add(id(group))
             groups.append([member for member in group if member in batches])
     return groups
+
+
+def _in_parallel(call: Callable[[_I], _T], items: list[_I], width: int) -> list[_T]:
+    """``[call(item) for item in items]``, ``width`` calls at a time, on daemon threads (a
+    store call that hangs must not keep the process from exiting, as on the committer's own);
+    the first exception a call raised is raised here."""
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    results: dict[int, _T] = {}
+    errors: list[BaseException] = []
+    work = iter(enumerate(items))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        try:
+            while not errors:
+                with lock:
+                    job = next(work, None)
+                if job is None:
+                    return
+                results[job[0]] = call(job[1])
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=worker, name="millpond-committer-head", daemon=True)
+        for _ in range(min(width, len(items)))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[index] for index in range(len(items))]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters, LatencySummary
@@ -236,6 +237,8 @@ class CloseReport:
     """Calls that never reached the WAL (close timed out while it was full); their handles
     failed with ``ClosedError``."""
     unstaged_entries: int = 0
+    waiting_for: str = ""
+    """What ``close()`` was still waiting for when its timeout ran out (``""``: nothing)."""
 
     @property
     def complete(self) -> bool:
@@ -405,3 +408,48 @@ class State:
         records = [r for b in self.batches for r in b.records]
         records.extend(self.pending)
         return records
+
+    def awaiting_refresh(self) -> int:
+        """Batches being written again under their names, or waiting out the delete window
+        after it before a HEAD confirms them (they waited longer than ``reupload_after``)."""
+        return sum(1 for b in self.batches if b.overwrite or b.settle_until is not None)
+
+    def waiting_for(self) -> str:
+        """What publishing everything still waits for, in words (``""``: nothing)."""
+        counts = Counter(_waiting_on(batch) for batch in self.batches)
+        parts = [f"{_count(n, 'batch', 'es')} {self._spell(what)}" for what, n in counts.items()]
+        if self.pending:
+            calls = _count(len(self.pending), "produce() call", "s")
+            parts.append(f"{calls} staged but not yet in a batch")
+        unstaged = len(self.inbox) + sum(len(group) for group, _, _ in self.written)
+        if unstaged:
+            parts.append(f"{_count(unstaged, 'produce() call', 's')} not yet in the WAL")
+        return "; ".join(parts)
+
+    def _spell(self, what: str) -> str:
+        if what != _WINDOW:
+            return what
+        last = max(b.settle_until for b in self.batches if b.settle_until is not None)
+        ms = self.clock.now_ms() + (last - self.clock.monotonic()) * 1000
+        until = datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%H:%M:%S UTC")
+        return f"{_WINDOW} until {until} (refresh of stale batches)"
+
+
+_WINDOW = "waiting for the delete window"
+
+
+def _waiting_on(batch: Batch) -> str:
+    """What one batch of the line waits for, in words."""
+    if batch.settle_until is not None:
+        return _WINDOW
+    if batch.overwrite and batch.state in (BatchState.SEALED, BatchState.UPLOADING):
+        return "being written again under their names (they waited longer than reupload_after)"
+    if batch.state is BatchState.UNCERTAIN:
+        return "being looked for in the manifest (replayed, or an append in doubt)"
+    if batch.state in (BatchState.UPLOADED, BatchState.APPENDING):
+        return "waiting for their manifest append"
+    return "being uploaded"
+
+
+def _count(n: int, noun: str, plural: str) -> str:
+    return f"{n} {noun}{plural if n != 1 else ''}"

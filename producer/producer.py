@@ -16,6 +16,7 @@ Threads (named, daemon, all joined by ``close()``): ``millpond-wal-writer``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -356,7 +357,10 @@ class Producer:
             while state.resolved_through < target:
                 remaining = None if deadline is None else deadline - state.clock.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"flush(): not everything was published within {timeout} s")
+                    raise TimeoutError(
+                        f"flush(): not everything was published within {timeout} s; still "
+                        f"waiting for: {state.waiting_for()}"
+                    )
                 state.wait(state.cond, remaining)
                 self._check_usable()
 
@@ -365,12 +369,15 @@ class Producer:
 
         Args:
             timeout: seconds to keep publishing; ``None`` waits until everything is in the
-                manifest (through a store outage, too).
+                manifest (through a store outage, too). When it runs out, an error is logged
+                saying what publishing still waited for (uploads, appends, batches written
+                again waiting out the delete window until when, ...).
 
         Returns:
             What is left: calls still only staged in the WAL (published by the next producer
             on ``wal_dir``; their handles fail with ``ClosedError``) and calls that never
-            reached it. ``report.complete`` is true when nothing is left.
+            reached it, and ``waiting_for``, what the timeout ran out on. ``report.complete``
+            is true when nothing is left.
 
         Raises:
             MillpondError: the permanent failure that stopped the producer, if any (after
@@ -382,24 +389,18 @@ class Producer:
 
     def _close(self, timeout: float | None) -> CloseReport:
         state = self._state
-        deadline = None if timeout is None else state.clock.monotonic() + timeout
         with state.cond:
             if self._close_report is not None:
                 return self._close_report
             state.closing = True
             state.flush_target = _EVERYTHING
             state.wake_all()
-            target = state.next_ordinal - 1
-            while state.resolved_through < target and state.fatal is None:
-                remaining = None if deadline is None else deadline - state.clock.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                state.wait(state.cond, remaining)
+            waiting_for = self._publish_all(timeout)
         self._stop_threads()
         self._releaser.finish()
         if self._coordinated is not None:
             self._coordinated.close()
-        report = self._settle_leftovers()
+        report = dataclasses.replace(self._settle_leftovers(), waiting_for=waiting_for)
         self._wal.close()
         self._closed = True
         self._close_report = report
@@ -419,6 +420,28 @@ class Producer:
         if state.fatal is not None:
             raise state.fatal
         return report
+
+    def _publish_all(self, timeout: float | None) -> str:
+        """Wait (holding ``state.cond``) until everything is published, the producer failed,
+        or ``timeout`` ran out; then what it was still waiting for, logged as an error
+        (``""`` when nothing was left)."""
+        state = self._state
+        deadline = None if timeout is None else state.clock.monotonic() + timeout
+        target = state.next_ordinal - 1
+        while state.resolved_through < target and state.fatal is None:
+            remaining = None if deadline is None else deadline - state.clock.monotonic()
+            if remaining is not None and remaining <= 0:
+                waiting_for = state.waiting_for()
+                logger.error(
+                    "close(): its timeout (%s s) ran out while waiting for: %s; what is not "
+                    "published stays in %s for the next producer",
+                    timeout,
+                    waiting_for,
+                    self._wal.directory,
+                )
+                return waiting_for
+            state.wait(state.cond, remaining)
+        return ""
 
     def metrics(self) -> dict[str, Any]:
         """Counters, gauges and the fsync latency summary, as a plain dict.
@@ -441,6 +464,7 @@ class Producer:
             values["pending_bytes"] = state.pending_bytes
             values["batches_in_flight"] = len(state.batches)
             values["unsettled_batches"] = len(state.unsettled)
+            values["batches_awaiting_refresh"] = state.awaiting_refresh()
             values["memory_bytes"] = state.mem_bytes
         if not self._wal.closed:
             values["wal_bytes"] = self._wal.bytes_used
