@@ -22,6 +22,7 @@ PRODUCER_METRICS = (
     "millpond_producer_dropped_entries_total",
     "millpond_producer_wal_bytes",
     "millpond_producer_pending_bytes",
+    "millpond_producer_refreshing_batches",
     "millpond_producer_wal_fsync_duration_seconds",
     "millpond_manifest_append_duration_seconds",
     "millpond_manifest_writes_total",
@@ -35,6 +36,7 @@ def producer_samples(state: State, wal: Wal) -> list[Sample]:
     counters = state.counters.snapshot()
     with state.cond:
         pending = state.pending_bytes
+        refreshing = state.awaiting_refresh()
     role = (("role", "producer"),)
     return [
         Sample("millpond_producer_entries_total", counters.get("entries_produced", 0)),
@@ -48,6 +50,7 @@ def producer_samples(state: State, wal: Wal) -> list[Sample]:
         Sample("millpond_producer_dropped_entries_total", counters.get("entries_dropped", 0)),
         Sample("millpond_producer_wal_bytes", 0 if wal.closed else wal.bytes_used),
         Sample("millpond_producer_pending_bytes", pending),
+        Sample("millpond_producer_refreshing_batches", refreshing),
         Sample("millpond_producer_wal_fsync_duration_seconds", state.fsync_latency.histogram()),
         Sample("millpond_manifest_append_duration_seconds", state.append_latency.histogram()),
         Sample("millpond_manifest_writes_total", counters.get("manifest_writes", 0), role),

@@ -14,7 +14,7 @@ from millpond.gc.command import GC_METRICS
 from millpond.producer._metrics import PRODUCER_METRICS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-_UNITS = ("_seconds", "_bytes", "_total", "_length", "_sequence", "_epoch")
+_UNITS = ("_seconds", "_bytes", "_total", "_length", "_sequence", "_epoch", "_batches")
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))

@@ -214,6 +214,13 @@ CATALOG: Mapping[str, MetricSpec] = {
             "producer",
         ),
         _spec(
+            "millpond_producer_refreshing_batches",
+            _G,
+            "Batches being written again under their names (they waited longer than "
+            "reupload_after for their append) until a HEAD after the delete window finds them.",
+            "producer",
+        ),
+        _spec(
             "millpond_producer_wal_fsync_duration_seconds",
             _H,
             "One WAL fdatasync.",

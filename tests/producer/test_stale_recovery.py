@@ -322,7 +322,7 @@ def test_close_says_what_it_waits_for_when_its_timeout_runs_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, store, _, producer = _start(tmp_path, 5)
-    assert producer.metrics()["batches_awaiting_refresh"] == 5
+    assert producer.metrics()["millpond_producer_refreshing_batches"] == 5
     with caplog.at_level(logging.ERROR, logger="millpond.producer.producer"):
         report = _close(producer, store, timeout=1.0)
     assert not report.complete
