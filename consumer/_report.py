@@ -180,6 +180,7 @@ class ServiceReporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._started = False
 
     @property
     def report(self) -> ServiceReport:
@@ -188,6 +189,7 @@ class ServiceReporter:
 
     def start(self, epoch: int | None) -> None:
         """Write the first report; then one every interval until :meth:`finish`."""
+        self._started = True
         self._update(epoch=epoch, state=ServiceState.RUNNING, stopped_on=None)
         self.write()
         if self._interval > 0 and self._thread is None:
@@ -227,11 +229,18 @@ class ServiceReporter:
         self._update(state=ServiceState.RUNNING, stopped_on=None, epoch=epoch)
 
     def finish(self, state: ServiceState, error: str | None = None) -> None:
-        """Stop the background writes and write the last report (a stop on a batch stays)."""
+        """Stop the background writes and write the last report (a stop on a batch stays).
+
+        Nothing is written for a service that never started (:meth:`start`): a start that
+        failed its checks leaves nothing behind — a report written into a bucket named by a
+        typo would create it on a store that creates buckets on the first write.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if not self._started:
+            return
         with self._lock:
             if self._report.state != ServiceState.STOPPED_ON_BATCH:
                 self._report = replace(self._report, state=state)

@@ -240,6 +240,7 @@ class ConsumerService:
                     stop,
                     "dequeue what was written",
                     lambda: consumer.flush(ack_through=self._to_ack()),
+                    reads_manifest=True,
                 )
             else:
                 self._ack_written(stop)
@@ -503,6 +504,7 @@ class ConsumerService:
             stop,
             f"ack sequence {sequence}",
             functools.partial(self._consumer.ack_through, sequence),
+            reads_manifest=True,
         )
 
     def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
@@ -520,7 +522,8 @@ class ConsumerService:
                 self._consumer.ack_through(batch.sequence)
             return True
 
-        return self._with_retry(stop, f"ack sequence {batch.sequence}", ack) is not None
+        acked = self._with_retry(stop, f"ack sequence {batch.sequence}", ack, reads_manifest=True)
+        return acked is not None
 
     def _count(self, batch: ConsumedBatch, written: bool, rows: int) -> None:
         for stats in (self.stats, self._window):
@@ -651,7 +654,10 @@ class ConsumerService:
                 consumer.pass_over(sequence)
                 return True
 
-            if self._with_retry(stop, f"move past sequence {sequence}", move_past) is None:
+            moved = self._with_retry(
+                stop, f"move past sequence {sequence}", move_past, reads_manifest=True
+            )
+            if moved is None:
                 return False
         if self._reporter is not None:
             self._reporter.moved_past(consumer.epoch)
@@ -717,11 +723,32 @@ class ConsumerService:
             lag_seconds=round(lag, 3),
         )
 
-    def _with_retry(self, stop: threading.Event, what: str, call: Callable[[], _T]) -> _T | None:
+    def _with_retry(
+        self,
+        stop: threading.Event,
+        what: str,
+        call: Callable[[], _T],
+        *,
+        reads_manifest: bool = False,
+    ) -> _T | None:
+        """``call()``, retried with capped backoff while the store or the database is down;
+        ``None`` when stopped first.
+
+        ``reads_manifest``: ``call`` is a consumer call that checks the epoch (an ack, a move
+        past a batch, the final dequeue) and delivers nothing, so a ``FormatError`` or
+        ``NotFoundError`` from it is the manifest's: retried as :meth:`_manifest_trouble`
+        says, never taken for a bad batch.
+        """
         delay = self._retry_initial
         while True:
             try:
-                return call()
+                result = call()
+            except (FormatError, NotFoundError) as err:
+                if not reads_manifest or isinstance(err, BadBatchError):
+                    raise
+                if not self._manifest_trouble(err, stop):
+                    return None
+                continue
             except SinkError as err:
                 if not err.transient:
                     raise
@@ -730,6 +757,10 @@ class ConsumerService:
             except StorageError as err:
                 logger.warning("could not %s, retrying in %.1f s: %s", what, delay, err)
                 self._note_retry(what, err)
+            else:
+                if reads_manifest:
+                    self._manifest_failures = 0
+                return result
             if stop.wait(delay):
                 return None
             delay = min(delay * 2, self._retry_max)

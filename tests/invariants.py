@@ -192,30 +192,37 @@ class ConsumerEvent:
     kind: str
     """``initialized``, ``delivered`` or ``acked``."""
     sequence: int | None = None
+    """The batch delivered or acked through; for ``initialized``, the epoch it now holds."""
 
 
 def assert_fenced_delivered_nothing(events: Sequence[ConsumerEvent]) -> None:
-    """After consumer ``c``'s ``initialize()`` returned, no consumer whose ``initialize()``
-    returned before it delivered or acked, or took the queue back.
+    """After consumer ``c``'s ``initialize()`` returned with epoch ``e``, no consumer holding
+    an epoch below ``e`` delivered or acked, or took the queue back.
 
-    Takeovers are ordered by when they returned, not by who started first: a takeover that
-    runs inside another's (between two of its requests, before its epoch bump) returns first
-    and is fenced by the one it ran inside.
+    Takeovers are ordered by the epoch each bumped to, not by who started or returned first:
+    a takeover that runs inside another's, between two of its requests, may return first and
+    be fenced by the one it ran inside (which bumped after it), or return last having been
+    fenced already (its next call must then fail).
     """
-    holder: int | None = None
-    fenced: dict[int, int] = {}  # fenced consumer -> the consumer whose takeover fenced it
+    held: dict[int, int] = {}  # consumer -> the epoch its last initialize() returned
+    newest: tuple[int, int] | None = None  # (epoch, consumer) of the newest takeover
     for event in events:
+        consumer = event.consumer
         if event.kind == "initialized":
-            if event.consumer in fenced:
+            epoch = event.sequence
+            assert epoch is not None, f"step {event.step}: consumer {consumer}: no epoch"
+            before = held.get(consumer)
+            if before is not None and newest is not None and before < newest[0] < epoch:
                 raise AssertionError(
-                    f"step {event.step}: consumer {event.consumer} took the queue back after "
-                    f"consumer {fenced[event.consumer]} had taken it over"
+                    f"step {event.step}: consumer {consumer} took the queue back (epoch "
+                    f"{epoch}) after consumer {newest[1]} had taken it over (epoch {newest[0]})"
                 )
-            if holder is not None and holder != event.consumer:
-                fenced[holder] = event.consumer
-            holder = event.consumer
-        elif event.consumer in fenced:
+            held[consumer] = epoch
+            if newest is None or epoch > newest[0]:
+                newest = (epoch, consumer)
+        elif newest is not None and held.get(consumer, newest[0]) < newest[0]:
             raise AssertionError(
-                f"step {event.step}: consumer {event.consumer} {event.kind} sequence "
-                f"{event.sequence} after consumer {fenced[event.consumer]} had taken over"
+                f"step {event.step}: consumer {consumer} {event.kind} sequence "
+                f"{event.sequence} after consumer {newest[1]} had taken over (epoch "
+                f"{held[consumer]} < {newest[0]})"
             )

@@ -145,7 +145,11 @@ class AdbcSink(QuarantineLedger, ABC):
     def last_sequence(self, queue: str) -> int | None:
         """The highest sequence of ``queue`` recorded for this table, or ``None``.
 
-        The first call for a table makes it ``queue``'s.
+        Writes nothing: a consumer reads it before its start checks have passed (the store's,
+        the takeover), and a start that fails leaves nothing behind. The table becomes
+        ``queue``'s with the first batch written (or :meth:`claim`); the checks a claim makes
+        run here too — in a transaction rolled back — so a table of another queue is refused
+        before anything is taken over or dequeued.
 
         Args:
             queue: the consumer's queue identity (``Consumer.queue``).
@@ -164,9 +168,22 @@ class AdbcSink(QuarantineLedger, ABC):
                 (str(self._table),),
             )
             value = rows[0][0] if rows else None
-            return int(value) if value is not None else None
+            raise _Undone(int(value) if value is not None else None)
 
-        return self._transaction(work)
+        try:
+            self._transaction(work)
+        except _Undone as undone:
+            return undone.value
+        raise AssertionError("unreachable: the work always ends in _Undone")
+
+    def claim(self, queue: str) -> None:
+        """Make the table ``queue``'s now (the first write does it otherwise).
+
+        Raises:
+            SinkError: the table belongs to another queue (permanent, naming both), or the
+                database failed.
+        """
+        self._transaction(lambda cur: self._own(cur, queue))
 
     def write(self, batch: ConsumedBatch) -> bool:
         """Write the batch's rows, sequence and location in one transaction.
@@ -798,6 +815,14 @@ class AdbcSink(QuarantineLedger, ABC):
         cur.execute(sql, params)
         rows: list[tuple[Any, ...]] = cur.fetchall()
         return rows
+
+
+class _Undone(Exception):
+    """Ends a transaction whose work is only read: rolled back, carrying its ``value``."""
+
+    def __init__(self, value: int | None) -> None:
+        super().__init__("rolled back on purpose")
+        self.value = value
 
 
 def _describe(batches: Sequence[ConsumedBatch]) -> str:

@@ -76,6 +76,13 @@ class SQLiteSink(AdbcSink):
     def path(self) -> Path:
         return self._path
 
+    def last_sequence(self, queue: str) -> int | None:
+        """As :meth:`AdbcSink.last_sequence`; without a database file, ``None`` and no file
+        made (connecting would create it: the first write does)."""
+        if not self._path.exists():
+            return None
+        return super().last_sequence(queue)
+
     def _open(self) -> Any:
         import adbc_driver_sqlite.dbapi as sqlite_dbapi
 

@@ -9,9 +9,14 @@ consumer that failed its start checks leaving objects behind (6).
 from __future__ import annotations
 
 import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,12 +33,22 @@ from consumer_support import (
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.service import MANIFEST_ATTEMPTS, ConsumerService, ServiceStats
 from millpond.consumer.sinks import AdbcSink
-from millpond.errors import BadBatchError, FencedError, FormatError, NotFoundError
+from millpond.errors import (
+    BadBatchError,
+    FencedError,
+    FormatError,
+    NotFoundError,
+    StoreAccessError,
+)
+from millpond.localstack import S3Endpoint
+from millpond.localstack._process import free_ports
 from millpond.queue import read_manifest
 from millpond.queue.index import head_path, read_indexed
+from millpond.storage.checks import preflight
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 
 GARBAGE = b"\x00 this is not a batch object \x00"
+NOT_ARROW = [b"\xff\xff\xff\xffnot really an arrow stream"]  # decodes; its rows do not
 
 
 class _BeforeWrite(ForwardingStore):
@@ -218,15 +233,19 @@ def test_case4_a_consumer_that_lost_the_queue_never_bumps_the_epoch_again(
 
 
 class _ManifestAnswers(ForwardingStore):
-    """The fencing check's read of the manifest answers 404 or garbage ``times`` times."""
+    """The fencing checks' reads of the manifest answer 404 or garbage ``times`` times, after
+    the first ``after`` of them."""
 
-    def __init__(self, inner: ObjectStore, answer: str, times: int) -> None:
+    def __init__(self, inner: ObjectStore, answer: str, times: int, *, after: int = 0) -> None:
         super().__init__(inner)
         self._answer = answer
+        self._after = after
         self.left = times
 
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
-        if path == MANIFEST and self.left > 0:
+        if path == MANIFEST and self._after > 0:
+            self._after -= 1
+        elif path == MANIFEST and self.left > 0:
             self.left -= 1
             if self._answer == "404":
                 raise NotFoundError(f"{path}: not found (injected)")
@@ -262,6 +281,25 @@ def test_case5_a_manifest_error_for_a_moment_sets_no_good_batch_aside(
 
 
 @pytest.mark.parametrize("answer", ["404", "garbage"])
+def test_case5_a_manifest_error_at_an_ack_is_retried_not_a_stop(
+    store: ObjectStore, database: Database, answer: str
+) -> None:
+    """The same for the fencing check of an ack (found by the whole-system checker): the
+    service writing a refused group one by one went down on the first."""
+    writer = QueueWriter(store)
+    writer.append_arrow(numbered(0, 10))
+    writer.append(NOT_ARROW)  # the group is refused: written one by one, each acked alone
+    writer.append_arrow(numbered(20, 10))
+    flaky = _ManifestAnswers(store, answer, times=2, after=1)  # the acks' checks
+    stats = _serve(flaky, database, on_bad_batch="quarantine")
+    assert flaky.left == 0, "no ack met the injected answer"
+    assert (stats.batches, stats.quarantined) == (2, 1)
+    assert read_manifest(store, MANIFEST).manifest.entries == ()
+    with database.sink() as sink:
+        assert [row.sequence for row in sink.quarantined(queue=quiet_consumer(store).queue)] == [1]
+
+
+@pytest.mark.parametrize("answer", ["404", "garbage"])
 def test_case5_a_manifest_that_stays_unreadable_stops_the_service_naming_it(
     store: ObjectStore, database: Database, answer: str
 ) -> None:
@@ -276,3 +314,47 @@ def test_case5_a_manifest_that_stays_unreadable_stops_the_service_naming_it(
     assert f"{MANIFEST_ATTEMPTS} times in a row" in message
     with database.sink() as sink:
         assert sink.quarantined(queue=quiet_consumer(store).queue) == []
+
+
+# -- case 6 --------------------------------------------------------------------------------
+
+
+def test_case6_a_consumer_that_fails_its_start_checks_leaves_nothing_behind(
+    seaweedfs_s3: S3Endpoint, tmp_path: Path
+) -> None:
+    """``millpond consume s3://another-missing/q --create`` failed naming the missing bucket
+    after writing its report (``q/ingest/_millpond/consumer.json``) there, which SeaweedFS
+    took as the bucket's creation: a later write to the mistyped URL succeeded silently."""
+    bucket = f"another-missing-{uuid.uuid4().hex[:12]}"
+    sink = tmp_path / "sink.db"
+    env = {
+        **os.environ,
+        **seaweedfs_s3.env(),
+        "AWS_METADATA_ENDPOINT": f"http://127.0.0.1:{free_ports(1)[0]}",
+    }
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "millpond.cli", "consume", f"s3://{bucket}/q", "--create"),
+            *("--sink", f"sqlite://{sink}", "--exit-when-idle", "--report-interval", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode != 0, done.stderr
+    assert f"bucket '{bucket}' does not exist" in done.stderr, done.stderr
+    # The bucket is still missing: the same start check still fails, as does a producer's.
+    store = open_store(f"s3://{bucket}/q", seaweedfs_s3.store_options())
+    with pytest.raises(StoreAccessError, match="does not exist"):
+        preflight(store, write=True)
+    # And the sink records no owner, no progress: nothing names the wrong queue.
+    if sink.exists():
+        with contextlib.closing(sqlite3.connect(sink)) as conn:
+            tables = [
+                name
+                for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            ]
+            rows = {t: conn.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+        assert not any(rows.values()), f"the failed start wrote into the sink: {rows}"

@@ -401,7 +401,8 @@ class ConsumerRole:
 
     def _taken(self) -> None:
         """Its takeover returned: older consumers are fenced; faults for mid-run are armed."""
-        self.record("initialized")
+        assert self.consumer is not None
+        self.record("initialized", self.consumer.epoch)
         if self._took_over is not None:
             self._took_over(self)
         for fault in self.after_takeover:

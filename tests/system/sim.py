@@ -345,25 +345,41 @@ class RoleStore(ForwardingStore):
         self.requests = 0
         """Requests made so far, fetches of batch objects not counted (the read-ahead's
         threads send them in no fixed order)."""
-        self._interleave: tuple[int, Callable[[], None]] | None = None
+        self._interleave: tuple[str, int, Callable[[], None]] | None = None
+        self._kinds: dict[str, int] = {}
 
-    def interleave(self, at: int, action: Callable[[], None]) -> None:
-        """Run ``action`` once, just before this role's request number ``at`` (from 0) is
-        sent, on the thread sending it: another role acts between two of this one's."""
+    def interleave(self, kind: str, at: int, action: Callable[[], None]) -> None:
+        """Run ``action`` once, just before this role's request number ``at`` (from 0) of
+        ``kind`` is sent, on the thread sending it: another role acts between two of this
+        one's. ``kind``: ``any`` (every counted request), ``manifest`` (the queue's manifest),
+        ``index`` (the backlog index) or ``dead-letter`` (copies of set-aside batches)."""
         with self._lock:
-            self._interleave = (at, action)
+            self._interleave = (kind, at, action)
+
+    def _kind(self, path: str) -> str:
+        if path in self.recorder.footers:
+            return "manifest"
+        if "/_millpond/index/" in path:
+            return "index"
+        if "-dead-letter/" in path:
+            return "dead-letter"
+        return "other"
 
     def _point(self, path: str, *, fetch: bool = False) -> None:
         """A request is about to be sent: count it, and run the interleaved action if due."""
         if fetch and path.endswith(".batch"):
             return
+        kind = self._kind(path)
         with self._lock:
-            number, self.requests = self.requests, self.requests + 1
+            self.requests += 1
+            seen = {k: self._kinds.get(k, 0) for k in (kind, "any")}
+            self._kinds[kind] = seen[kind] + 1
+            self._kinds["any"] = seen["any"] + 1
             due = self._interleave
-            if due is None or due[0] != number:
+            if due is None or due[0] not in seen or seen[due[0]] != due[1]:
                 return
             self._interleave = None
-        due[1]()
+        due[2]()
 
     def arm(self, fault: Fault) -> None:
         with self._lock:
@@ -504,7 +520,7 @@ class RoleStore(ForwardingStore):
         )
         return result
 
-    def _kind(self, path: str) -> str:
+    def _op(self, path: str) -> str:
         return "cas" if path in self.recorder.footers else "put"
 
     def put(self, path: str, data: bytes) -> str | None:
@@ -512,14 +528,14 @@ class RoleStore(ForwardingStore):
         return result
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
-        op = self._kind(path)
+        op = self._op(path)
         result: str | None = self._write(
             op, path, lambda: self.inner.put_if_absent(path, data), held=op == "cas"
         )
         return result
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
-        op = self._kind(path)
+        op = self._op(path)
         result: str | None = self._write(
             op, path, lambda: self.inner.put_if_match(path, data, etag), held=op == "cas"
         )

@@ -113,10 +113,14 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
             events.insert(rng_index.randrange(len(events) + 1), ("stall", rng_index.randint(0, 3)))
     # The seams (issue 44, issue 50): a draw of their own, inserted after the main ones.
     seams = random.Random(seed ^ 0x5EA45)
-    for _ in range(seams.choice([1, 1, 2])):
+    for _ in range(seams.choice([1, 2, 2])):
         at = seams.randrange(len(events) + 1)
         how = seams.choice(["consumer", "service"])
-        events.insert(at, ("takeover_at", seams.randrange(40), how, seams.randint(0, 3)))
+        # Before the older's n-th request of a kind: any (its takeover, fetches' checks,
+        # acks), or the manifest, the backlog index, a set-aside copy in particular.
+        kind = seams.choice(["any", "manifest", "index", "dead-letter"])
+        nth = seams.randrange(40 if kind == "any" else 6)
+        events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3)))
     if seams.random() < 0.4:
         mode = seams.choice(["missing", "garbage"])
         fault = ("consume_with_fault", "manifest", mode, seams.randrange(3), seams.randint(1, 3))
@@ -257,8 +261,8 @@ class World:
         self.events_a: list[ConsumerEvent] = []
         self.events_b: list[ConsumerEvent] = []
         self.consumers = 0
-        self._taken: dict[str, list[str]] = {}
-        """Per queue, the consumers whose takeover returned, oldest first."""
+        self._held: dict[str, dict[str, int]] = {}
+        """Per queue, the epoch each consumer's last takeover returned with."""
         self.consumers_a: list[ConsumerRole] = []
         """Queue A's consumer roles, in the order they were made."""
         self.violations: list[str] = []
@@ -303,7 +307,7 @@ class World:
             progress_table=self.queue_a.progress_table,
             entry_format="opaque",
         ) as sink:
-            sink.last_sequence(queue_identity(self.recorder.url, self.queue_a.manifest_path))
+            sink.claim(queue_identity(self.recorder.url, self.queue_a.manifest_path))
 
     # -- the world's outage ---------------------------------------------------------------
 
@@ -340,11 +344,15 @@ class World:
         return role
 
     def _fence_older(self, role: ConsumerRole) -> None:
-        """``role``'s takeover returned: every other consumer of its queue that took over
-        before is fenced, at the store too (no conditional write of theirs may land now)."""
-        taken = self._taken.setdefault(role.queue.name, [])
-        self.recorder.fence(name for name in taken if name != role.store.name)
-        taken.append(role.store.name)
+        """``role``'s takeover returned: every consumer of its queue holding a lower epoch is
+        fenced, at the store too (no conditional write of theirs may land from now on) — and
+        so is ``role`` itself if a takeover that ran inside its own bumped past it."""
+        assert role.consumer is not None
+        assert role.consumer.epoch is not None
+        held = self._held.setdefault(role.queue.name, {})
+        held[role.store.name] = role.consumer.epoch
+        newest = max(held.values())
+        self.recorder.fence(name for name, epoch in held.items() if epoch < newest)
 
     # -- running --------------------------------------------------------------------------
 
@@ -416,7 +424,7 @@ class World:
         elif kind == "takeover":
             self._takeover(event[1], event[2])
         elif kind == "takeover_at":
-            self._takeover_at(event[1], event[2], event[3])
+            self._takeover_at(event[1], event[2], event[3], event[4])
         elif kind == "stale_restart":
             self._stale_restart(event[1], event[2])
         elif kind == "stall":
@@ -510,12 +518,12 @@ class World:
         for role in (older, newer):
             role.close()
 
-    def _takeover_at(self, at: int, how: str, after: int) -> None:
+    def _takeover_at(self, kind: str, at: int, how: str, after: int) -> None:
         """An older consumer runs — by hand, or as the service with this schedule's bad-batch
-        policy — and a newer one takes over just before the older's request number ``at``
-        (its takeover's requests, its fetches' fencing checks, its index mover's writes, its
-        moves past bad batches alike). The older must be fenced and write nothing that lands
-        after that; the newer goes on."""
+        policy — and a newer one takes over just before the older's request number ``at`` of
+        ``kind`` (its takeover's requests, its fetches' fencing checks, its index mover's
+        writes, its moves past bad batches alike). The older must be fenced and write nothing
+        that lands after that; the newer goes on."""
         older = self._consumer(self.queue_a)
         newer = self._consumer(self.queue_a)
         outcome: list[BaseException | None] = []
@@ -527,7 +535,7 @@ class World:
             except (SimulatedCrash, MillpondError) as err:
                 outcome.append(err)
 
-        older.store.interleave(at, take_over)
+        older.store.interleave(kind, at, take_over)
         try:
             if how == "service":
                 older.run_service(self.poison.on_bad_batch)
@@ -544,27 +552,24 @@ class World:
         if not outcome:
             take_over()  # the older made fewer requests: the takeover comes after
         taken = outcome[0]
-        order = self._taken.get(self.queue_a.name, [])
-        # A takeover inside the older's own takeover, before its epoch bump: the older's
-        # returned last and it holds the queue now (two takeovers raced; the last one wins).
-        older_last = older.store.name in order and (
-            newer.store.name not in order
-            or order.index(older.store.name) > order.index(newer.store.name)
-        )
+        held = self._held.get(self.queue_a.name, {})
+        # A takeover inside the older's own takeover, before its epoch bump: the older bumped
+        # last and holds the queue now (two takeovers raced; the last bump wins).
+        older_last = held.get(older.store.name, -1) > held.get(newer.store.name, -1)
         try:
             if taken is not None:
                 raise taken
             newer.step_batches(after)
         except FencedError as err:
             if not older_last:
-                self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+                self.violations.append(f"step {self.step}: takeover at {kind} {at}: {err}")
         except (SimulatedCrash, StorageError):
             pass
         except (FormatError, SinkError) as err:
             if not self.poison.stopped_on_poison(err):
-                self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+                self.violations.append(f"step {self.step}: takeover at {kind} {at}: {err}")
         except MillpondError as err:
-            self.violations.append(f"step {self.step}: takeover at {at} failed: {err}")
+            self.violations.append(f"step {self.step}: takeover at {kind} {at}: {err}")
         for role in (older, newer):
             role.close()
 
