@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import builtins
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -15,7 +19,85 @@ from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.localstack import AzureEndpoint, GcsEndpoint, S3Endpoint
 from millpond.storage.store import ForwardingStore, ObjectInfo, ObjectStore
 
-__all__ = ["ManualClock", "StoreTarget", "TestClockStore", "unique_root"]
+__all__ = [
+    "DOCTOR_CHECKS",
+    "CliProcess",
+    "ManualClock",
+    "StoreTarget",
+    "TestClockStore",
+    "run_cli",
+    "unique_root",
+]
+
+DOCTOR_CHECKS = [
+    "credentials",
+    "bucket",
+    "permissions",
+    "conditional_create",
+    "conditional_update",
+    "clock_skew",
+    "manifest",
+    "sink",
+]
+"""The checks ``millpond doctor --sink`` runs, in the order it prints them."""
+
+MILLPOND = (sys.executable, "-m", "millpond.cli")
+"""The ``millpond`` command, as every test runs it in a process of its own."""
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``millpond ARGS`` to the end; its output as text. ``env`` replaces the environment."""
+    return subprocess.run(
+        [*MILLPOND, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
+
+
+class CliProcess:
+    """A running ``millpond ARGS`` process whose stderr is collected line by line."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*MILLPOND, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait()
+
+    def kill(self) -> None:
+        """SIGKILL (if still running), then reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.wait()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,18 +16,11 @@ import pytest
 from millpond import Producer, ProducerConfig
 from millpond.localstack import S3Endpoint
 from millpond.storage.store import open_store
-from tests.support import unique_root
+from tests.support import run_cli, unique_root
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "millpond.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
+    return run_cli(*args, env=env)
 
 
 def _one_line(result: subprocess.CompletedProcess[str], code: int) -> str:

@@ -18,7 +18,6 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.localstack._process import free_ports
 from millpond.producer import Producer, ProducerConfig
 from millpond.storage.store import ObjectStore, open_store
-from tests.support import unique_root
+from tests.support import DOCTOR_CHECKS, run_cli, unique_root
 
 _ENDPOINTS = {"azurite": "azurite_blob", "gcs": "fake_gcs", "moto": "moto_s3"}
 _PREFIX = "ingest"
@@ -39,16 +38,6 @@ in-process consumer, writes the claim), so ``millpond gc`` may delete the consum
 objects within the test. Producers re-upload a batch not appended within half of it, and a GC
 pass deletes only within half the delete window (a quarter of it) from its start: 0.5 s, where
 a pass on fake-gcs-server takes about 0.3 s."""
-_CHECKS = [
-    "credentials",
-    "bucket",
-    "permissions",
-    "conditional_create",
-    "conditional_update",
-    "clock_skew",
-    "manifest",
-    "sink",
-]
 
 
 def _env(kind: str, endpoint: Any) -> dict[str, str]:
@@ -62,14 +51,7 @@ def _env(kind: str, endpoint: Any) -> dict[str, str]:
 
 
 def _millpond(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "millpond.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
+    result = run_cli(*args, env=env)
     assert result.returncode == 0, f"millpond {args[0]}: {result.stdout}{result.stderr}"
     return result
 
@@ -184,7 +166,7 @@ def test_case2_the_public_path_runs_end_to_end_on_azure_gcs_and_s3(
     # 7. `millpond doctor` with the sink: every check passes, and it reads the manifest.
     report = json.loads(_millpond(env, "doctor", url, "--sink", sink, "--output", "json").stdout)
     assert report["ok"] is True
-    assert [c["name"] for c in report["checks"]] == _CHECKS
+    assert [c["name"] for c in report["checks"]] == DOCTOR_CHECKS
     assert {c["status"] for c in report["checks"]} == {"pass"}, report
     manifest = next(c for c in report["checks"] if c["name"] == "manifest")
     assert f"0 entries, epoch {epoch + 1}, next sequence 7" in manifest["detail"]

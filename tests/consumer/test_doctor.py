@@ -20,7 +20,7 @@ from consumer_support import Database
 
 from millpond.localstack import S3Endpoint
 from millpond.localstack._process import free_ports
-from tests.support import unique_root
+from tests.support import DOCTOR_CHECKS, unique_root
 
 _ENDPOINTS = {
     "moto": "moto_s3",
@@ -28,16 +28,6 @@ _ENDPOINTS = {
     "azurite": "azurite_blob",
     "gcs": "fake_gcs",
 }
-_CHECKS = [
-    "credentials",
-    "bucket",
-    "permissions",
-    "conditional_create",
-    "conditional_update",
-    "clock_skew",
-    "manifest",
-    "sink",
-]
 
 
 def _doctor(
@@ -77,7 +67,7 @@ def test_doctor_passes_every_check(
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(result.stdout)
     assert record["ok"] is True
-    assert [c["name"] for c in record["checks"]] == _CHECKS
+    assert [c["name"] for c in record["checks"]] == DOCTOR_CHECKS
     assert {c["status"] for c in record["checks"]} == {"pass"}, record
     secret = endpoint.store_options()
     for value in secret.values():

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,71 +18,26 @@ from millpond.queue.index import queue_view, read_indexed
 from millpond.storage.store import ObjectStore
 from tests.conftest import SHARED_STORE_KINDS
 from tests.invariants import assert_exactly_once
+from tests.support import CliProcess
 
 ROWS_PER_BATCH = 500
 BATCHES = 100  # 50,000 numbered rows
 
 
-class Service:
+class Service(CliProcess):
     """A ``millpond consume`` process whose stderr is collected line by line."""
 
     def __init__(self, target: Any, database: Database, *extra: str) -> None:
         options = [f"--store-option={k}={v}" for k, v in dict(target.options or {}).items()]
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "millpond.cli",
-                "--log-level",
-                "INFO",
-                "consume",
-                target.url,
-                "--create",
-                *options,
-                *database.sink_arguments(),
-                "--poll-interval",
-                "0.1",
-                "--progress-interval",
-                "1",
-                "--no-gc",
-                *extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        super().__init__(
+            *("--log-level", "INFO", "consume", target.url, "--create", *options),
+            *database.sink_arguments(),
+            *("--poll-interval", "0.1", "--progress-interval", "1", "--no-gc", *extra),
         )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
 
     def wait_started(self) -> None:
         """Until the service holds its epoch (its signal handlers are in place)."""
         _wait_for(lambda: "consuming" in self.stderr, 60, "the service to start")
-
-    def wait(self, timeout: float = 60) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code
-
-    def stop(self) -> int:
-        """SIGTERM, then the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.wait()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.wait()
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -27,8 +27,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -48,6 +46,7 @@ from millpond.queue.claim import queue_identity
 from millpond.storage.file_store import FileStore
 from millpond.storage.store import open_store
 from tests.invariants import assert_exactly_once
+from tests.support import CliProcess, run_cli
 
 ROWS = 5_000
 BATCHES = 20  # 100,000 numbered rows, as in the issue
@@ -66,53 +65,16 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "millpond.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=_env(),
-    )
+    return run_cli(*args, env=_env())
 
 
-class Consume:
+class Consume(CliProcess):
     """A ``millpond consume`` process whose stderr is collected line by line."""
 
     def __init__(self, store_url: str, sink: str, table: str, *extra: str) -> None:
-        command = [sys.executable, "-m", "millpond.cli", "--log-level", "INFO", "consume"]
-        command += [store_url, "--sink", sink, "--table", table, "--no-gc"]
-        command += ["--poll-interval", "0.1", "--progress-interval", "1", *extra]
-        self.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def wait(self, timeout: float = 120) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL (if still running), then reap it."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.wait()
+        command = ["--log-level", "INFO", "consume", store_url, "--sink", sink]
+        command += ["--table", table, "--no-gc", "--poll-interval", "0.1"]
+        super().__init__(*command, "--progress-interval", "1", *extra, env=_env())
 
 
 @pytest.fixture
