@@ -119,8 +119,10 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
         # Before the older's n-th request of a kind: any (its takeover, fetches' checks,
         # acks), or the manifest, the backlog index, a set-aside copy in particular.
         kind = seams.choice(["any", "manifest", "index", "dead-letter"])
-        nth = seams.randrange(40 if kind == "any" else 6)
-        events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3)))
+        nth = seams.randrange({"any": 40, "manifest": 12, "index": 6, "dead-letter": 2}[kind])
+        # A service run meets a batch it cannot read, sets it aside, moves past it.
+        poison = how == "service" and seams.random() < 0.5
+        events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3), poison))
     if seams.random() < 0.4:
         mode = seams.choice(["missing", "garbage"])
         fault = ("consume_with_fault", "manifest", mode, seams.randrange(3), seams.randint(1, 3))
@@ -261,8 +263,10 @@ class World:
         self.events_a: list[ConsumerEvent] = []
         self.events_b: list[ConsumerEvent] = []
         self.consumers = 0
-        self._held: dict[str, dict[str, int]] = {}
-        """Per queue, the epoch each consumer's last takeover returned with."""
+        self._roles: dict[str, list[ConsumerRole]] = {}
+        """Per queue, every consumer role made, oldest first."""
+        self._epochs: dict[str, int] = {}
+        """The epoch each consumer role (by store name) bumped to last, once known."""
         self.consumers_a: list[ConsumerRole] = []
         """Queue A's consumer roles, in the order they were made."""
         self.violations: list[str] = []
@@ -341,18 +345,28 @@ class World:
             role.coordinator = self.coordinator.url  # its dequeues too, with their fallback
         if queue is self.queue_a:
             self.consumers_a.append(role)
+        self._roles.setdefault(queue.name, []).append(role)
         return role
 
     def _fence_older(self, role: ConsumerRole) -> None:
-        """``role``'s takeover returned: every consumer of its queue holding a lower epoch is
-        fenced, at the store too (no conditional write of theirs may land from now on) — and
-        so is ``role`` itself if a takeover that ran inside its own bumped past it."""
-        assert role.consumer is not None
-        assert role.consumer.epoch is not None
-        held = self._held.setdefault(role.queue.name, {})
-        held[role.store.name] = role.consumer.epoch
-        newest = max(held.values())
-        self.recorder.fence(name for name, epoch in held.items() if epoch < newest)
+        """``role``'s takeover returned: every consumer of its queue holding a lower epoch —
+        one whose takeover returned earlier, or one still inside its own takeover past its
+        epoch bump — is fenced, at the store too (no conditional write of theirs may land from
+        now on); so is ``role`` itself if a takeover that ran inside its own bumped past it."""
+        for other in self._roles.get(role.queue.name, []):
+            epoch = other.consumer.epoch if other.consumer is not None else None
+            if epoch is not None:
+                self._epochs[other.store.name] = epoch
+        newest = max(
+            self._epochs[r.store.name]
+            for r in self._roles[role.queue.name]
+            if r.store.name in self._epochs
+        )
+        self.recorder.fence(
+            r.store.name
+            for r in self._roles[role.queue.name]
+            if self._epochs.get(r.store.name, newest) < newest
+        )
 
     # -- running --------------------------------------------------------------------------
 
@@ -424,7 +438,7 @@ class World:
         elif kind == "takeover":
             self._takeover(event[1], event[2])
         elif kind == "takeover_at":
-            self._takeover_at(event[1], event[2], event[3], event[4])
+            self._takeover_at(*event[1:])
         elif kind == "stale_restart":
             self._stale_restart(event[1], event[2])
         elif kind == "stall":
@@ -518,7 +532,7 @@ class World:
         for role in (older, newer):
             role.close()
 
-    def _takeover_at(self, kind: str, at: int, how: str, after: int) -> None:
+    def _takeover_at(self, kind: str, at: int, how: str, after: int, poison: bool) -> None:
         """An older consumer runs — by hand, or as the service with this schedule's bad-batch
         policy — and a newer one takes over just before the older's request number ``at`` of
         ``kind`` (its takeover's requests, its fetches' fencing checks, its index mover's
@@ -536,6 +550,8 @@ class World:
                 outcome.append(err)
 
         older.store.interleave(kind, at, take_over)
+        if poison:
+            self.poison.poison(at, "corrupt", "auto")
         try:
             if how == "service":
                 older.run_service(self.poison.on_bad_batch)
@@ -552,10 +568,10 @@ class World:
         if not outcome:
             take_over()  # the older made fewer requests: the takeover comes after
         taken = outcome[0]
-        held = self._held.get(self.queue_a.name, {})
         # A takeover inside the older's own takeover, before its epoch bump: the older bumped
         # last and holds the queue now (two takeovers raced; the last bump wins).
-        older_last = held.get(older.store.name, -1) > held.get(newer.store.name, -1)
+        epochs = self._epochs
+        older_last = epochs.get(older.store.name, -1) > epochs.get(newer.store.name, -1)
         try:
             if taken is not None:
                 raise taken
