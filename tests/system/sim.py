@@ -351,8 +351,9 @@ class RoleStore(ForwardingStore):
     def interleave(self, kind: str, at: int, action: Callable[[], None]) -> None:
         """Run ``action`` once, just before this role's request number ``at`` (from 0) of
         ``kind`` is sent, on the thread sending it: another role acts between two of this
-        one's. ``kind``: ``any`` (every counted request), ``manifest`` (the queue's manifest),
-        ``index`` (the backlog index) or ``dead-letter`` (copies of set-aside batches)."""
+        one's. ``kind``: ``any`` (every counted request), ``write`` (every write or delete),
+        ``manifest`` (the queue's manifest), ``index`` (the backlog index) or ``dead-letter``
+        (copies of set-aside batches)."""
         with self._lock:
             self._interleave = (kind, at, action)
 
@@ -365,16 +366,16 @@ class RoleStore(ForwardingStore):
             return "dead-letter"
         return "other"
 
-    def _point(self, path: str, *, fetch: bool = False) -> None:
+    def _point(self, path: str, *, fetch: bool = False, write: bool = False) -> None:
         """A request is about to be sent: count it, and run the interleaved action if due."""
         if fetch and path.endswith(".batch"):
             return
-        kind = self._kind(path)
+        kinds = (self._kind(path), "any", *(("write",) if write else ()))
         with self._lock:
             self.requests += 1
-            seen = {k: self._kinds.get(k, 0) for k in (kind, "any")}
-            self._kinds[kind] = seen[kind] + 1
-            self._kinds["any"] = seen["any"] + 1
+            seen = {k: self._kinds.get(k, 0) for k in kinds}
+            for k in kinds:
+                self._kinds[k] = seen[k] + 1
             due = self._interleave
             if due is None or due[0] not in seen or seen[due[0]] != due[1]:
                 return
@@ -471,7 +472,7 @@ class RoleStore(ForwardingStore):
         return land
 
     def _write(self, op: str, path: str, call: Callable[[], Any], held: bool = False) -> Any:
-        self._point(path)
+        self._point(path, write=True)
         call = self._fenced_check(op, path, self._in_time(op, path, call))
         mode = self._take(op)
         if mode == "fail":
@@ -546,7 +547,7 @@ class RoleStore(ForwardingStore):
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         wanted = list(paths)
-        self._point(wanted[0] if wanted else "")
+        self._point(wanted[0] if wanted else "", write=True)
         mode = self._take("delete")
         if mode == "fail":
             return [DeleteFailure(p, "injected failure") for p in wanted]

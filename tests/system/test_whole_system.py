@@ -150,4 +150,4 @@ def test_schedules_cover_every_kind_of_fault() -> None:
         assert {paces_fairly(seed) for seed in SEEDS} == {True, False}
     assert modes >= {"corrupt", "refuse", "operator", "auto"}  # poison, and who sets it aside
     assert modes >= {"manifest", "missing", "garbage", "service", "consumer"}  # the seams
-    assert modes >= {"any", "index", "dead-letter"}  # where a takeover comes in
+    assert modes >= {"any", "write", "index", "dead-letter"}  # where a takeover comes in

@@ -71,6 +71,9 @@ _LATE_CONFLICT = 0.02  # real seconds a fairly paced producer's lost write waits
 
 Event = tuple[Any, ...]
 
+_CONSUMING = {"consume", "consume_with_fault", "takeover", "takeover_at", "stall"}
+"""Events that run a consumer of queue A."""
+
 
 def coordinated(seed: int) -> bool:
     """Whether queue A's producers append through a ``millpond coordinator`` in this schedule
@@ -118,11 +121,19 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
         how = seams.choice(["consumer", "service"])
         # Before the older's n-th request of a kind: any (its takeover, fetches' checks,
         # acks), or the manifest, the backlog index, a set-aside copy in particular.
-        kind = seams.choice(["any", "manifest", "index", "dead-letter"])
-        nth = seams.randrange({"any": 40, "manifest": 12, "index": 6, "dead-letter": 2}[kind])
+        kind = seams.choice(["any", "write", "manifest", "index", "dead-letter"])
+        nth = seams.randrange(
+            {"any": 40, "write": 8, "manifest": 12, "index": 6, "dead-letter": 2}[kind]
+        )
         # A service run meets a batch it cannot read, sets it aside, moves past it.
         poison = how == "service" and seams.random() < 0.5
         events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3), poison))
+    if uses_backlog_index(seed) and seams.random() < 0.5:
+        # The queue's first move into the backlog index, by a consumer a newer one takes over
+        # from before one of its first writes: there is no index head yet.
+        first = next((i for i, e in enumerate(events) if e[0] in _CONSUMING), len(events))
+        first_move = ("takeover_at", "write", seams.randrange(6), "consumer", 1, False)
+        events.insert(first, first_move)
     if seams.random() < 0.4:
         mode = seams.choice(["missing", "garbage"])
         fault = ("consume_with_fault", "manifest", mode, seams.randrange(3), seams.randint(1, 3))
