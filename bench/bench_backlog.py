@@ -110,7 +110,7 @@ def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[s
     """Time every operation ``repeats`` times on a fresh root holding ``raw``."""
     from millpond.common.clock import SystemClock
     from millpond.common.ulids import UlidMinter
-    from millpond.consumer.status import queue_status
+    from millpond.consumer.app.status import queue_status
     from millpond.formats.manifest import append_entries, decode_manifest, remove_through
     from millpond.queue import QueueConsumer, QueueProducer
     from millpond.queue.gc_rules import collect_once
@@ -174,7 +174,7 @@ def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[s
 
 
 def _status_heads(direct: Any, measured: Any, raw: bytes, n: int) -> float:
-    from millpond.consumer.status import queue_status
+    from millpond.consumer.app.status import queue_status
     from millpond.storage.store import open_store
 
     root = f"bench-backlog-heads-{n}-{uuid.uuid4().hex[:8]}"

@@ -165,7 +165,7 @@ def _exposed(checks: list[tuple[float, float]], writes: list[tuple[float, float]
 def _run_consumer(store: Any, pg_url: str, expected_rows: int) -> dict[str, Any]:
     """The service loop of ``millpond consume``, until the queue is drained."""
     from millpond.consumer import Consumer, ConsumerConfig
-    from millpond.consumer.service import ConsumerService
+    from millpond.consumer.app.service import ConsumerService
     from millpond.consumer.sinks import PostgresSink
 
     store = _fence_timer(store)

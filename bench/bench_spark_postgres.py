@@ -126,7 +126,7 @@ def _check_table(pg_url: str, table: str, rows: int) -> None:
 def _consume(store_url: str, options: dict[str, str], pg_url: str, table: str) -> int:
     """The consumer service until the queue is drained; the rows it wrote."""
     from millpond.consumer import Consumer, ConsumerConfig
-    from millpond.consumer.service import ConsumerService
+    from millpond.consumer.app.service import ConsumerService
     from millpond.consumer.sinks import PostgresSink
 
     sink = PostgresSink(pg_url, table=table, progress_table=f"{table}_progress")

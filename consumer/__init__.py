@@ -12,7 +12,7 @@ with Consumer(ConsumerConfig(store="s3://bucket")) as consumer:
 ```
 
 Database sinks that make this exactly-once live in :mod:`millpond.consumer.sinks`; the
-long-running service is ``millpond consume`` (:mod:`millpond.consumer.service`).
+long-running service is ``millpond consume`` (:mod:`millpond.consumer.app.service`).
 """
 
 from __future__ import annotations

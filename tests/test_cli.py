@@ -142,7 +142,7 @@ def test_the_consume_commands_ack_batch_size_is_the_consumers() -> None:
     import dataclasses
 
     from millpond.consumer import ConsumerConfig
-    from millpond.consumer.command import add_arguments
+    from millpond.consumer.app.command import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -34,7 +34,7 @@ import pytest
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import SinkError, open_sink
 from millpond.errors import (
     CommitStateUnknownError,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from millpond.common.exposition import CATALOG, MetricKind, MetricsCollector
-from millpond.consumer._metrics import CONSUMER_METRICS
+from millpond.consumer.app._metrics import CONSUMER_METRICS
 from millpond.errors import ConfigError
 from millpond.gc.command import GC_METRICS
 from millpond.producer._metrics import PRODUCER_METRICS

@@ -30,18 +30,18 @@ EXIT_FENCED = 3
 
 _COMMANDS = {
     "inspect": ("millpond.cli.inspect", "show the queue manifest's footer and oldest entry"),
-    "status": ("millpond.consumer.status", "queue length, oldest entry age, lag (--watch)"),
+    "status": ("millpond.consumer.app.status", "queue length, oldest entry age, lag (--watch)"),
     "doctor": (
-        "millpond.consumer.doctor",
+        "millpond.consumer.app.doctor",
         "check that a store (and a database) can hold a queue, with a fix for each problem",
     ),
-    "consume": ("millpond.consumer.command", "run the consumer service into a database"),
+    "consume": ("millpond.consumer.app.command", "run the consumer service into a database"),
     "gc": ("millpond.gc.command", "delete batch objects nothing references"),
     "quarantine": (
-        "millpond.consumer.quarantine",
+        "millpond.consumer.app.quarantine",
         "set aside the batch the consumer is stopped on (copied to a dead-letter prefix)",
     ),
-    "replay": ("millpond.consumer.replay", "write a quarantined batch again, exactly once"),
+    "replay": ("millpond.consumer.app.replay", "write a quarantined batch again, exactly once"),
     "coordinator": (
         "millpond.cli.coordinator",
         "append many producers' batches in one compare-and-swap per round (optional service)",

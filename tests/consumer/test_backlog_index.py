@@ -17,8 +17,8 @@ from consumer_support import (
 
 from millpond.common.retry import RetryPolicy
 from millpond.consumer import Consumer
-from millpond.consumer._metrics import QueueSampler
-from millpond.consumer.status import queue_status
+from millpond.consumer.app._metrics import QueueSampler
+from millpond.consumer.app.status import queue_status
 from millpond.errors import FencedError, StorageError
 from millpond.formats.manifest import Footer, Manifest, ManifestEntry
 from millpond.queue import read_manifest

@@ -10,7 +10,7 @@ import pyarrow as pa
 from consumer_support import FAST_RETRY, Database, numbered, open_target
 
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.producer import Producer, ProducerConfig
 
 

@@ -29,7 +29,7 @@ import pytest
 from consumer_support import FAST_RETRY, Database, ForwardingSink, QueueWriter, numbered
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, takeover
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.errors import FencedError
 from millpond.storage.store import (
     DeleteFailure,

@@ -21,7 +21,7 @@ from consumer_support import Database, QueueWriter, numbered, open_target
 from test_service import Service, _wait_for
 
 from millpond.common.exposition import CATALOG
-from millpond.consumer._metrics import CONSUMER_METRICS
+from millpond.consumer.app._metrics import CONSUMER_METRICS
 from millpond.formats.arrow import encode_ipc
 from tests.scrape import family, scrape, served_url
 from tests.support import unique_root
@@ -210,7 +210,7 @@ def test_metrics_port_errors_are_usage_errors(tmp_path: Any) -> None:
 def test_the_queue_sampler_reads_an_unchanged_manifest_for_a_304(tmp_path: Any) -> None:
     from consumer_support import MANIFEST, RecordingStore
 
-    from millpond.consumer._metrics import QueueSampler
+    from millpond.consumer.app._metrics import QueueSampler
     from millpond.storage.store import open_store
 
     url = (tmp_path / "store").as_uri()

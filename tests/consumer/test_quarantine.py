@@ -14,9 +14,9 @@ import pytest
 from consumer_support import FAST_RETRY, MANIFEST, PREFIX, Database, QueueWriter, numbered
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
-from millpond.consumer._report import ServiceReporter, ServiceState, read_report
-from millpond.consumer.quarantine import dead_letter_paths, quarantine, replay
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app._report import ServiceReporter, ServiceState, read_report
+from millpond.consumer.app.quarantine import dead_letter_paths, quarantine, replay
+from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import AdbcSink, SetAside, SinkError
 from millpond.errors import (
     ConfigError,

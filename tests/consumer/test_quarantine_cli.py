@@ -24,7 +24,7 @@ import pytest
 from consumer_support import MANIFEST, PREFIX, Database, QueueWriter, numbered, open_target
 
 from millpond.common.clock import SystemClock
-from millpond.consumer.quarantine import dead_letter_paths
+from millpond.consumer.app.quarantine import dead_letter_paths
 from millpond.producer import Producer, ProducerConfig
 from millpond.queue import read_manifest
 from millpond.queue.gc_rules import plan_collection

@@ -31,7 +31,7 @@ from consumer_support import (
 )
 
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer.service import MANIFEST_ATTEMPTS, ConsumerService, ServiceStats
+from millpond.consumer.app.service import MANIFEST_ATTEMPTS, ConsumerService, ServiceStats
 from millpond.consumer.sinks import AdbcSink
 from millpond.errors import (
     BadBatchError,

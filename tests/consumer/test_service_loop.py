@@ -13,7 +13,7 @@ import pytest
 from consumer_support import FAST_RETRY, MANIFEST, Database, ForwardingSink, QueueWriter, numbered
 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import SinkError
 from millpond.errors import ConfigError, FormatError
 from millpond.queue import read_manifest
@@ -138,7 +138,10 @@ def test_progress_lines_report_rates_and_lag(
     writer = QueueWriter(store)
     for i in range(3):
         writer.append_arrow(numbered(i * 10, 10))
-    with caplog.at_level(logging.INFO, logger="millpond.consumer.service"), database.sink() as sink:
+    with (
+        caplog.at_level(logging.INFO, logger="millpond.consumer.app.service"),
+        database.sink() as sink,
+    ):
         ConsumerService(_consumer(store), sink, progress_interval=0.0).run(
             threading.Event(), until_idle=True
         )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from consumer_support import MANIFEST, QueueWriter, open_target
 
-from millpond.consumer.status import queue_status
+from millpond.consumer.app.status import queue_status
 from millpond.errors import NotFoundError
 from millpond.queue import QueueConsumer
 from millpond.storage.store import ObjectStore

@@ -20,8 +20,8 @@ import pytest
 from consumer_support import MANIFEST, Database, QueueWriter, RecordingStore, numbered
 
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer._watch import rates_between, watch
-from millpond.consumer.status import queue_status, status_record
+from millpond.consumer.app._watch import rates_between, watch
+from millpond.consumer.app.status import queue_status, status_record
 from millpond.formats.arrow import encode_ipc
 from millpond.queue import QueueConsumer
 from millpond.storage.store import open_store

@@ -38,7 +38,7 @@ import pytest
 from consumer_support import MANIFEST, Database, QueueWriter, arrow_batch, numbered
 
 from millpond.consumer import ConsumedBatch
-from millpond.consumer._sink_progress import ProgressReader
+from millpond.consumer.app._sink_progress import ProgressReader
 from millpond.consumer.sinks import SinkError, open_sink
 from millpond.localstack._process import free_ports
 from millpond.queue import read_manifest

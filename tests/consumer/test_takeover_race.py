@@ -20,7 +20,7 @@ import pytest
 from consumer_support import FAST_RETRY, Database, ForwardingSink, QueueWriter, numbered
 
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.takeover import take_over
 from millpond.errors import FencedError, ProgressBehindError
 from millpond.storage.store import open_store

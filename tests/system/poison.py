@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from millpond.consumer import ConsumerConfig
-from millpond.consumer.quarantine import quarantine, replay
+from millpond.consumer.app.quarantine import quarantine, replay
 from millpond.consumer.sinks import AdbcSink, SinkError, open_sink
 from millpond.errors import FormatError, MillpondError, NotFoundError, StorageError
 from millpond.formats.batch import decode_batch

@@ -21,7 +21,7 @@ from typing import Any
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
-from millpond.consumer.service import ConsumerService
+from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import SinkError, open_sink
 from millpond.consumer.takeover import take_over
 from millpond.errors import FencedError, MillpondError

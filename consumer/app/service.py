@@ -1,5 +1,5 @@
 """The long-running consumer service behind ``millpond consume`` (its command line:
-:mod:`millpond.consumer.command`).
+:mod:`millpond.consumer.app.command`).
 
 It resumes after the sequence the sink recorded last, writes every batch into the database in
 one transaction with its sequence and location, acks it, and goes on until SIGTERM or SIGINT;
@@ -20,7 +20,7 @@ for a consumer run as a scheduled job.
 
 Bad batches: by default the service stops on a batch it cannot decode or the database refuses
 for good, naming it, and says how to set it aside (``millpond quarantine``, see
-:mod:`millpond.consumer.quarantine`). ``--on-bad-batch quarantine`` sets such batches aside by
+:mod:`millpond.consumer.app.quarantine`). ``--on-bad-batch quarantine`` sets such batches aside by
 itself, counting each, and stops after ``--quarantine-limit`` in a row (then the cause is the
 database or the configuration, not the data). Only an error of a batch's own object (missing,
 corrupt: a :class:`~millpond.errors.BadBatchError`) or rows the database refuses make a bad
@@ -30,7 +30,8 @@ aside. Moving past a batch is an ack (with its fencing check), never a new takeo
 that has lost the queue stops with ``FencedError``.
 
 Report: every ``--report-interval`` seconds, and when it stops, the service writes what it is
-doing where ``millpond status`` reads it from any other process (:mod:`millpond.consumer._report`).
+doing where ``millpond status`` reads it from any other process
+(:mod:`millpond.consumer.app._report`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_count, check_duration
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._consumer import Consumer
-from millpond.consumer._report import ServiceReporter, ServiceState
-from millpond.consumer.quarantine import (
+from millpond.consumer.app._report import ServiceReporter, ServiceState
+from millpond.consumer.app.quarantine import (
     default_dead_letter_prefix,
     set_aside,
 )

@@ -1,6 +1,6 @@
 """``millpond status --watch``: the status, refreshed in place, with rates and the last error.
 
-Each refresh is one :func:`~millpond.consumer.status.queue_status` (one manifest GET; a listing
+Each refresh is one :func:`~millpond.consumer.app.status.queue_status` (one manifest GET; a listing
 too with ``--bytes``). Between two refreshes it derives how many entries were appended and
 dequeued per second, from the manifest's sequences alone, and with ``--sink`` the rows per
 second the consumer wrote (from the sink's progress table). A refresh that fails (the store is

@@ -5,9 +5,9 @@ minus the ingestion time of the oldest entry): one GET of the manifest, whatever
 and one of the consumer's backlog index head (with its segments when it holds entries).
 ``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
 points at) from one listing of the data prefix. Then what the consumer service last reported
-(:mod:`millpond.consumer._report`, one GET): its state, rows/s, lag, the last error, and a
+(:mod:`millpond.consumer.app._report`, one GET): its state, rows/s, lag, the last error, and a
 batch it is stopped on with the command that sets it aside. ``--watch`` refreshes in place
-(:mod:`millpond.consumer._watch`). Reads without fencing; changes nothing.
+(:mod:`millpond.consumer.app._watch`). Reads without fencing; changes nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
-from millpond.consumer._report import status_section
-from millpond.consumer._sink_progress import ProgressReader, SinkProgress
-from millpond.consumer._watch import watch
+from millpond.consumer.app._report import status_section
+from millpond.consumer.app._sink_progress import ProgressReader, SinkProgress
+from millpond.consumer.app._watch import watch
 from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
 from millpond.queue import read_manifest

@@ -42,7 +42,7 @@ from millpond.cli.common import add_store_arguments, emit, parse_options, requir
 from millpond.common.clock import Clock, SystemClock
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
-from millpond.consumer._report import ServiceState, read_report
+from millpond.consumer.app._report import ServiceState, read_report
 from millpond.consumer.sinks import AdbcSink, QuarantineLedger, SetAside, open_sink
 from millpond.errors import ConfigError, FormatError, InvalidInputError, NotFoundError
 from millpond.formats.batch import decode_batch

@@ -1,9 +1,9 @@
 """``millpond consume STORE_URL --sink URL``: the command line of the consumer service.
 
 Parses the options, opens the sink and the consumer, and runs
-:class:`~millpond.consumer.service.ConsumerService` until SIGTERM or SIGINT (or, with
+:class:`~millpond.consumer.app.service.ConsumerService` until SIGTERM or SIGINT (or, with
 ``--exit-when-idle``, until the queue is drained). What the service does is described in
-:mod:`millpond.consumer.service`.
+:mod:`millpond.consumer.app.service`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from millpond.cli.common import (
     serving_metrics,
 )
 from millpond.common.signals import stop_on_signals
-from millpond.consumer import _metrics
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer
-from millpond.consumer._report import ServiceReporter
-from millpond.consumer.quarantine import quarantine_command
-from millpond.consumer.service import ConsumerService
-from millpond.consumer.service import logger as service_logger
+from millpond.consumer.app import _metrics
+from millpond.consumer.app._report import ServiceReporter
+from millpond.consumer.app.quarantine import quarantine_command
+from millpond.consumer.app.service import ConsumerService
+from millpond.consumer.app.service import logger as service_logger
 from millpond.consumer.sinks import open_sink
 
 __all__ = ["add_arguments", "run"]

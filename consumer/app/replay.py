@@ -4,7 +4,7 @@ Reads the dead-letter copy that ``millpond quarantine`` made and writes its rows
 table in one transaction with the mark that it was replayed, so replaying twice writes once,
 and a location that comes back in the queue is skipped before and after. ``--all`` replays
 every batch of the table still set aside, in sequence order, and stops at the first one that
-still fails. See :mod:`millpond.consumer.quarantine`.
+still fails. See :mod:`millpond.consumer.app.quarantine`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from millpond.cli.common import add_store_arguments, emit
-from millpond.consumer.quarantine import (
+from millpond.consumer.app.quarantine import (
     add_sink_arguments,
     config_from_args,
     replay,
