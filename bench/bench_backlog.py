@@ -114,7 +114,7 @@ def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[s
     from millpond.formats.manifest import append_entries, decode_manifest, remove_through
     from millpond.queue import QueueConsumer, QueueProducer
     from millpond.queue.gc_rules import collect_once
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     root = f"bench-backlog-{n}-{uuid.uuid4().hex[:8]}"
     open_store(direct.url_for(root), direct.store_options()).put(MANIFEST, raw)
@@ -175,7 +175,7 @@ def _ops(direct: Any, measured: Any, raw: bytes, n: int, repeats: int) -> dict[s
 
 def _status_heads(direct: Any, measured: Any, raw: bytes, n: int) -> float:
     from millpond.consumer.app.status import queue_status
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     root = f"bench-backlog-heads-{n}-{uuid.uuid4().hex[:8]}"
     open_store(direct.url_for(root), direct.store_options()).put(MANIFEST, raw)
@@ -207,7 +207,7 @@ def _drain(direct: Any, measured: Any, raw: bytes, n: int, pattern: str) -> dict
     from millpond.formats.manifest import decode_footer
     from millpond.queue import QueueConsumer
     from millpond.queue.index import BacklogIndex
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     root = f"bench-backlog-drain-{n}-{uuid.uuid4().hex[:8]}"
     open_store(direct.url_for(root), direct.store_options()).put(MANIFEST, raw)
@@ -253,7 +253,7 @@ def _indexed_appends(direct: Any, measured: Any, raw: bytes, n: int) -> dict[str
     from millpond.consumer import Consumer
     from millpond.formats.manifest import append_entries
     from millpond.queue import QueueProducer
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     root = f"bench-backlog-index-{n}-{uuid.uuid4().hex[:8]}"
     plain = open_store(direct.url_for(root), direct.store_options())

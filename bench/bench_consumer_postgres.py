@@ -223,7 +223,7 @@ def _run_baseline(pg_url: str, tables: list[pa.Table], *, commit_each: bool) -> 
 
 def run(quick: bool) -> dict[str, Any]:
     from millpond.localstack import start_postgres
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     batches, rows, rounds = (40, 5_000, 2) if quick else (480, 5_000, 5)
     tables = _tables(batches, rows)

@@ -103,7 +103,7 @@ def _append_loop(
     from millpond.errors import StorageError
     from millpond.formats.manifest import find_locations
     from millpond.queue import QueueProducer
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(url, options)
     producer = QueueProducer(store, MANIFEST, retry=policy(policy_name))
@@ -147,7 +147,7 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 def _run(ctx: Any, endpoint: Any, n: int, seconds: float, policy_name: str) -> dict[str, Any]:
     from millpond.queue import read_manifest
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     url = endpoint.url_for(f"bench-contended-{policy_name}-{n}-{uuid.uuid4().hex[:8]}")
     options = endpoint.store_options()

@@ -230,7 +230,7 @@ def _wait_for(what: str, ready: Any, timeout: float, alive: Any = None) -> None:
 def _pipeline(endpoint: Any, pg_url: str, workdir: Path, calls: int) -> dict[str, Any]:
     from millpond.producer import Producer, ProducerConfig
     from millpond.queue import read_manifest
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     root = f"latency-{uuid.uuid4().hex[:8]}"
     store_url = endpoint.url_for(root)
@@ -345,7 +345,7 @@ def _sample_bytes() -> tuple[bytes, bytes]:
 
 def run(quick: bool) -> dict[str, Any]:
     from millpond.localstack import start_postgres
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     seconds = 10.0 if quick else 45.0
     calls = int(seconds * RATE)

@@ -92,7 +92,7 @@ def _produce(
 ) -> dict[str, Any]:
     from millpond.common.ulids import UlidMinter, batch_location
     from millpond.queue import QueueProducer
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(url, options)
     producer = QueueProducer(store, MANIFEST, retry=_retry_policy())
@@ -138,7 +138,7 @@ def _cas_back_to_back(
 ) -> dict[str, Any]:
     from millpond.common.ulids import UlidMinter, batch_location
     from millpond.formats.manifest import append_entries, empty_manifest
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(url, options)
     minter = UlidMinter()
@@ -175,7 +175,7 @@ def _run_producers(ctx: Any, endpoint: Any, n: int, seconds: float, rate: float)
         proc.start()
     outs = _collect(results, procs, START_TIMEOUT + seconds * 20)
     from millpond.queue import read_manifest
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     snapshot = read_manifest(open_store(url, options), MANIFEST)
     total_locations = sum(o["total_locations"] for o in outs)

@@ -204,7 +204,7 @@ def _round(
     from millpond.consumer import Consumer, ConsumerConfig
     from millpond.producer import Producer, ProducerConfig
     from millpond.queue.claim import QueueClaim, claim_path
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     inner = open_store(
         endpoint.url_for(f"requests-{flush_mib}-{uuid.uuid4().hex[:8]}"), endpoint.store_options()

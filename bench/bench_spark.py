@@ -108,7 +108,7 @@ def run(quick: bool) -> dict[str, Any]:
     """Run the benchmark; see the module docstring."""
     from millpond.producer.spark import local_spark_session
     from millpond.queue import read_manifest
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     plan = QUICK if quick else FULL
     rows, partitions, rounds = plan["rows"], plan["partitions"], plan["rounds"]

@@ -33,7 +33,7 @@ from millpond.errors import (
 )
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import Metadata
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 if TYPE_CHECKING:
     from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig

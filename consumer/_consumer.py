@@ -70,8 +70,8 @@ from millpond.queue.epoch_mark import (
     write_epoch_mark,
 )
 from millpond.queue.index import BacklogIndex, queue_view
+from millpond.storage import ObjectStore, open_store
 from millpond.storage.checks import preflight
-from millpond.storage.store import ObjectStore, open_store
 
 __all__ = ["Backlog", "Consumer"]
 

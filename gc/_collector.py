@@ -20,7 +20,7 @@ from millpond.common.durations import check_duration
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ClosedError, ConfigError, MillpondError
 from millpond.queue.gc_rules import GcReport, collect_once
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 __all__ = ["GarbageCollector", "GarbageCollectorConfig"]
 

@@ -263,7 +263,7 @@ def wait_until_writable(endpoint: AzureEndpoint, *, timeout: float, alive: objec
     Raises:
         LocalServiceError: it did not in time.
     """
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(
         endpoint.url_for(f".localstack-probe-{uuid.uuid4().hex}"), endpoint.store_options()

@@ -231,7 +231,7 @@ class FakeGcs(ChildServer):
             what="fake-gcs-server bucket",
             alive=self._exit_reason,
         )
-        from millpond.storage.store import open_store
+        from millpond.storage import open_store
 
         endpoint = self.endpoint
         store = open_store(

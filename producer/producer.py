@@ -58,8 +58,8 @@ from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
 from millpond.queue.cas import Appender
 from millpond.queue.claim import queue_identity
+from millpond.storage import open_store
 from millpond.storage.checks import preflight
-from millpond.storage.store import open_store
 from millpond.wal import RecoveryReport, Wal, WalRecord
 
 if TYPE_CHECKING:

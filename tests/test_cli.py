@@ -15,7 +15,7 @@ import pytest
 
 from millpond import Producer, ProducerConfig
 from millpond.localstack import S3Endpoint
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.support import run_cli, unique_root
 
 

@@ -27,7 +27,7 @@ import pytest
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.localstack._process import free_ports
 from millpond.producer import Producer, ProducerConfig
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 from tests.support import DOCTOR_CHECKS, run_cli, unique_root
 
 _ENDPOINTS = {"azurite": "azurite_blob", "gcs": "fake_gcs", "moto": "moto_s3"}

@@ -51,7 +51,7 @@ from millpond.localstack import S3Endpoint
 from millpond.localstack._process import wait_for
 from millpond.producer import Producer
 from millpond.queue import QueueProducer, read_manifest
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 from millpond.wal import Wal
 from tests.producer.producer_support import (
     MANIFEST,

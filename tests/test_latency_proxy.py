@@ -26,7 +26,7 @@ from millpond.localstack import LocalServiceError, S3Endpoint, listening_address
 from millpond.localstack.latency_proxy import DelayModel, LatencyProxy, start_latency_proxy
 from millpond.localstack.s3 import s3_client
 from millpond.queue import QueueProducer, read_manifest
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 LOOPBACK = "127.0.0.1"
 DELAY = 0.05

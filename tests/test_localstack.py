@@ -35,7 +35,7 @@ from millpond.localstack import (
 from millpond.localstack import _child as child_module
 from millpond.localstack._process import free_ports
 from millpond.localstack.s3 import s3_client
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.support import StoreTarget
 
 LOOPBACK = "127.0.0.1"

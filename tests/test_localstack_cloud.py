@@ -26,7 +26,7 @@ from millpond.localstack import (
     find_fake_gcs_binary,
     listening_addresses,
 )
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 LOOPBACK = "127.0.0.1"
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from millpond.common.durations import check_duration
 from millpond.common.exposition import MetricsServer
 from millpond.errors import ConfigError, NotFoundError
+from millpond.storage import ObjectStore, open_store
 from millpond.storage.checks import preflight
 from millpond.storage.file_store import FileStore
-from millpond.storage.store import ObjectStore, open_store
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector

@@ -1,7 +1,7 @@
 """Object storage: the :class:`ObjectStore` interface millpond needs and its implementations.
 
-* :mod:`millpond.storage.store` — the interface, :class:`ForwardingStore` for wrappers, and
-  :func:`open_store` (a store from a URL);
+* :mod:`millpond.storage.store` — the interface and :class:`ForwardingStore` for wrappers;
+* :mod:`millpond.storage.open` — :func:`open_store` (a store from a URL);
 * :mod:`millpond.storage.obstore_store` — S3, Azure Blob, GCS and memory through obstore, the
   only module that imports obstore;
 * :mod:`millpond.storage.file_store` — a local directory with a compare-and-swap of its own;
@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
+from millpond.storage.open import open_store
 from millpond.storage.store import (
     DeleteFailure,
     ForwardingStore,
     GetResult,
     ObjectInfo,
     ObjectStore,
-    open_store,
     s3_options_from_env,
 )
 

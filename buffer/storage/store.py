@@ -1,10 +1,11 @@
-"""The object-store interface millpond needs, and how a store is opened from a URL.
+"""The object-store interface millpond needs, and which store URLs it takes.
 
 Everything millpond does to storage goes through :class:`ObjectStore`: plain and conditional
 puts, gets with the ETag, listing and multi-delete. Two implementations exist: one over obstore
 (S3, Azure Blob, GCS, memory; ``obstore_store.py``, the only module importing obstore)
 and one over the local file system with a compare-and-swap of its own (``file_store.py``),
-because obstore's ``LocalStore`` cannot do a conditional update.
+because obstore's ``LocalStore`` cannot do a conditional update. Both import this module, so a
+store is opened from a URL elsewhere (:func:`millpond.storage.open_store`, in ``open.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError
@@ -31,7 +31,6 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "check_store_url",
-    "open_store",
     "s3_options_from_env",
 ]
 
@@ -264,49 +263,21 @@ def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, s
     return options
 
 
-def open_store(
-    store: str | ObjectStore | Any, options: Mapping[str, str] | None = None
-) -> ObjectStore:
-    """An :class:`ObjectStore` from a URL, an existing store, or an obstore store object.
-
-    URLs: ``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]``,
-    ``file:///path``, ``memory://[name]`` (one store per name in the process). Options not
-    given in ``options`` come from each backend's standard variables (``AWS_*``,
-    ``AZURE_STORAGE_*``, ``GOOGLE_*``). Opening sends no request.
-
-    Raises:
-        ConfigError: an unsupported URL scheme or a bad option.
-    """
-    if isinstance(store, ObjectStore):
-        return store
-    if isinstance(store, str):
-        check_store_url(store)
-        if urlsplit(store).scheme == "file":
-            from millpond.storage.file_store import FileStore
-
-            return FileStore.from_url(store)
-        from millpond.storage.obstore_store import ObstoreStore
-
-        return ObstoreStore.from_url(store, options)
-    from millpond.storage.obstore_store import ObstoreStore
-
-    return ObstoreStore.wrap(store)
-
-
 STORE_URL_FORMS = (
     "an s3://bucket[/root], az://container[/root], gs://bucket[/root], file:///path or "
     "memory:// URL"
 )
 """What a store URL may look like, for error messages and help texts."""
 STORE_URL_SCHEMES = (*BACKENDS, "file", "memory")
-"""Every scheme :func:`open_store` opens."""
+"""Every scheme :func:`~millpond.storage.open.open_store` opens."""
 NETWORK_SCHEMES = tuple(BACKENDS)
 """The schemes of stores reached over the network (S3, Azure, GCS): a request costs a round
 trip, not microseconds."""
 
 
 def check_store_url(url: str) -> None:
-    """Refuse a store URL :func:`open_store` would not open, or would open somewhere else.
+    """Refuse a store URL :func:`~millpond.storage.open.open_store` would not open, or would
+    open somewhere else.
 
     A ``?`` or ``#`` would end the root there (``s3://b/q?x`` and ``s3://b/q#y`` are both the
     queue at ``s3://b/q``): two queues meant to be apart would silently be one.

@@ -50,7 +50,7 @@ from millpond.formats.manifest import Metadata
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.queue.index import queue_view, read_indexed
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 __all__ = [
     "DeadLetterRecord",

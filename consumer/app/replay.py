@@ -21,7 +21,7 @@ from millpond.consumer.app.quarantine import (
 from millpond.consumer.sinks import open_sink
 from millpond.errors import ConfigError
 from millpond.queue.claim import queue_identity
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 
 __all__ = ["add_arguments", "run"]
 

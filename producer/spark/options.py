@@ -48,7 +48,7 @@ from millpond.errors import ConfigError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
 from millpond.queue.claim import open_claim
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 if TYPE_CHECKING:
     from millpond.producer.config import ProducerConfig

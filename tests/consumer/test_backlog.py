@@ -11,7 +11,7 @@ from consumer_support import FAST_RETRY, MANIFEST, QueueWriter
 from millpond.consumer import Consumer, ConsumerConfig
 from millpond.formats.manifest import PendingEntry
 from millpond.queue import read_manifest
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 
 class _SteppedClock:

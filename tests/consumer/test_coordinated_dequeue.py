@@ -32,7 +32,7 @@ from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, send_dequeue
 from millpond.queue.coordinator_http import CoordinatorServer
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 from tests.core._helpers import SlowStore
 from tests.producer.producer_support import MANIFEST, PREFIX, claim_queue, config
 from tests.support import unique_root

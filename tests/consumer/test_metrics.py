@@ -211,7 +211,7 @@ def test_the_queue_sampler_reads_an_unchanged_manifest_for_a_304(tmp_path: Any) 
     from consumer_support import MANIFEST, RecordingStore
 
     from millpond.consumer.app._metrics import QueueSampler
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     url = (tmp_path / "store").as_uri()
     writer = QueueWriter(open_store(url))

@@ -28,7 +28,7 @@ from millpond.errors import (
 from millpond.formats.batch import decode_batch
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 DEAD = f"{PREFIX}-dead-letter"
 GARBAGE = b"\x00 this is not a batch object \x00"

@@ -44,8 +44,8 @@ from millpond.localstack import S3Endpoint
 from millpond.localstack._process import free_ports
 from millpond.queue import read_manifest
 from millpond.queue.index import head_path, read_indexed
+from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 from millpond.storage.checks import preflight
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
 
 GARBAGE = b"\x00 this is not a batch object \x00"
 NOT_ARROW = [b"\xff\xff\xff\xffnot really an arrow stream"]  # decodes; its rows do not

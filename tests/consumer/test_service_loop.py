@@ -17,7 +17,7 @@ from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import SinkError
 from millpond.errors import ConfigError, FormatError
 from millpond.queue import read_manifest
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def _status_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_status_command_text_and_json(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     writer = QueueWriter(open_store(url))
     for i in range(3):
@@ -110,7 +110,7 @@ def test_status_command_text_and_json(tmp_path: Path) -> None:
 def test_status_flags_a_replaced_manifest(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     from millpond.consumer import Consumer, ConsumerConfig
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(url)
     QueueWriter(store).append([b"old"])

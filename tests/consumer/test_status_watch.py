@@ -24,7 +24,7 @@ from millpond.consumer.app._watch import rates_between, watch
 from millpond.consumer.app.status import queue_status, status_record
 from millpond.formats.arrow import encode_ipc
 from millpond.queue import QueueConsumer
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 
 
 def _queue(tmp_path: Path, entries: int) -> tuple[str, QueueWriter]:

@@ -43,8 +43,8 @@ from millpond.consumer.sinks import SinkError, open_sink
 from millpond.localstack._process import free_ports
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
+from millpond.storage import open_store
 from millpond.storage.file_store import FileStore
-from millpond.storage.store import open_store
 from tests.invariants import assert_exactly_once
 from tests.support import CliProcess, run_cli
 

@@ -23,7 +23,7 @@ from millpond.consumer import Consumer, ConsumerConfig
 from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.takeover import take_over
 from millpond.errors import FencedError, ProgressBehindError
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.support import unique_root
 
 BATCHES = 10

@@ -21,7 +21,7 @@ from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import ConflictError
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueProducer
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 COUNTER = "counter"

@@ -10,7 +10,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.errors import CommitStateUnknownError, ConflictError
 from millpond.formats.manifest import Metadata, PendingEntry
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 from tests.support import StoreTarget
 
 MANIFEST = "ingest/manifest"

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from millpond.errors import ConfigError
+from millpond.storage import open_store
 from millpond.storage._backends import backend_of, prepare
-from millpond.storage.store import open_store
 
 
 @pytest.mark.parametrize(

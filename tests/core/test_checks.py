@@ -17,8 +17,8 @@ from millpond.errors import ConflictError, StoreAccessError
 from millpond.formats.manifest import empty_manifest
 from millpond.localstack import AzureEndpoint, GcsEndpoint, S3Endpoint
 from millpond.localstack._process import free_ports
+from millpond.storage import ForwardingStore, ObjectInfo, ObjectStore, open_store
 from millpond.storage.checks import CheckResult, preflight, run_store_checks, store_clock_skew
-from millpond.storage.store import ForwardingStore, ObjectInfo, ObjectStore, open_store
 from tests.support import unique_root
 
 _ENDPOINTS = {

@@ -22,7 +22,7 @@ import pytest
 
 from millpond.localstack import start_latency_proxy
 from millpond.queue import read_manifest
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.support import StoreTarget
 
 from .conftest import record_figure

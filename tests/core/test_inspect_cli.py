@@ -13,8 +13,8 @@ import pytest
 
 from millpond.localstack import S3Endpoint
 from millpond.queue import QueueConsumer, QueueProducer
+from millpond.storage import open_store
 from millpond.storage.file_store import FileStore
-from millpond.storage.store import open_store
 
 from ._helpers import MANIFEST, pending
 

@@ -15,8 +15,8 @@ import pytest
 
 from millpond.errors import ConfigError, ConflictError, NotFoundError
 from millpond.localstack import AzureEndpoint
+from millpond.storage import GetResult, ObjectStore, open_store
 from millpond.storage.file_store import FileStore
-from millpond.storage.store import GetResult, ObjectStore, open_store
 from tests.support import StoreTarget, unique_root
 
 from ._helpers import open_target

@@ -14,7 +14,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueConsumer, QueueProducer
-from millpond.storage.store import DeleteFailure, ForwardingStore, ObjectStore, open_store
+from millpond.storage import DeleteFailure, ForwardingStore, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

@@ -331,7 +331,7 @@ PRODUCER_SCRIPT = textwrap.dedent(
     from millpond.formats.batch import encode_batch
     from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue import QueueProducer
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
     from millpond.common.ulids import UlidMinter, batch_location, ulid_time_ms
 
     store = open_store(sys.argv[1], json.loads(sys.argv[2]))
@@ -420,7 +420,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 def test_gc_command_once_dry_run_and_interval(tmp_path: Any) -> None:
     url = (tmp_path / "store").as_uri()
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
 
     store = open_store(url)
     old_ms = int(time.time() * 1000) - 2 * HOUR_MS

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from millpond.common.exposition import CATALOG
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.gc.command import GC_METRICS, metrics_collector
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.scrape import family, parse, scrape, served_url
 
 HOUR_MS = 3_600_000

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from millpond.common.retry import RetryPolicy
 from millpond.producer import Producer, ProducerConfig, WriteHandle
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage import ForwardingStore, ObjectStore, open_store
 
 _T = TypeVar("_T")
 MANIFEST = "ingest/manifest"

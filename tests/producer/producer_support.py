@@ -16,7 +16,7 @@ from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Metadata
 from millpond.producer import Producer, ProducerConfig
 from millpond.queue import read_manifest
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 PREFIX = "ingest"

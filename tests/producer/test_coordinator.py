@@ -44,7 +44,7 @@ from millpond.queue.coordinator_http import (
     CoordinatorServer,
     encode_entries,
 )
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import (
     MANIFEST,
     PREFIX,

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from millpond.producer import Producer
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.producer.producer_support import all_entries, claim_queue, config
 from tests.producer.test_coordinator_token import run_to_exit, service_command, service_env
 

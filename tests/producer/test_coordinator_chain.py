@@ -23,7 +23,7 @@ from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.coordinator_http import CoordinatorServer
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
 from tests.support import unique_root
 

@@ -39,7 +39,7 @@ from millpond.queue.coordinator_http import (
     TOKEN_HEADER,
     encode_entries,
 )
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
 
 DEADLINE = 120.0

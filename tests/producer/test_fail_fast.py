@@ -21,7 +21,7 @@ from millpond import Consumer, ConsumerConfig, Producer, ProducerConfig, StoreAc
 from millpond.common.retry import RetryPolicy
 from millpond.localstack import MotoS3Server, S3Endpoint, start_moto
 from millpond.localstack._process import free_ports
-from millpond.storage.store import ForwardingStore, open_store
+from millpond.storage import ForwardingStore, open_store
 from tests.support import unique_root
 
 README_SNIPPET = """\

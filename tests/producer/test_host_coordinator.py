@@ -30,7 +30,7 @@ from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer, ProducerConfig
 from millpond.producer._host_coordinator import HostCoordinator
 from millpond.queue.coordinator_http import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, TOKEN_HEADER
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 from tests.producer.producer_support import (
     MANIFEST,
     PREFIX,

@@ -30,7 +30,7 @@ _CHILD = textwrap.dedent(
     import json, resource, signal, sys, time, uuid
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     from millpond.producer import Producer, ProducerConfig
-    from millpond.storage.store import open_store
+    from millpond.storage import open_store
     from tests.producer.producer_support import all_entries
 
     url = f"memory://wal-failure-{uuid.uuid4().hex}"

@@ -15,7 +15,7 @@ from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import ManifestEntry
 from millpond.localstack import S3Endpoint
 from millpond.queue import read_manifest
-from millpond.storage.store import ObjectStore, open_store
+from millpond.storage import ObjectStore, open_store
 
 
 class Queue:

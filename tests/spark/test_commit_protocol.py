@@ -23,7 +23,7 @@ from millpond.producer.spark.commit import (
 )
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
-from millpond.storage.store import ForwardingStore, GetResult, ObjectStore, open_store
+from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 from tests.support import TestClockStore
 
 MANIFEST = "ingest/manifest"

@@ -17,7 +17,7 @@ from millpond.producer.spark.datasource import MillpondStreamWriter, _settings
 from millpond.producer.spark.summary import SUMMARY_LOGGER
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueProducer
-from millpond.storage.store import ForwardingStore, ObjectStore, open_store
+from millpond.storage import ForwardingStore, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
 _minter = UlidMinter()

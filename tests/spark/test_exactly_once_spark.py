@@ -25,7 +25,7 @@ from millpond.errors import CommitStateUnknownError, StorageError
 from millpond.producer.spark.commit import commit_job, commit_micro_batch, stream_state_path
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import read_manifest
-from millpond.storage.store import ForwardingStore, GetResult, ObjectInfo, ObjectStore, open_store
+from millpond.storage import ForwardingStore, GetResult, ObjectInfo, ObjectStore, open_store
 from tests.spark.test_commit_protocol import (
     MANIFEST,
     PREFIX,

@@ -10,7 +10,7 @@ import pytest
 from millpond.errors import CommitStateUnknownError
 from millpond.formats.manifest import empty_manifest
 from millpond.queue.peek import Peek
-from millpond.storage.store import GetResult, open_store
+from millpond.storage import GetResult, open_store
 from tests.system.sim import Fault, Recorder, RoleStore, SimClock
 
 MANIFEST = "q/manifest"

@@ -36,7 +36,7 @@ from millpond.consumer.sinks import SinkError, open_sink
 from millpond.errors import FencedError, FormatError, MillpondError, StorageError
 from millpond.queue import read_manifest
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
-from millpond.storage.store import open_store
+from millpond.storage import open_store
 from tests.invariants import (
     ConsumerEvent,
     assert_exactly_once,
