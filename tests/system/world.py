@@ -127,12 +127,14 @@ def schedule(seed: int, length: int = 28) -> list[Event]:
         )
         # A service run meets a batch it cannot read, sets it aside, moves past it.
         poison = how == "service" and seams.random() < 0.5
-        events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3), poison))
+        # In a schedule that uses the backlog index, the newer consumer may run without it.
+        index = seams.random() < 0.5
+        events.insert(at, ("takeover_at", kind, nth, how, seams.randint(0, 3), poison, index))
     if uses_backlog_index(seed) and seams.random() < 0.5:
         # The queue's first move into the backlog index, by a consumer a newer one takes over
         # from before one of its first writes: there is no index head yet.
         first = next((i for i, e in enumerate(events) if e[0] in _CONSUMING), len(events))
-        first_move = ("takeover_at", "write", seams.randrange(6), "consumer", 1, False)
+        first_move = ("takeover_at", "write", seams.randrange(6), "consumer", 1, False, False)
         events.insert(first, first_move)
     if seams.random() < 0.4:
         mode = seams.choice(["missing", "garbage"])
@@ -333,8 +335,15 @@ class World:
         return False
 
     def _consumer(
-        self, queue: QueueSpec, *, table: str | None = None, progress: str | None = None
+        self,
+        queue: QueueSpec,
+        *,
+        table: str | None = None,
+        progress: str | None = None,
+        index: bool = True,
     ) -> ConsumerRole:
+        """A new consumer role; ``index=False`` runs it without the backlog index even in a
+        schedule that uses it (the default setting of a consumer an operator starts)."""
         self.consumers += 1
         events = self.events_a if queue is self.queue_a else self.events_b
         role = ConsumerRole(
@@ -349,7 +358,7 @@ class World:
             table=table,
             progress_table=progress,
             read_ahead=self.read_ahead,
-            backlog_index=self.backlog_index and queue is self.queue_a,
+            backlog_index=self.backlog_index and queue is self.queue_a and index,
             took_over=self._fence_older,
         )
         if queue is self.queue_a and self.coordinator is not None:
@@ -543,14 +552,17 @@ class World:
         for role in (older, newer):
             role.close()
 
-    def _takeover_at(self, kind: str, at: int, how: str, after: int, poison: bool) -> None:
+    def _takeover_at(
+        self, kind: str, at: int, how: str, after: int, poison: bool, index: bool
+    ) -> None:
         """An older consumer runs — by hand, or as the service with this schedule's bad-batch
         policy — and a newer one takes over just before the older's request number ``at`` of
         ``kind`` (its takeover's requests, its fetches' fencing checks, its index mover's
         writes, its moves past bad batches alike). The older must be fenced and write nothing
-        that lands after that; the newer goes on."""
+        that lands after that; the newer goes on (without the backlog index unless ``index``:
+        nothing of its own then rewrites an index head the older left)."""
         older = self._consumer(self.queue_a)
-        newer = self._consumer(self.queue_a)
+        newer = self._consumer(self.queue_a, index=index)
         outcome: list[BaseException | None] = []
 
         def take_over() -> None:
