@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
+from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError, InvalidInputError
 from millpond.formats.batch import CompressionType
-from millpond.producer.coordinator import parse_coordinator_urls
-from millpond.storage.store import ObjectStore, check_store_url
+from millpond.queue.location import QueueLocation
 
 __all__ = ["ProducerConfig", "parse_bool", "parse_duration", "parse_size"]
 
@@ -32,7 +32,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 _WAL_SYNC = ("always", "interval", "off")
 _SIZE_CAP = ("backpressure", "drop_oldest")
-_U16_MAX = 0xFFFF
 
 
 def _default_retry() -> RetryPolicy:
@@ -47,26 +46,17 @@ def _default_retry() -> RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ProducerConfig:
-    """How a :class:`~millpond.producer.Producer` stages, batches and publishes entries."""
+class ProducerConfig(QueueLocation):
+    """How a :class:`~millpond.producer.Producer` stages, batches and publishes entries.
 
-    store: str | ObjectStore | Any
-    """Where batches and the manifest live: ``s3://bucket[/root]``, ``az://container[/root]``,
-    ``gs://bucket[/root]``, ``file:///path``, ``memory://`` (one process only), a millpond
-    ``ObjectStore`` or an obstore store. Required."""
+    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
+    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
+    """
+
     wal_dir: str | os.PathLike[str]
     """Directory of the local write-ahead log. Required: where staged data survives a crash is
     a durability decision, so there is no default (a temp directory would not survive a
     reboot). One directory belongs to one live producer (an exclusive lock)."""
-    store_options: Mapping[str, str] = field(default_factory=dict, repr=False)
-    """obstore options for a URL ``store`` (S3 ``aws_endpoint``, ``aws_access_key_id``, ...;
-    Azure ``azure_storage_account_key``, ...; GCS ``google_service_account``, ...); each
-    backend's standard variables (``AWS_*``, ``AZURE_STORAGE_*``, ``GOOGLE_*``) fill in what is
-    missing. Default none. Never logged."""
-    data_path_prefix: str = "ingest"
-    """Prefix of batch objects, ``{data_path_prefix}/{ULID}.batch``. Default ``"ingest"``."""
-    manifest_path: str = "ingest/manifest"
-    """Path of the queue manifest. Default ``"ingest/manifest"``."""
     flush_interval: float = 0.1
     """Seconds; a batch is flushed once its oldest entry waited this long (while an uploader
     is free: with every uploader busy it keeps filling). An uploaded batch also waits up to
@@ -137,15 +127,9 @@ class ProducerConfig:
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 
     def __post_init__(self) -> None:
-        _check_store(self.store)
+        QueueLocation.__post_init__(self)
         if not str(self.wal_dir):
             raise ConfigError("wal_dir", "expected a directory path, found ''")
-        if not isinstance(self.store_options, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.store_options.items()
-        ):
-            raise ConfigError("store_options", "expected a mapping of str to str")
-        _check_path("data_path_prefix", self.data_path_prefix, allow_empty=True)
-        _check_path("manifest_path", self.manifest_path, allow_empty=False)
         _check_positive_float("flush_interval", self.flush_interval)
         _check_int("flush_size_bytes", self.flush_size_bytes, 1)
         _check_int("max_buffered_inputs", self.max_buffered_inputs, 1)
@@ -378,32 +362,6 @@ def _parse(key: str, value: str, parser: Callable[[str], Any]) -> Any:
 
 
 # -- checks ---------------------------------------------------------------------------------
-
-
-def _check_store(store: object) -> None:
-    if isinstance(store, str):
-        check_store_url(store)
-        return
-    if isinstance(store, ObjectStore):
-        return
-    if not (hasattr(store, "put") and hasattr(store, "get")):
-        raise ConfigError(
-            "store",
-            f"expected a URL, an ObjectStore or an obstore store, found {type(store).__name__}",
-        )
-
-
-def _check_path(key: str, value: object, *, allow_empty: bool) -> None:
-    if not isinstance(value, str):
-        raise ConfigError(key, f"expected a str, found {type(value).__name__}")
-    clean = value.strip("/")
-    if not clean and not allow_empty:
-        raise ConfigError(key, "expected a non-empty object path, found ''")
-    if clean and any(part in ("", ".", "..") for part in clean.split("/")):
-        raise ConfigError(key, f"expected a relative object path, found {value!r}")
-    # Room for "/" + 26-character ULID + ".batch" in a u16 manifest location.
-    if len(clean.encode("utf-8")) > _U16_MAX - 40:
-        raise ConfigError(key, f"expected at most {_U16_MAX - 40} bytes, found {len(clean)}")
 
 
 def _check_positive_float(key: str, value: object) -> None:
