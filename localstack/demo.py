@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from millpond.cli.common import parse_options
 from millpond.common.metrics import Counters
 from millpond.errors import MillpondError
-from millpond.storage.store import (
+from millpond.storage import (
     DeleteFailure,
     ForwardingStore,
     GetResult,

@@ -20,7 +20,7 @@ from millpond.formats.arrow import encode_ipc
 from millpond.formats.batch import CompressionType, encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import QueueProducer
-from millpond.storage.store import (
+from millpond.storage import (
     DeleteFailure,
     ForwardingStore,
     GetResult,

@@ -31,7 +31,7 @@ from consumer_support import FAST_RETRY, Database, ForwardingSink, QueueWriter, 
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig, takeover
 from millpond.consumer.app.service import ConsumerService
 from millpond.errors import FencedError
-from millpond.storage.store import (
+from millpond.storage import (
     DeleteFailure,
     ForwardingStore,
     GetResult,

@@ -26,8 +26,7 @@ from millpond.errors import ConfigError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import LatencyProxy, start_latency_proxy
 from millpond.queue.claim import QueueClaim, claim_path, internal_path
-from millpond.storage.checks import PROBE_PREFIX
-from millpond.storage.store import (
+from millpond.storage import (
     DeleteFailure,
     ForwardingStore,
     GetResult,
@@ -35,6 +34,7 @@ from millpond.storage.store import (
     ObjectStore,
     open_store,
 )
+from millpond.storage.checks import PROBE_PREFIX
 from tests.support import ClockOff, unique_root
 
 MAX_STARTUP_REQUESTS = 7

@@ -28,7 +28,7 @@ from millpond.producer.spark.commit import JobReceipt, commit_job, write_state_p
 from millpond.producer.spark.commit_state import COMMITTED, CommitState
 from millpond.producer.spark.upload import TaskCommitMessage, UploadedBatch, UploadStats
 from millpond.queue import QueueConsumer, read_manifest
-from millpond.storage.store import (
+from millpond.storage import (
     DeleteFailure,
     ForwardingStore,
     GetResult,
