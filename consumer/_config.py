@@ -9,8 +9,8 @@ from typing import Any
 from millpond.common.clock import Clock
 from millpond.common.durations import check_duration
 from millpond.common.retry import RetryPolicy
+from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError
-from millpond.queue.coordinator_http import parse_coordinator_urls
 from millpond.storage.store import ObjectStore
 
 __all__ = ["ConsumerConfig", "check_paths"]

@@ -48,9 +48,10 @@ from millpond.common.metrics import Counters, LatencySummary
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
-from millpond.consumer._coordinated_dequeue import CoordinatedDequeue
 from millpond.consumer._index_mover import IndexMover
 from millpond.consumer._read_ahead import ReadAhead
+from millpond.coordinator.client import CoordinatedDequeue
+from millpond.coordinator.wire import token_from_env
 from millpond.errors import (
     ClosedError,
     FencedError,
@@ -62,7 +63,6 @@ from millpond.errors import (
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
 from millpond.queue.claim import QueueClaim, open_claim, queue_identity
-from millpond.queue.coordinator_http import token_from_env
 from millpond.queue.epoch_mark import (
     check_not_replaced,
     is_replaced,

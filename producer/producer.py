@@ -28,15 +28,16 @@ from millpond.common.exposition import MetricsCollector, flatten
 from millpond.common.forks import OwnProcess
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
-from millpond.errors import BackpressureError, ClosedError, InvalidInputError
-from millpond.formats.batch import MAX_RECORD_BYTES
-from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
-from millpond.producer._committer import Committer
-from millpond.producer._host_coordinator import (
+from millpond.coordinator.client import CoordinatedAppender
+from millpond.coordinator.hosted import (
     HostCoordinatedAppender,
     HostCoordinator,
     shares_a_coordinator,
 )
+from millpond.errors import BackpressureError, ClosedError, InvalidInputError
+from millpond.formats.batch import MAX_RECORD_BYTES
+from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
+from millpond.producer._committer import Committer
 from millpond.producer._metrics import producer_collector, producer_samples
 from millpond.producer._publisher import Sealer, Uploader, _Binder
 from millpond.producer._recovery import fold_records
@@ -53,7 +54,6 @@ from millpond.producer._state import (
     StopAwareClock,
 )
 from millpond.producer.config import ProducerConfig
-from millpond.producer.coordinator import CoordinatedAppender
 from millpond.producer.handle import WriteHandle
 from millpond.queue import QueueProducer
 from millpond.queue.cas import Appender

@@ -118,8 +118,8 @@ def test_the_coordinator_commands_defaults_are_the_coordinators() -> None:
     import argparse
     import inspect
 
-    from millpond.cli.coordinator import add_arguments
-    from millpond.queue.coordinator import AppendCoordinator
+    from millpond.coordinator.command import add_arguments
+    from millpond.coordinator.rounds import AppendCoordinator
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -43,7 +43,7 @@ _COMMANDS = {
     ),
     "replay": ("millpond.consumer.app.replay", "write a quarantined batch again, exactly once"),
     "coordinator": (
-        "millpond.cli.coordinator",
+        "millpond.coordinator.command",
         "append many producers' batches in one compare-and-swap per round (optional service)",
     ),
 }

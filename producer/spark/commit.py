@@ -39,6 +39,7 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location, parse_batch_name, ulid_time_ms
+from millpond.coordinator.client import CoordinatedAppender
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -47,7 +48,6 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import PendingEntry
-from millpond.producer.coordinator import CoordinatedAppender
 from millpond.producer.spark.commit_state import (
     CommitOutcome,
     HoldTooLate,

@@ -22,6 +22,10 @@ import pytest
 
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.coordinator.connection import send_dequeue
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
+from millpond.coordinator.wire import DEQUEUED, FENCED
 from millpond.errors import FencedError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
@@ -29,9 +33,6 @@ from millpond.localstack import S3Endpoint
 from millpond.producer import Producer
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_dequeue import DEQUEUED, FENCED, send_dequeue
-from millpond.queue.coordinator_http import CoordinatorServer
 from millpond.storage import ObjectStore, open_store
 from tests.core._helpers import SlowStore
 from tests.producer.producer_support import MANIFEST, PREFIX, claim_queue, config

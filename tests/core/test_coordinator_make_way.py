@@ -18,8 +18,8 @@ import time
 import uuid
 
 from millpond.common.retry import RetryPolicy
+from millpond.coordinator.rounds import AppendCoordinator
 from millpond.queue.append import QueueProducer
-from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.dequeue import QueueConsumer
 from millpond.storage.obstore_store import ObstoreStore
 from tests.core._helpers import FAST_RETRY, MANIFEST, SlowStore, pending

@@ -16,8 +16,8 @@ from __future__ import annotations
 import uuid
 
 from millpond.common.retry import RetryPolicy
+from millpond.coordinator.rounds import AppendCoordinator
 from millpond.queue.append import QueueProducer
-from millpond.queue.coordinator import AppendCoordinator
 from millpond.queue.dequeue import QueueConsumer
 from millpond.storage.obstore_store import ObstoreStore
 from millpond.storage.store import ForwardingStore, GetResult, ObjectStore

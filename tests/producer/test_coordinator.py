@@ -28,22 +28,17 @@ import pytest
 
 from millpond.common.ulids import UlidMinter
 from millpond.consumer import Consumer, ConsumerConfig
+from millpond.coordinator.connection import CoordinatorOptions
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
+from millpond.coordinator.wire import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, encode_entries
 from millpond.errors import ConfigError, FencedError, NotFoundError
 from millpond.formats.manifest import PendingEntry
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer
-from millpond.producer.coordinator import CoordinatorOptions
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import (
-    APPEND_PATH,
-    QUEUE_HEADER,
-    REQUEST_HEADER,
-    CoordinatorServer,
-    encode_entries,
-)
 from millpond.storage import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import (
     MANIFEST,
@@ -259,7 +254,7 @@ def test_a_url_where_no_coordinator_answers_takes_no_append(
     url = f"http://127.0.0.1:{other.server_address[1]}"
     try:
         with (
-            caplog.at_level(logging.WARNING, logger="millpond.producer.coordinator"),
+            caplog.at_level(logging.WARNING, logger="millpond.coordinator.client"),
             Producer(config(queue_store, tmp_path / "wal", coordinator=url)) as producer,
         ):
             for n in range(5):
@@ -388,8 +383,8 @@ def test_a_request_arriving_after_its_writers_deadline_is_refused_and_appended_d
     may have been collected meanwhile, so the coordinator writes nothing of it and refuses;
     the producer appends directly (its own deadline check decides), once."""
     from millpond.common.clock import SystemClock
+    from millpond.coordinator.client import CoordinatedAppender
     from millpond.formats.manifest import Metadata, PendingEntry
-    from millpond.producer.coordinator import CoordinatedAppender
     from millpond.queue import QueueProducer
 
     server = _serve(queue_store, clock=ClockOff(60.0))

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from millpond.common.retry import RetryPolicy
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
 from millpond.errors import CommitStateUnknownError, StorageError
 from millpond.localstack import S3Endpoint
 from millpond.producer import Producer
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
 from millpond.storage import ForwardingStore, ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
 from tests.support import unique_root
@@ -211,8 +211,8 @@ def test_a_chained_request_is_refused_unless_the_request_it_follows_was_appended
 def test_nothing_is_chained_that_a_coordinator_could_write_after_the_appends_deadline() -> None:
     """A request's deadline leaves no room for a chained one's promise: the batches uploaded
     meanwhile are not taken from the producer (they wait for the next append)."""
-    from millpond.producer._coordinator_chain import Chain
-    from millpond.producer._coordinator_endpoint import CoordinatorOptions, Endpoint
+    from millpond.coordinator.client import Chain
+    from millpond.coordinator.connection import CoordinatorOptions, Endpoint
     from tests.core._helpers import pending
     from tests.support import ManualClock
 

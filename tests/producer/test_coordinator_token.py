@@ -25,13 +25,9 @@ import pytest
 from millpond.common.metrics import Counters
 from millpond.common.ulids import UlidMinter
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer._coordinated_dequeue import CoordinatedDequeue
-from millpond.formats.manifest import PendingEntry
-from millpond.producer import Producer
-from millpond.queue import read_manifest
-from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator_dequeue import FORBIDDEN, send_dequeue
-from millpond.queue.coordinator_http import (
+from millpond.coordinator.client import CoordinatedDequeue
+from millpond.coordinator.connection import FORBIDDEN, send_dequeue
+from millpond.coordinator.wire import (
     APPEND_PATH,
     QUEUE_HEADER,
     REQUEST_HEADER,
@@ -39,6 +35,10 @@ from millpond.queue.coordinator_http import (
     TOKEN_HEADER,
     encode_entries,
 )
+from millpond.formats.manifest import PendingEntry
+from millpond.producer import Producer
+from millpond.queue import read_manifest
+from millpond.queue.claim import queue_identity
 from millpond.storage import ObjectStore, open_store
 from tests.producer.producer_support import MANIFEST, PREFIX, all_entries, claim_queue, config
 

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 
 from millpond.common.clock import SystemClock
+from millpond.coordinator.hosted import HostCoordinator
+from millpond.coordinator.wire import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, TOKEN_HEADER
 from millpond.errors import ConfigError
 from millpond.localstack import S3Endpoint
 from millpond.localstack.latency_proxy import start_latency_proxy
 from millpond.producer import Producer, ProducerConfig
-from millpond.producer._host_coordinator import HostCoordinator
-from millpond.queue.coordinator_http import APPEND_PATH, QUEUE_HEADER, REQUEST_HEADER, TOKEN_HEADER
 from millpond.storage import ObjectStore, open_store
 from tests.producer.producer_support import (
     MANIFEST,
@@ -369,7 +369,7 @@ def test_a_file_system_without_flock_is_named_once_and_appends_go_directly(
     import errno
     import fcntl
 
-    from millpond.producer import _host_coordinator
+    from millpond.coordinator import hosted as _host_coordinator
 
     class NoLocks:  # the election's fcntl only: the file store beneath locks as usual
         LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
@@ -496,9 +496,9 @@ def test_the_hosted_coordinator_answers_only_requests_with_its_token(
     import http.client
 
     from millpond.common.ulids import UlidMinter, batch_location
+    from millpond.coordinator.wire import encode_entries
     from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue.claim import queue_identity
-    from millpond.queue.coordinator_http import encode_entries
 
     store = _file_store(tmp_path)
     claim_queue(store)

@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
+from millpond.coordinator.wire import TOKEN_ENV
 from millpond.localstack import S3Endpoint
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import TOKEN_ENV, CoordinatorServer
 from tests.spark.spark_support import Queue
 from tests.spark.test_datasource import numbered
 

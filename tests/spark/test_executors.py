@@ -52,7 +52,7 @@ def test_commit_task_producers_share_a_coordinator_one_of_them_hosts(
 ) -> None:
     """``host_coordinator=true``: the Python workers' producers elect one of themselves to
     append for all (the election file of this queue appears), and every row arrives once."""
-    from millpond.producer._host_coordinator import election_path
+    from millpond.coordinator.hosted import election_path
     from millpond.queue.claim import queue_identity
 
     queue = Queue(moto_s3)

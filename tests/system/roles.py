@@ -24,16 +24,16 @@ from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import SinkError, open_sink
 from millpond.consumer.takeover import take_over
+from millpond.coordinator.hosted import HostCoordinatedAppender
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
 from millpond.errors import FencedError, MillpondError
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.gc import GarbageCollector, GarbageCollectorConfig
 from millpond.producer import Producer, ProducerConfig
-from millpond.producer._host_coordinator import HostCoordinatedAppender
 from millpond.producer.spark.commit import commit_micro_batch
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
 from tests.invariants import ConsumerEvent
 from tests.system.sim import Fault, Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
 

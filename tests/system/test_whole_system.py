@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from millpond.queue.coordinator_http import TOKEN_ENV
+from millpond.coordinator.wire import TOKEN_ENV
 from tests.system.roles import TOKEN
 from tests.system.world import World, coordinated, hosts_coordinator, paces_fairly, schedule
 

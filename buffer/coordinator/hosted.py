@@ -11,7 +11,7 @@ coordinator, and the others send their appends to it:
 
 * **Election** is a lock on a file named for the queue (``flock``, non-blocking) in a
   directory private to the user (``MILLPOND_RUN_DIR``, else ``$TMPDIR/millpond-<uid>``). The
-  process that holds it serves an :class:`~millpond.queue.coordinator.AppendCoordinator` on
+  process that holds it serves an :class:`~millpond.coordinator.rounds.AppendCoordinator` on
   127.0.0.1 (a free port) and writes its URL and a random token into the file; the others read
   both there and send the token with every request. The coordinator refuses a request without
   it (``403``), so only processes that can read the user's private directory append through
@@ -19,7 +19,7 @@ coordinator, and the others send their appends to it:
   without ``flock`` (some NFS mounts) nobody is elected: the producer says so once, naming
   the file, and appends directly.
 * **Nothing new to trust.** The hosted coordinator is the one ``millpond coordinator`` serves,
-  reached through the same client (:mod:`millpond.producer.coordinator`): when it is
+  reached through the same client (:mod:`millpond.coordinator.client`): when it is
   unreachable, refuses, or its reply is lost, a producer appends directly under the same
   promises (the landed-check; no write of a request after its budget). Two coordinators of one
   queue are harmless (they contend like producers), so a stale URL or a lock taken over
@@ -65,12 +65,12 @@ from urllib.parse import urlsplit
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
+from millpond.coordinator.client import CoordinatedAppender
+from millpond.coordinator.connection import CoordinatorOptions
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
 from millpond.formats.manifest import PendingEntry
-from millpond.producer._coordinator_endpoint import CoordinatorOptions
-from millpond.producer.coordinator import CoordinatedAppender
 from millpond.queue.append import QueueProducer
-from millpond.queue.coordinator import AppendCoordinator
-from millpond.queue.coordinator_http import CoordinatorServer
 from millpond.storage.store import NETWORK_SCHEMES, ObjectStore
 
 __all__ = [

@@ -1,9 +1,11 @@
-"""Appending through ``millpond coordinator``, and directly whenever it cannot help.
+"""Talking to a coordinator: a producer's appends and a consumer's dequeues go through one while
+it helps, and to the writer's own compare-and-swap whenever it cannot.
 
-:class:`CoordinatedAppender` has the contract of :meth:`QueueProducer.append
-<millpond.queue.append.QueueProducer.append>`: it returns once every entry is provably in the
-queue, and raises ``CommitStateUnknownError`` saying what is known when it cannot tell. It sends
-the entries to the first coordinator that answers (:mod:`millpond.queue.coordinator`, which
+**Appends.** :class:`CoordinatedAppender` (producers and the Spark driver's commit) has the
+contract of :meth:`QueueProducer.append <millpond.queue.append.QueueProducer.append>`: it
+returns once every entry is provably in the queue, and raises ``CommitStateUnknownError``
+saying what is known when it cannot tell. It sends the entries to the first coordinator that
+answers (:mod:`millpond.coordinator.rounds`, which
 appends many writers' entries in one compare-and-swap per round) and falls back to the
 producer's own compare-and-swap:
 
@@ -48,6 +50,20 @@ appended. So the order of a producer's batches holds whatever happens: if the fi
 was refused, its fate is unknown, or its reply is lost, the chained one was never written
 without it, and both are recovered together as one append (the refused part is appended
 afterwards, the rest looked for first, as above).
+
+**Dequeues.** :class:`CoordinatedDequeue` sends a consumer's dequeues to a coordinator
+(``ConsumerConfig.coordinator``; why: :mod:`millpond.coordinator.rounds`, Dequeues). A dequeue
+is idempotent, so every answer but ``dequeued`` leaves it to the consumer's own
+compare-and-swap, which also decides what a ``fenced`` answer means (its read raises
+``FencedError``). A coordinator that did not answer, or did not take the consumer's token (a
+setting to fix, not a moment to wait out), is left alone for a minute, one that refused for
+another reason for a few seconds, each time with a warning naming it.
+
+Before its takeover the consumer asks the coordinator for a pause (:meth:`make_way`): its epoch
+bump is a read and then a write of its own, which a coordinator appending back to back would
+otherwise keep out until one of its quiet pauses — every 10 s while a consumer dequeues through
+it (:mod:`millpond.coordinator.rounds`). Nothing depends on the answer: without one the
+takeover races the rounds as it would without a coordinator.
 """
 
 from __future__ import annotations
@@ -59,40 +75,47 @@ from functools import partial
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.errors import CommitStateUnknownError, StorageError
-from millpond.formats.manifest import PendingEntry
-from millpond.producer._coordinator_chain import Chain, fitting, known
-from millpond.producer._coordinator_endpoint import (
+from millpond.coordinator.connection import (
+    FORBIDDEN,
+    LOST,
     SENT,
     UNSENT,
     CoordinatorOptions,
     Endpoint,
+    send_dequeue,
+    send_make_way,
 )
-from millpond.queue.append import QueueProducer
-from millpond.queue.coordinator import (
-    APPENDED,
-    REFUSED,
-    UNKNOWN,
-    Outcome,
-    encode_entries,
-)
-from millpond.queue.coordinator_http import (
+from millpond.coordinator.wire import (
+    AFTER_HEADER,
     APPEND_PATH,
+    APPENDED,
     BUDGET_HEADER,
+    CLEAR,
+    DEQUEUED,
+    FENCED,
     FROM_HEADER,
     NOT_AFTER_HEADER,
     OUTCOME_PATH,
     QUEUE_HEADER,
+    REFUSED,
     REQUEST_HEADER,
-    parse_coordinator_urls,
+    UNKNOWN,
+    Outcome,
+    encode_entries,
     token_from_env,
 )
+from millpond.errors import CommitStateUnknownError, StorageError
+from millpond.formats.manifest import PendingEntry
+from millpond.queue.append import QueueProducer
 
-__all__ = ["CoordinatedAppender", "CoordinatorOptions", "parse_coordinator_urls"]
+__all__ = ["CoordinatedAppender", "CoordinatedDequeue"]
 
 logger = logging.getLogger(__name__)
 
 _RECHECK = 60.0  # seconds before asking again a URL where no coordinator of the queue answered
+_TIMEOUT = 5.0  # seconds: the coordinator answers after at most a pause, a round and a write
+_AFTER_LOST = 60.0  # seconds a coordinator that did not answer, or took no token, is left alone
+_AFTER_REFUSED = 5.0  # seconds a coordinator that refused is left alone
 
 
 class CoordinatedAppender:
@@ -116,7 +139,7 @@ class CoordinatedAppender:
             queue: the queue's identity (a coordinator of another queue is not used).
             clock: time source.
             options: how to talk to the coordinators (default: ``CoordinatorOptions()`` with
-                the token in :data:`~millpond.queue.coordinator_http.TOKEN_ENV`, if set).
+                the token in :data:`~millpond.coordinator.wire.TOKEN_ENV`, if set).
             gone: whether the coordinators can start no write any more (their process is
                 dead or closed): asked while a lost reply cannot be asked about, so the
                 coordinator's promise is not waited out for nothing.
@@ -445,3 +468,117 @@ class CoordinatedAppender:
         for index, sequence in zip(rest, found, strict=True):
             known[index] = sequence
         return tuple(s for s in known if s is not None)
+
+
+class Chain:
+    """The batches uploaded while a request is out, sent to follow it (module docstring,
+    Chaining): at most one chained request per append."""
+
+    def __init__(self, endpoint: Endpoint, more: Callable[[], Sequence[PendingEntry]]) -> None:
+        self._endpoint = endpoint
+        self._more = more
+        self.entries: list[PendingEntry] = []
+        self.sent = False
+        self._request_id = ""
+        self._sent_at = 0.0
+        self._kind = UNSENT
+
+    def poll(
+        self, clock: Clock, may_send: Callable[[], bool], after: str, headers: dict[str, str]
+    ) -> bool:
+        """Send what was uploaded since the request ``after`` went out, if anything; ``True``
+        once sent, or once ``may_send()`` says a request sent now could be written after the
+        append's deadline (nothing more to do while the reply is awaited)."""
+        if self.sent or not may_send():
+            return True
+        entries = list(self._more())
+        if not entries:
+            return False
+        self.entries, self.sent = entries, True
+        self._request_id = uuid.uuid4().hex
+        self._sent_at = clock.monotonic()
+        chained = {**headers, REQUEST_HEADER: self._request_id, AFTER_HEADER: after}
+        self._kind = self._endpoint.send(APPEND_PATH, encode_entries(entries), chained)
+        return True
+
+    def resolve(self, ask: Callable[[Endpoint, str, float], Outcome | None]) -> Outcome | None:
+        """What became of the chained request (``None``: nobody could say); a lost reply is
+        asked for with ``ask(endpoint, request_id, sent_at)``."""
+        if self._kind == UNSENT:
+            return Outcome(REFUSED, reason="not sent: no connection")
+        if self._kind == SENT:
+            kind, outcome = self._endpoint.receive()
+            if kind == SENT and outcome is not None:
+                return outcome
+        return ask(self._endpoint, self._request_id, self._sent_at)
+
+
+def fitting(outcome: Outcome | None, count: int) -> Outcome | None:
+    """An ``appended`` reply whose sequences do not fit the request is taken as ``unknown``."""
+    if (
+        outcome is not None
+        and outcome.status == APPENDED
+        and (len(outcome.sequences) != count or None in outcome.sequences)
+    ):
+        return Outcome(UNKNOWN, reason=f"a reply that does not fit: {outcome}")
+    return outcome
+
+
+def known(outcome: Outcome | None, count: int) -> tuple[int | None, ...]:
+    """Per entry, its sequence as far as ``outcome`` knows it."""
+    if outcome is None or len(outcome.sequences) != count:
+        return (None,) * count
+    return tuple(outcome.sequences)
+
+
+class CoordinatedDequeue:
+    """Sends dequeues to one coordinator while it answers."""
+
+    def __init__(
+        self, url: str, queue: str, counters: Counters, clock: Clock, *, token: str | None = None
+    ) -> None:
+        """``token``: sent with every request to a coordinator that wants one
+        (:data:`~millpond.coordinator.wire.TOKEN_ENV`)."""
+        self.url = url
+        self._queue = queue
+        self._token = token
+        self._counters = counters
+        self._clock = clock
+        self._down_until = float("-inf")
+
+    def dequeue(self, epoch: int, through: int) -> bool:
+        """Whether the coordinator removed every entry through ``through`` for the consumer
+        holding ``epoch``; ``False``: the caller dequeues directly."""
+        if self._clock.monotonic() < self._down_until:
+            return False
+        status, reason = send_dequeue(
+            self.url, self._queue, epoch, through, timeout=_TIMEOUT, token=self._token
+        )
+        if status == DEQUEUED:
+            self._counters.add("coordinator_dequeues")
+            return True
+        self._counters.add("coordinator_dequeue_fallbacks")
+        if status != FENCED:
+            self._leave_alone(f"did not dequeue through {through}", status, reason)
+        return False
+
+    def make_way(self) -> None:
+        """Ask the coordinator to leave the manifest alone for a moment, from now: the
+        consumer's epoch bump comes next."""
+        if self._clock.monotonic() < self._down_until:
+            return
+        status, reason = send_make_way(self.url, self._queue, timeout=_TIMEOUT, token=self._token)
+        if status != CLEAR:
+            self._leave_alone("made no way for the takeover", status, reason)
+
+    def _leave_alone(self, what: str, status: str, reason: str) -> None:
+        pause = _AFTER_LOST if status in (LOST, FORBIDDEN) else _AFTER_REFUSED
+        self._down_until = self._clock.monotonic() + pause
+        logger.warning(
+            "coordinator %s %s (%s: %s); dequeuing directly for the next %.0f s",
+            self.url,
+            what,
+            status,
+            reason,
+            pause,
+        )

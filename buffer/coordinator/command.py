@@ -1,7 +1,7 @@
 """``millpond coordinator STORE_URL``: append many producers' batches in one CAS per round.
 
-Runs :class:`~millpond.queue.coordinator.AppendCoordinator` over HTTP
-(:mod:`millpond.queue.coordinator_http`) until SIGTERM or SIGINT, then refuses what has not
+Runs :class:`~millpond.coordinator.rounds.AppendCoordinator` over HTTP
+(:mod:`millpond.coordinator.server`) until SIGTERM or SIGINT, then refuses what has not
 started, finishes the round under way and exits 0. Producers name it with
 ``ProducerConfig(coordinator="http://host:port")`` (Spark: ``.option("coordinator", ...)``)
 and append directly whenever it does not answer, so it is never a single point of failure:
@@ -33,10 +33,11 @@ from millpond.cli.common import (
     seconds,
 )
 from millpond.common.retry import STRATEGIES, RetryPolicy
+from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.server import CoordinatorServer
+from millpond.coordinator.wire import DEFAULT_BUDGET, TOKEN_ENV, token_from_env
 from millpond.errors import ConfigError
 from millpond.queue.claim import queue_identity
-from millpond.queue.coordinator import DEFAULT_BUDGET, AppendCoordinator
-from millpond.queue.coordinator_http import TOKEN_ENV, CoordinatorServer, token_from_env
 
 __all__ = ["add_arguments", "run"]
 

@@ -1,5 +1,7 @@
-"""One coordinator as a producer reaches it: a keep-alive connection, a second one for a chained
-request, and when to try it again (:mod:`millpond.producer.coordinator`)."""
+"""A coordinator as its clients reach it (:mod:`millpond.coordinator.client`): for a producer's
+appends, a keep-alive connection, a second one for a chained request, and when to try it again
+(:class:`Endpoint`); for a consumer's dequeues and make-way requests, one request on a fresh
+connection each time (:func:`send_dequeue`, :func:`send_make_way`)."""
 
 from __future__ import annotations
 
@@ -11,18 +13,43 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from millpond.coordinator.wire import (
+    DEFAULT_BUDGET,
+    DEQUEUE_PATH,
+    EPOCH_HEADER,
+    HEALTH_PATH,
+    MAKE_WAY_PATH,
+    QUEUE_HEADER,
+    THROUGH_HEADER,
+    TOKEN_HEADER,
+    TOKEN_REFUSED,
+    Outcome,
+)
 from millpond.errors import FormatError
-from millpond.queue.coordinator import DEFAULT_BUDGET, Outcome
-from millpond.queue.coordinator_http import HEALTH_PATH, TOKEN_HEADER, TOKEN_REFUSED
 
-__all__ = ["LOST", "SENT", "UNSENT", "CoordinatorOptions", "Endpoint", "not_serving"]
+__all__ = [
+    "FORBIDDEN",
+    "LOST",
+    "SENT",
+    "UNSENT",
+    "CoordinatorOptions",
+    "Endpoint",
+    "not_serving",
+    "send_dequeue",
+    "send_make_way",
+]
 
 SENT = "sent"
 """A request went out and a reply came."""
 UNSENT = "unsent"
 """No connection could be made: nothing was sent."""
 LOST = "lost"
-"""Sent (or perhaps sent), no usable reply."""
+"""Sent (or perhaps sent), no usable reply: the coordinator could not be reached or did not
+answer."""
+FORBIDDEN = "forbidden"
+"""(a dequeue or make-way) The coordinator wants a token this request did not carry (HTTP
+403): a setting to fix (:data:`~millpond.coordinator.wire.TOKEN_ENV`), not a moment to wait
+out."""
 _POLL = 0.01  # seconds between two calls of while_waiting while a reply is awaited
 
 
@@ -240,3 +267,51 @@ def not_serving(status: int, data: bytes, queue: str) -> str | None:
     if health.get("alive") is not True:
         return "has stopped appending (its rounds died)"
     return None
+
+
+def send_dequeue(
+    url: str, queue: str, epoch: int, through: int, *, timeout: float, token: str | None = None
+) -> tuple[str, str]:
+    """Ask the coordinator at ``url`` to dequeue through ``through`` for the consumer holding
+    ``epoch`` of ``queue`` (its identity): ``(status, reason)``, the status one of ``dequeued``,
+    ``fenced``, ``refused`` (:mod:`millpond.coordinator.wire`), :data:`FORBIDDEN` or
+    :data:`LOST`. A fresh connection each time (a consumer dequeues about once a second at
+    most); never raises. ``token``: the coordinator's
+    (:data:`~millpond.coordinator.wire.TOKEN_ENV`), if it wants one."""
+    headers = {EPOCH_HEADER: str(epoch), THROUGH_HEADER: str(through)}
+    return _post(url, DEQUEUE_PATH, queue, headers, timeout, token)
+
+
+def send_make_way(
+    url: str, queue: str, *, timeout: float, token: str | None = None
+) -> tuple[str, str]:
+    """Ask the coordinator at ``url`` to leave the manifest of ``queue`` alone for a moment
+    (a consumer's takeover comes next): ``(status, reason)``, the status ``clear`` once
+    that moment has begun, else ``refused``, :data:`FORBIDDEN` or :data:`LOST`. Never
+    raises."""
+    return _post(url, MAKE_WAY_PATH, queue, {}, timeout, token)
+
+
+def _post(
+    url: str, path: str, queue: str, headers: dict[str, str], timeout: float, token: str | None
+) -> tuple[str, str]:
+    """One bodiless request on a fresh connection: the reply's ``(status, reason)``."""
+    if token is not None:
+        headers = {**headers, TOKEN_HEADER: token}
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    try:
+        conn.request("POST", path, b"", {QUEUE_HEADER: queue, **headers, "Content-Length": "0"})
+        response = conn.getresponse()
+        data = response.read()
+    except (OSError, http.client.HTTPException) as err:
+        return LOST, f"no answer from {url}: {err}"
+    finally:
+        conn.close()
+    if response.status == 403:
+        return FORBIDDEN, TOKEN_REFUSED
+    try:
+        record = json.loads(data)
+        return str(record["status"]), str(record.get("reason", ""))
+    except (ValueError, KeyError, TypeError):
+        return LOST, f"{url} answered HTTP {response.status}, not as a coordinator: {data[:200]!r}"
