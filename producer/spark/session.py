@@ -72,7 +72,7 @@ def local_spark_session(
     """
     from pyspark.sql import SparkSession
 
-    from millpond.producer.spark import register
+    from millpond.producer.spark.datasource import register
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
