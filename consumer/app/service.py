@@ -65,6 +65,7 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
+from millpond.formats.manifest import ManifestEntry
 
 __all__ = ["MANIFEST_ATTEMPTS", "BadBatchPolicy", "ConsumerService", "ServiceStats"]
 
@@ -103,6 +104,47 @@ class ServiceStats:
     """Batches set aside by ``--on-bad-batch quarantine``."""
 
 
+def _check_settings(
+    max_group: int, quarantine_limit: int, progress_interval: float, **durations: float
+) -> None:
+    """Raises:
+    ConfigError: ``max_group`` or ``quarantine_limit`` is not an integer >= 1; a duration is
+        not a finite number of seconds > 0 (``progress_interval`` >= 0).
+    """
+    check_count("max_group", max_group)
+    check_count("quarantine_limit", quarantine_limit)
+    for key, seconds in durations.items():
+        check_duration(key, seconds, allow_zero=False)
+    # 0: a progress line after every group.
+    check_duration("progress_interval", progress_interval, allow_zero=True)
+
+
+def _bad_batch_handling(
+    on_bad_batch: BadBatchPolicy | str, sink: Sink, ledger: QuarantineLedger | None
+) -> tuple[BadBatchPolicy, QuarantineLedger | None]:
+    """The bad-batch policy and the ledger that records quarantines (``sink`` itself when
+    none is given and it can).
+
+    Raises:
+        ConfigError: ``on_bad_batch`` is not ``stop`` or ``quarantine``, or ``quarantine``
+            with a sink that cannot record quarantines.
+    """
+    try:
+        policy = BadBatchPolicy(on_bad_batch)
+    except ValueError:
+        raise ConfigError(
+            "on_bad_batch", f"expected 'stop' or 'quarantine', found {on_bad_batch!r}"
+        ) from None
+    if ledger is None and isinstance(sink, QuarantineLedger):
+        ledger = sink
+    if policy is BadBatchPolicy.QUARANTINE and ledger is None:
+        raise ConfigError(
+            "on_bad_batch",
+            f"expected a sink that records quarantines (SQLite, PostgreSQL), found {sink!r}",
+        )
+    return policy, ledger
+
+
 class ConsumerService:
     """The consume loop: next batch, write it into the sink, ack; repeat until stopped."""
 
@@ -133,31 +175,16 @@ class ConsumerService:
             ``quarantine_limit`` is not an integer >= 1; a duration is not a finite number
             of seconds > 0 (``progress_interval`` >= 0).
         """
-        check_count("max_group", max_group)
-        check_count("quarantine_limit", quarantine_limit)
-        for key, seconds in (
-            ("poll_min", poll_min),
-            ("poll_max", poll_max),
-            ("retry_initial_delay", retry_initial_delay),
-            ("retry_max_delay", retry_max_delay),
-        ):
-            check_duration(key, seconds, allow_zero=False)
-        # 0: a progress line after every group.
-        check_duration("progress_interval", progress_interval, allow_zero=True)
-        try:
-            self._on_bad_batch = BadBatchPolicy(on_bad_batch)
-        except ValueError:
-            raise ConfigError(
-                "on_bad_batch", f"expected 'stop' or 'quarantine', found {on_bad_batch!r}"
-            ) from None
-        if ledger is None and isinstance(sink, QuarantineLedger):
-            ledger = sink
-        self._ledger = ledger
-        if self._on_bad_batch is BadBatchPolicy.QUARANTINE and ledger is None:
-            raise ConfigError(
-                "on_bad_batch",
-                f"expected a sink that records quarantines (SQLite, PostgreSQL), found {sink!r}",
-            )
+        _check_settings(
+            max_group,
+            quarantine_limit,
+            progress_interval,
+            poll_min=poll_min,
+            poll_max=poll_max,
+            retry_initial_delay=retry_initial_delay,
+            retry_max_delay=retry_max_delay,
+        )
+        self._on_bad_batch, self._ledger = _bad_batch_handling(on_bad_batch, sink, ledger)
         self._dead_letter = dead_letter_prefix or default_dead_letter_prefix(
             consumer.config.data_path_prefix
         )
@@ -196,78 +223,94 @@ class ConsumerService:
             SinkError: the database refused a batch for good.
             InvalidInputError: the sink's last sequence does not fit this queue.
         """
-        consumer = self._consumer
         self._started = self._clock.monotonic()
         try:
-            # The sink refuses here, before this consumer takes over or dequeues anything, if it
-            # holds another queue's progress.
-            start = self._with_retry(
-                stop,
-                "read the sink's last sequence",
-                functools.partial(self._sink.last_sequence, consumer.queue),
-            )
-            if stop.is_set():
+            if not self._take_over(stop):
                 return self.stats
-            # A store that is down at start-up is waited out like one that fails later. An
-            # older consumer still running may have written and dequeued past ``start``
-            # meanwhile: the sink is read again once it is fenced (take_over).
-            start = self._with_retry(
-                stop,
-                "take over the queue",
-                functools.partial(
-                    take_over,
-                    consumer,
-                    functools.partial(self._sink.last_sequence, consumer.queue),
-                    read=start,
-                ),
-            )
-            if stop.is_set():
-                return self.stats
-            logger.info(
-                "consuming %s from after sequence %s (epoch %s)",
-                consumer.config.manifest_path,
-                start,
-                consumer.epoch,
-            )
-            if self._reporter is not None:
-                self._reporter.start(consumer.epoch)
             self._window_start = self._clock.monotonic()
             self._loop(stop, until_idle=until_idle)
-            # A store that is down when the work is done is waited out like one that fails
-            # mid-run: a clean exit leaves nothing written in the queue. The last group
-            # written is acked with the dequeue (no delivery follows to carry it).
-            if not stop.is_set():
-                self._with_retry(
-                    stop,
-                    "dequeue what was written",
-                    lambda: consumer.flush(ack_through=self._to_ack()),
-                    reads_manifest=True,
-                )
-            else:
-                self._ack_written(stop)
+            self._dequeue_written(stop)
         except FencedError as err:
             self._close_quietly("fenced")
             self._finish_report(ServiceState.FENCED, err)
             raise
         except BaseException as err:
-            if isinstance(err, MillpondError):
-                last = self.stats.last_sequence
-                logger.error(  # noqa: TRY400 - the message is the point; the CLI prints it too
-                    "%s: %s",
-                    "stopping before writing anything"
-                    if last is None
-                    else f"stopping after sequence {last}; nothing after it is written",
-                    err,
-                )
-            # Dequeue what was written and acked, even when stopping on bad data; a failure
-            # there must not hide why the service stopped.
-            self._close_quietly(type(err).__name__)
-            self._finish_report(ServiceState.STOPPED, err)
+            self._stopped_by(err)
             raise
         self._close_quietly(None)
         self._log_progress(final=True)
         self._finish_report(ServiceState.STOPPED, None)
         return self.stats
+
+    def _take_over(self, stop: threading.Event) -> bool:
+        """Take the queue over from after the sink's last sequence, waiting out a store or a
+        database that is down; ``False`` when stopped first."""
+        consumer = self._consumer
+        # The sink refuses here, before this consumer takes over or dequeues anything, if it
+        # holds another queue's progress.
+        start = self._with_retry(
+            stop,
+            "read the sink's last sequence",
+            functools.partial(self._sink.last_sequence, consumer.queue),
+        )
+        if stop.is_set():
+            return False
+        # A store that is down at start-up is waited out like one that fails later. An
+        # older consumer still running may have written and dequeued past ``start``
+        # meanwhile: the sink is read again once it is fenced (take_over).
+        start = self._with_retry(
+            stop,
+            "take over the queue",
+            functools.partial(
+                take_over,
+                consumer,
+                functools.partial(self._sink.last_sequence, consumer.queue),
+                read=start,
+            ),
+        )
+        if stop.is_set():
+            return False
+        logger.info(
+            "consuming %s from after sequence %s (epoch %s)",
+            consumer.config.manifest_path,
+            start,
+            consumer.epoch,
+        )
+        if self._reporter is not None:
+            self._reporter.start(consumer.epoch)
+        return True
+
+    def _dequeue_written(self, stop: threading.Event) -> None:
+        """After the loop: dequeue what was written, or, when stopped, ack it."""
+        # A store that is down when the work is done is waited out like one that fails
+        # mid-run: a clean exit leaves nothing written in the queue. The last group
+        # written is acked with the dequeue (no delivery follows to carry it).
+        if not stop.is_set():
+            self._with_retry(
+                stop,
+                "dequeue what was written",
+                lambda: self._consumer.flush(ack_through=self._to_ack()),
+                reads_manifest=True,
+            )
+        else:
+            self._ack_written(stop)
+
+    def _stopped_by(self, err: BaseException) -> None:
+        """The run stops on ``err`` (not a fencing): log why, dequeue what was written, and
+        report the stop."""
+        if isinstance(err, MillpondError):
+            last = self.stats.last_sequence
+            logger.error(
+                "%s: %s",
+                "stopping before writing anything"
+                if last is None
+                else f"stopping after sequence {last}; nothing after it is written",
+                err,
+            )
+        # Dequeue what was written and acked, even when stopping on bad data; a failure
+        # there must not hide why the service stopped.
+        self._close_quietly(type(err).__name__)
+        self._finish_report(ServiceState.STOPPED, err)
 
     def _finish_report(self, state: ServiceState, err: BaseException | None) -> None:
         if self._reporter is None:
@@ -556,17 +599,8 @@ class ConsumerService:
                 ``quarantine_limit`` batches in a row were set aside; what setting it aside
                 ran into (a missing object, a sink of another queue).
         """
-        if batch is not None:
-            sequence, location, metadata = batch.sequence, batch.location, batch.metadata
-        else:
-            entry = self._consumer.next_entry()
-            if (
-                not isinstance(err, BadBatchError)
-                or entry is None
-                or (entry.sequence, entry.location) != (err.sequence, err.location)
-            ):
-                raise err  # not the batch the consumer would deliver next: nothing to set aside
-            sequence, location, metadata = entry.sequence, entry.location, entry.metadata
+        entry = self._bad_entry(batch, err)
+        sequence, location = entry.sequence, entry.location
         why = f"{type(err).__name__}: {err}"
         if batch is None and isinstance(err, NotFoundError):
             recorded = self._with_retry(
@@ -600,6 +634,40 @@ class ConsumerService:
             why = f"a duplicate of sequence {earlier}, set aside before ({why})"
         else:
             self._stop_on_bad_batch(sequence, location, why, err)
+        return self._set_aside(batch, entry, why, stop, duplicate=earlier is not None)
+
+    def _bad_entry(self, batch: ConsumedBatch | None, err: MillpondError) -> ManifestEntry:
+        """The entry of the bad batch: ``batch``'s, or, when it could not be fetched, the one
+        the consumer delivers next.
+
+        Raises:
+            MillpondError: ``err`` itself when it does not name the entry the consumer
+                delivers next (nothing to set aside).
+        """
+        if batch is not None:
+            return ManifestEntry(batch.sequence, batch.location, batch.metadata)
+        entry = self._consumer.next_entry()
+        if (
+            not isinstance(err, BadBatchError)
+            or entry is None
+            or (entry.sequence, entry.location) != (err.sequence, err.location)
+        ):
+            raise err  # not the batch the consumer would deliver next: nothing to set aside
+        return entry
+
+    def _set_aside(
+        self,
+        batch: ConsumedBatch | None,
+        entry: ManifestEntry,
+        why: str,
+        stop: threading.Event,
+        *,
+        duplicate: bool,
+    ) -> bool:
+        """Copy the bad batch to the dead-letter prefix, record it quarantined (a
+        ``duplicate`` of one set aside before: recorded as such, not counted as bad), and
+        move past it; ``False`` when stopped meanwhile."""
+        sequence, location = entry.sequence, entry.location
         sink = self._ledger
         assert sink is not None  # checked in __init__
         consumer = self._consumer
@@ -613,24 +681,24 @@ class ConsumerService:
                 queue=consumer.queue,
                 sequence=sequence,
                 location=location,
-                metadata=metadata,
-                reason=why if earlier is not None else f"--on-bad-batch quarantine: {why}",
+                metadata=entry.metadata,
+                reason=why if duplicate else f"--on-bad-batch quarantine: {why}",
                 dead_letter_prefix=self._dead_letter,
                 clock=self._clock,
             ),
         )
         if outcome is None:
             return False
-        if earlier is None:
+        if not duplicate:
             self._bad_in_a_row += 1
         logger.warning(
             "set aside sequence %s (%s), %s this run: %s",
             sequence,
             location,
-            self.stats.quarantined + (earlier is None),
+            self.stats.quarantined + (not duplicate),
             why,
         )
-        return self._moved_past(batch, sequence, stop, skipped=earlier is not None)
+        return self._moved_past(batch, sequence, stop, skipped=duplicate)
 
     def _moved_past(
         self, batch: ConsumedBatch | None, sequence: int, stop: threading.Event, *, skipped: bool
