@@ -34,12 +34,37 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``millpond consume``, in the order ``--help`` lists them."""
     add_store_arguments(parser, output=False)
     parser.add_argument(
         "--create",
         action="store_true",
         help="start an empty queue when there is none at STORE_URL (else refuse: a typo)",
     )
+    _add_sink_arguments(parser)
+    _add_consumer_arguments(parser)
+    _add_loop_arguments(parser)
+    _add_gc_arguments(parser)
+    _metrics.add_arguments(parser)
+    _add_bad_batch_arguments(parser)
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="URL",
+        help="http://host:port of a millpond coordinator serving the queue: dequeues are sent "
+        "there (no race with its rounds), and made directly whenever it does not answer; its "
+        "token, if it has one, is MILLPOND_COORDINATOR_TOKEN",
+    )
+    parser.add_argument(
+        "--report-interval",
+        type=seconds(allow_zero=True),
+        default=5.0,
+        help="seconds between reports for millpond status (default 5; 0: at start and stop)",
+    )
+
+
+def _add_sink_arguments(parser: argparse.ArgumentParser) -> None:
+    """The database: where rows go, and how entries become rows."""
     parser.add_argument(
         "--sink", required=True, metavar="URL", help="sqlite:///path.db or postgresql://..."
     )
@@ -56,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="column holding each Arrow row's batch sequence ('' for none)",
     )
     parser.add_argument("--progress-table", default="millpond_progress")
+
+
+def _add_consumer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The consumer's dequeues, backlog index and read-ahead."""
     parser.add_argument(
         "--ack-batch-size",
         type=int,
@@ -84,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="most batch objects fetched ahead while deliveries wait for a slow store (64)",
     )
+
+
+def _add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The service's loop: groups, polls, progress lines, when to stop."""
     parser.add_argument(
         "--max-group",
         type=count,
@@ -108,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop once the queue is drained (for a scheduled job) instead of polling",
     )
+
+
+def _add_gc_arguments(parser: argparse.ArgumentParser) -> None:
+    """The garbage collector run in this process."""
     parser.add_argument(
         "--gc",
         action=argparse.BooleanOptionalAction,
@@ -123,7 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds (default 600)",
     )
-    _metrics.add_arguments(parser)
+
+
+def _add_bad_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a batch that cannot be written does: stop, or set it aside."""
     parser.add_argument(
         "--on-bad-batch",
         choices=("stop", "quarantine"),
@@ -142,20 +182,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10,
         help="with --on-bad-batch quarantine, stop after this many in a row (default 10)",
     )
-    parser.add_argument(
-        "--coordinator",
-        default=None,
-        metavar="URL",
-        help="http://host:port of a millpond coordinator serving the queue: dequeues are sent "
-        "there (no race with its rounds), and made directly whenever it does not answer; its "
-        "token, if it has one, is MILLPOND_COORDINATOR_TOKEN",
-    )
-    parser.add_argument(
-        "--report-interval",
-        type=seconds(allow_zero=True),
-        default=5.0,
-        help="seconds between reports for millpond status (default 5; 0: at start and stop)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,21 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         # The service's progress lines are INFO.
         service_logger.setLevel(min(service_logger.getEffectiveLevel(), logging.INFO))
-    config = ConsumerConfig(
-        store=args.store,
-        store_options=parse_options(args.store_option),
-        manifest_path=args.manifest_path,
-        data_path_prefix=args.data_prefix,
-        ack_batch_size=args.ack_batch_size,
-        backlog_index=args.backlog_index,
-        backlog_index_threshold=args.backlog_index_threshold,
-        read_ahead=args.read_ahead,
-        read_ahead_max=args.read_ahead_max,
-        gc_enabled=args.gc,
-        gc_interval=args.gc_interval,
-        gc_grace_period=args.gc_grace_period,
-        coordinator=args.coordinator,
-    )
+    config = _consumer_config(args)
     stop = threading.Event()
     with (
         stop_on_signals(stop, what="finishing the current batch"),
@@ -197,27 +209,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
-        description = sink.description
-
-        def command(sequence: int) -> str:
-            return quarantine_command(
-                consumer.store.url,
-                sequence,
-                sink=description,
-                table=args.table,
-                progress_table=args.progress_table,
-                manifest_path=args.manifest_path,
-                data_prefix=args.data_prefix,
-                dead_letter_prefix=args.dead_letter_prefix,
-            )
-
-        reporter = ServiceReporter(
-            consumer.store,
-            data_path_prefix=config.data_path_prefix,
-            queue=consumer.queue,
-            interval=args.report_interval,
-            quarantine_command=command,
-        )
+        reporter = _reporter(args, consumer, config, sink_description=sink.description)
         timed = _metrics.TimedSink(sink)
         metrics = _metrics.ConsumerMetrics(consumer, timed, interval=args.metrics_interval)
         service = ConsumerService(
@@ -238,3 +230,52 @@ def run(args: argparse.Namespace) -> int:
         ):
             service.run(stop, until_idle=args.exit_when_idle)
     return 0
+
+
+def _consumer_config(args: argparse.Namespace) -> ConsumerConfig:
+    return ConsumerConfig(
+        store=args.store,
+        store_options=parse_options(args.store_option),
+        manifest_path=args.manifest_path,
+        data_path_prefix=args.data_prefix,
+        ack_batch_size=args.ack_batch_size,
+        backlog_index=args.backlog_index,
+        backlog_index_threshold=args.backlog_index_threshold,
+        read_ahead=args.read_ahead,
+        read_ahead_max=args.read_ahead_max,
+        gc_enabled=args.gc,
+        gc_interval=args.gc_interval,
+        gc_grace_period=args.gc_grace_period,
+        coordinator=args.coordinator,
+    )
+
+
+def _reporter(
+    args: argparse.Namespace,
+    consumer: Consumer,
+    config: ConsumerConfig,
+    *,
+    sink_description: str,
+) -> ServiceReporter:
+    """The report ``millpond status`` reads, naming the ``millpond quarantine`` command line
+    that sets aside the batch the service stopped on."""
+
+    def command(sequence: int) -> str:
+        return quarantine_command(
+            consumer.store.url,
+            sequence,
+            sink=sink_description,
+            table=args.table,
+            progress_table=args.progress_table,
+            manifest_path=args.manifest_path,
+            data_prefix=args.data_prefix,
+            dead_letter_prefix=args.dead_letter_prefix,
+        )
+
+    return ServiceReporter(
+        consumer.store,
+        data_path_prefix=config.data_path_prefix,
+        queue=consumer.queue,
+        interval=args.report_interval,
+        quarantine_command=command,
+    )

@@ -46,7 +46,7 @@ from millpond.consumer.app._report import ServiceState, read_report
 from millpond.consumer.sinks import AdbcSink, QuarantineLedger, SetAside, open_sink
 from millpond.errors import ConfigError, FormatError, InvalidInputError, NotFoundError
 from millpond.formats.batch import decode_batch
-from millpond.formats.manifest import Metadata
+from millpond.formats.manifest import Manifest, ManifestEntry, Metadata
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
 from millpond.queue.index import queue_view, read_indexed
@@ -204,13 +204,7 @@ def set_aside(
         SinkError: the database refused or failed.
     """
     batch_path, record_path = dead_letter_paths(dead_letter_prefix, sequence)
-    try:
-        store.copy(location, batch_path)
-    except NotFoundError as err:
-        raise NotFoundError(
-            f"sequence {sequence}: batch object {location} is missing; there is nothing to "
-            "set aside"
-        ) from err
+    _copy_batch(store, location, batch_path, sequence=sequence)
     record = DeadLetterRecord(
         sequence=sequence,
         location=location,
@@ -227,9 +221,7 @@ def set_aside(
     if state in (SetAside.WRITTEN, SetAside.DUPLICATE):
         # Its rows are in the table already (or set aside under another sequence): the copy
         # is not needed, and a dead-letter prefix holding it would say otherwise.
-        failures = store.delete_many([batch_path, record_path])
-        for failure in failures:
-            logger.warning("could not delete the unneeded copy %s: %s", failure.path, failure)
+        _delete_unneeded_copy(store, [batch_path, record_path])
         return QuarantineOutcome(
             sequence=sequence, location=location, state=state, dead_letter=None, reason=reason
         )
@@ -243,6 +235,27 @@ def set_aside(
     return QuarantineOutcome(
         sequence=sequence, location=location, state=state, dead_letter=batch_path, reason=reason
     )
+
+
+def _copy_batch(store: ObjectStore, location: str, batch_path: str, *, sequence: int) -> None:
+    """Copy the batch object to ``batch_path`` in the dead-letter prefix.
+
+    Raises:
+        NotFoundError: the batch object is missing (nothing to set aside).
+    """
+    try:
+        store.copy(location, batch_path)
+    except NotFoundError as err:
+        raise NotFoundError(
+            f"sequence {sequence}: batch object {location} is missing; there is nothing to "
+            "set aside"
+        ) from err
+
+
+def _delete_unneeded_copy(store: ObjectStore, paths: list[str]) -> None:
+    failures = store.delete_many(paths)
+    for failure in failures:
+        logger.warning("could not delete the unneeded copy %s: %s", failure.path, failure)
 
 
 def quarantine(
@@ -283,20 +296,58 @@ def quarantine(
     manifest = queue_view(snapshot.manifest, head, indexed)
     last = sink.last_sequence(queue)  # refuses a sink of another queue
     if last is not None and sequence <= last:
-        rows = sink.quarantined(queue, sequence=sequence)
-        if rows:
-            row = rows[0]
-            return QuarantineOutcome(
-                sequence=sequence,
-                location=row.location,
-                state=SetAside.ALREADY_QUARANTINED,
-                dead_letter=row.dead_letter,
-                reason=row.reason,
-            )
-        raise InvalidInputError(
-            f"sequence: sequence {sequence} is already recorded in {sink.description} (the "
-            f"last recorded sequence is {last}); there is nothing to set aside"
+        return _quarantined_before(sink, queue, sequence=sequence, last=last)
+    entry = _entry_stopped_on(manifest, sequence=sequence, last=last, config=config, sink=sink)
+    _refuse_while_running(store, config, epoch=manifest.epoch, sequence=sequence, force=force)
+    return set_aside(
+        store,
+        sink,
+        queue=queue,
+        sequence=sequence,
+        location=entry.location,
+        metadata=entry.metadata,
+        reason=reason,
+        dead_letter_prefix=prefix,
+    )
+
+
+def _quarantined_before(
+    sink: AdbcSink, queue: str, *, sequence: int, last: int
+) -> QuarantineOutcome:
+    """``sequence`` is recorded in the sink already: quarantined before (nothing changes).
+
+    Raises:
+        InvalidInputError: it was written, not set aside; there is nothing to set aside.
+    """
+    rows = sink.quarantined(queue, sequence=sequence)
+    if rows:
+        row = rows[0]
+        return QuarantineOutcome(
+            sequence=sequence,
+            location=row.location,
+            state=SetAside.ALREADY_QUARANTINED,
+            dead_letter=row.dead_letter,
+            reason=row.reason,
         )
+    raise InvalidInputError(
+        f"sequence: sequence {sequence} is already recorded in {sink.description} (the "
+        f"last recorded sequence is {last}); there is nothing to set aside"
+    )
+
+
+def _entry_stopped_on(
+    manifest: Manifest,
+    *,
+    sequence: int,
+    last: int | None,
+    config: ConsumerConfig,
+    sink: AdbcSink,
+) -> ManifestEntry:
+    """The queue's entry of ``sequence``, the batch a consumer of the sink stops on next.
+
+    Raises:
+        InvalidInputError: ``sequence`` is not in the queue, or another batch comes first.
+    """
     entry = next((e for e in manifest.entries if e.sequence == sequence), None)
     if entry is None:
         held = (
@@ -315,12 +366,22 @@ def quarantine(
             f"on next (its last recorded sequence is {last}), found {sequence}: set aside only "
             "the batch the consumer is stopped on, one at a time"
         )
+    return entry
+
+
+def _refuse_while_running(
+    store: ObjectStore, config: ConsumerConfig, *, epoch: int, sequence: int, force: bool
+) -> None:
+    """Raises:
+    InvalidInputError: the consumer's report (of this epoch, not stale) says it is running
+        normally, so it is not stopped on ``sequence``; unless ``force``.
+    """
     report = read_report(store, config.data_path_prefix)
     if (
         not force
         and report is not None
         and report.state == ServiceState.RUNNING
-        and report.epoch == manifest.epoch
+        and report.epoch == epoch
         and not report.stale(SystemClock().now_ms())
     ):
         raise InvalidInputError(
@@ -328,16 +389,6 @@ def quarantine(
             f"running, not stopped on sequence {sequence}; it would write it (pass --force to "
             "set it aside anyway)"
         )
-    return set_aside(
-        store,
-        sink,
-        queue=queue,
-        sequence=sequence,
-        location=entry.location,
-        metadata=entry.metadata,
-        reason=reason,
-        dead_letter_prefix=prefix,
-    )
 
 
 def replay(
