@@ -11,8 +11,11 @@ with Consumer(ConsumerConfig(store="s3://bucket")) as consumer:
         consumer.ack(batch.sequence)
 ```
 
-Database sinks that make this exactly-once live in :mod:`millpond.consumer.sinks`; the
-long-running service is ``millpond consume`` (:mod:`millpond.consumer.app.service`).
+Database sinks that make this exactly-once live in :mod:`millpond.consumer.sinks`. This package
+is the library; the operator application built on it, which it never imports, is
+:mod:`millpond.consumer.app`: the long-running service ``millpond consume``
+(:mod:`millpond.consumer.app.service`), ``millpond status``, ``doctor``, ``quarantine`` and
+``replay``.
 """
 
 from __future__ import annotations
