@@ -2,39 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from millpond.common.clock import Clock
 from millpond.common.durations import check_duration
 from millpond.common.retry import RetryPolicy
 from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError
-from millpond.storage.store import ObjectStore
+from millpond.queue.location import QueueLocation
 
-__all__ = ["ConsumerConfig", "check_paths"]
+__all__ = ["ConsumerConfig"]
 
 _MAX_READ_AHEAD = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ConsumerConfig:
-    """Configuration of a :class:`~millpond.consumer.Consumer` (RFC ``ConsumerConfig``)."""
+class ConsumerConfig(QueueLocation):
+    """Configuration of a :class:`~millpond.consumer.Consumer` (RFC ``ConsumerConfig``).
 
-    store: str | ObjectStore | Any
-    """A store URL (``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]``,
-    ``file:///path``, ``memory://``), an
-    :class:`~millpond.storage.store.ObjectStore` or an obstore store object. Required."""
-    store_options: Mapping[str, str] | None = None
-    """obstore options (``aws_endpoint``, ``azure_storage_account_key``,
-    ``google_service_account``, ...); missing ones come from each backend's standard variables
-    (``AWS_*``, ``AZURE_STORAGE_*``, ``GOOGLE_*``). Default none."""
-    manifest_path: str = "ingest/manifest"
-    """Path of the queue manifest inside the store. Default ``"ingest/manifest"``."""
-    data_path_prefix: str = "ingest"
-    """Prefix the batch objects live directly under, as ``{prefix}/{ULID}.batch``. A manifest
-    entry pointing anywhere else is refused. Default ``"ingest"``."""
+    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
+    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
+    """
+
     ack_batch_size: int = 1000
     """Fewest acks between two dequeues (manifest writes); ``flush()`` and ``close()`` dequeue
     the rest, and ``dequeue_max_delay`` bounds the wait. Default 1000 (100 before
@@ -95,11 +84,7 @@ class ConsumerConfig:
     """Wall clock, monotonic clock and sleep; injectable for tests. Default the system's."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.store, str) and not self.store:
-            raise ConfigError("store", "expected a store URL or object, found ''")
-        if self.store is None:
-            raise ConfigError("store", "expected a store URL or object, found None")
-        check_paths(self.manifest_path, self.data_path_prefix)
+        QueueLocation.__post_init__(self)
         _check_int("ack_batch_size", self.ack_batch_size, 1, 1 << 32)
         _check_int("read_ahead", self.read_ahead, 1, _MAX_READ_AHEAD)
         _check_int("read_ahead_max", self.read_ahead_max, 1, _MAX_READ_AHEAD)
@@ -132,22 +117,6 @@ class ConsumerConfig:
         """Acked entries that make a dequeue due when ``behind`` entries are queued after
         them: ``max(ack_batch_size, dequeue_fraction * behind)``."""
         return max(self.ack_batch_size, int(self.dequeue_fraction * max(0, behind)))
-
-
-def check_paths(manifest_path: str, data_path_prefix: str) -> None:
-    """Validate a manifest path and a data prefix.
-
-    Raises:
-        ConfigError: naming the bad key.
-    """
-    if not isinstance(manifest_path, str) or not manifest_path.strip("/"):
-        raise ConfigError("manifest_path", f"expected a non-empty path, found {manifest_path!r}")
-    if manifest_path.endswith("/"):
-        raise ConfigError(
-            "manifest_path", f"expected an object path, found a folder {manifest_path!r}"
-        )
-    if not isinstance(data_path_prefix, str):
-        raise ConfigError("data_path_prefix", f"expected a path, found {data_path_prefix!r}")
 
 
 def _check_int(key: str, value: int, low: int, high: int) -> None:

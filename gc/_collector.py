@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_duration
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ClosedError, ConfigError, MillpondError
 from millpond.queue.gc_rules import GcReport, collect_once
-from millpond.storage import ObjectStore, open_store
+from millpond.queue.location import QueueLocation
+from millpond.storage import ObjectStore
 
 __all__ = ["GarbageCollector", "GarbageCollectorConfig"]
 
@@ -28,20 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GarbageCollectorConfig:
-    """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``)."""
+class GarbageCollectorConfig(QueueLocation):
+    """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``).
 
-    store: str | ObjectStore | Any
-    """A store URL (``s3://bucket[/root]``, ``az://container[/root]``, ``gs://bucket[/root]``,
-    ``file:///path``, ``memory://``), an
-    :class:`~millpond.storage.store.ObjectStore` or an obstore store object. Required."""
-    store_options: Mapping[str, str] | None = None
-    """obstore options; missing ones come from each backend's standard variables (``AWS_*``,
-    ``AZURE_STORAGE_*``, ``GOOGLE_*``). Default none."""
-    manifest_path: str = "ingest/manifest"
-    """Path of the queue manifest. Default ``"ingest/manifest"``."""
-    data_path_prefix: str = "ingest"
-    """Prefix the batch objects live directly under. Default ``"ingest"``."""
+    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
+    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
+    """
+
     gc_interval: float = 300.0
     """Seconds between two passes of :meth:`GarbageCollector.run_forever`. Default 300."""
     gc_grace_period: float = 600.0
@@ -53,18 +47,7 @@ class GarbageCollectorConfig:
     """Wall clock for the grace period; injectable for tests. Default the system's."""
 
     def __post_init__(self) -> None:
-        # The same checks as ConsumerConfig's, restated: millpond.gc does not import
-        # millpond.consumer.
-        if self.store is None or (isinstance(self.store, str) and not self.store):
-            raise ConfigError("store", f"expected a store URL or object, found {self.store!r}")
-        if not isinstance(self.manifest_path, str) or not self.manifest_path.strip("/"):
-            raise ConfigError(
-                "manifest_path", f"expected a non-empty path, found {self.manifest_path!r}"
-            )
-        if not isinstance(self.data_path_prefix, str):
-            raise ConfigError(
-                "data_path_prefix", f"expected a path, found {self.data_path_prefix!r}"
-            )
+        QueueLocation.__post_init__(self)
         check_duration("gc_interval", self.gc_interval, allow_zero=False)
         check_duration("gc_grace_period", self.gc_grace_period, allow_zero=True)
         if not isinstance(self.dry_run, bool):
@@ -85,7 +68,7 @@ class GarbageCollector:
             ConfigError: the store URL or options are invalid.
         """
         self._config = config
-        self._store = open_store(config.store, config.store_options)
+        self._store = config.open_store()
         self._clock = config.clock or SystemClock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
