@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import NoReturn, Self, TypeVar
@@ -57,19 +56,13 @@ from millpond.errors import (
     FencedError,
     InvalidInputError,
     MillpondError,
-    ProgressBehindError,
     StorageError,
 )
 from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue import QueueConsumer
-from millpond.queue.claim import QueueClaim, open_claim, queue_identity
-from millpond.queue.epoch_mark import (
-    check_not_replaced,
-    is_replaced,
-    read_epoch_mark,
-    write_epoch_mark,
-)
-from millpond.queue.index import BacklogIndex, queue_view
+from millpond.queue.claim import queue_identity
+from millpond.queue.index import BacklogIndex
+from millpond.queue.takeover import Takeover, take_over_queue
 from millpond.storage import ObjectStore, open_store
 from millpond.storage.checks import preflight
 
@@ -217,37 +210,28 @@ class Consumer:
     def initialize(self, last_acked_sequence: int | None = None) -> None:
         """Bump the manifest epoch (fencing any older consumer) and position the reader.
 
+        The steps and their order: :mod:`millpond.queue.takeover`. Nothing is written, and
+        no other consumer is fenced, when the queue refuses this one. A consumer that lost the
+        queue to a newer one raises ``FencedError`` and never takes it back.
+
         Args:
             last_acked_sequence: ``None`` starts at the earliest entry in the queue; a
                 sequence resumes right after it (what a sink stored with its last batch).
                 Entries up to it still in the manifest are dequeued at once.
 
-        Called again on a consumer that already holds the queue (to start over after the
-        sink's progress), it bumps the epoch only while the manifest still carries this
-        consumer's: one that lost the queue to a newer consumer raises ``FencedError`` and
-        never takes it back.
-
-        Nothing is written, and no other consumer is fenced, when the queue refuses this one:
-        its claim names another manifest (two queues on one data prefix), its GC grace period
-        is shorter than the queue's, ``last_acked_sequence`` is not below the queue's
-        ``next_sequence``, or the manifest's epoch is below one a consumer of this queue held
-        (:mod:`millpond.queue.epoch_mark`: the manifest was replaced).
-
         Raises:
-            ConfigError: the queue refuses this consumer (see above), naming the setting.
+            ConfigError: the queue's claim refuses this consumer (another manifest on the
+                data prefix, a longer grace period), naming the setting.
             ProgressBehindError: ``last_acked_sequence`` is below the queue's first entry
-                minus one (entries the sink never saw were dequeued, or progress read before
-                the takeover trailed an older consumer: :func:`millpond.consumer.takeover.
-                take_over` reads it again).
+                minus one (:func:`millpond.consumer.takeover.take_over` reads progress
+                again, for an older consumer that wrote meanwhile).
             InvalidInputError: ``last_acked_sequence`` is negative or not below the
-                manifest's ``next_sequence`` (the sink is ahead of this queue); or the manifest
-                was replaced (deleted and created again, or restored from an older copy).
-            FencedError: yet another consumer initialized meanwhile, or this consumer held
-                the queue before and another has taken it over since.
+                manifest's ``next_sequence`` (the sink is ahead of this queue); or the
+                manifest was replaced (its epoch below one a consumer held).
+            FencedError: another consumer initialized meanwhile, or took over from this one.
             FormatError: the manifest is corrupt.
             StorageError: the store failed past the retry budget.
-            StoreAccessError: the store refuses for good (credentials, bucket, permission,
-                conditional writes).
+            StoreAccessError: the store refuses for good.
             ClosedError: the consumer was closed.
         """
         if last_acked_sequence is not None and (
@@ -269,102 +253,70 @@ class Consumer:
             preflight(self._store, write=True)  # fail fast on what no retry fixes
             self._reset()
             if self._coordinator is not None:
-                # Its rounds would keep the epoch bump out: the read below and the bump on
-                # what it read both go in the pause asked for here.
+                # Its rounds would keep the epoch bump out: the read and the bump on what it
+                # read both go in the pause asked for here.
                 self._coordinator.make_way()
-            # The claim, the manifest and the epoch last recorded are read side by side (one
-            # round trip, not three); the manifest read is where the epoch bump starts from.
-            with ThreadPoolExecutor(2, thread_name_prefix="millpond-peek") as peek:
-                peeked = peek.submit(self._queue.peek)
-                marked = peek.submit(read_epoch_mark, self._store, self._prefix)
-                self._open_claim()  # leaving the block waits for both reads, raise or not
-            next_sequence, manifest_epoch = peeked.result()
-            recorded = marked.result()
-            if is_replaced(recorded, manifest_epoch):
-                # Another consumer may have taken over between the two reads (its record is
-                # written after its bump lands): a manifest read after the record tells.
-                next_sequence, manifest_epoch = self._queue.peek()
-            # Refuse a sink that is ahead of the queue, or a manifest that was replaced,
-            # before taking over: an operator's mistake must not fence the consumer that is
-            # right.
-            self._check_ahead(last_acked_sequence, next_sequence)
-            check_not_replaced(
-                recorded,
-                manifest_epoch,
-                queue=self.queue,
-                store_url=self._store.url,
-                data_path_prefix=self._prefix,
-            )
-            held = self._guard(self._queue.initialize)
-            write_epoch_mark(self._store, self._prefix, self._config.manifest_path, held)
-            # Always claimed, enabled or not: a consumer that takes over drains an index an
-            # earlier one left. Claimed before the manifest is read, so nothing older writes it.
-            index = BacklogIndex(
-                self._store,
-                data_path_prefix=self._prefix,
-                epoch=held,
-                retry=self._config.retry,
-                clock=self._clock,
-            )
-            indexed = self._guard(index.claim)
-            self._index = index
-            # Without an index, the manifest as the epoch bump wrote it is as good as a read
-            # (appends made since are found by the next refresh); with one, it is read after
-            # the claim (module doc of millpond.queue.index).
-            snapshot = self._guard(lambda: self._queue.read(reuse=not index.holds_anything))
-            manifest = queue_view(snapshot.manifest, index.head, indexed)
-            first = self._first_available(manifest)
-            if last_acked_sequence is None:
-                acked = first - 1
-            else:
-                acked = last_acked_sequence
-                self._check_ahead(acked, manifest.next_sequence)
-                if acked < first - 1:
-                    raise ProgressBehindError(
-                        f"last_acked_sequence: expected >= {first - 1} (the queue starts at "
-                        f"{first}), found {acked}: entries {acked + 1}..{first - 1} were "
-                        "dequeued without this consumer's sink seeing them",
-                        found=acked,
-                        first=first,
-                    )
-            self._acked = acked
-            self._dequeued = first - 1
-            self._next = acked + 1
-            self._cache_new(manifest, after=acked)
-            self._ahead.start()
-            self._initialized = True
-            if snapshot.manifest.entries and snapshot.manifest.entries[0].sequence <= index.end:
-                # A move that stopped before its manifest write: finish it.
-                self._guard(lambda: self._queue.dequeue(index.end))
-            if self._acked > self._dequeued:
-                self._dequeue()
-            self._maybe_move()
-            if self._config.gc_enabled:
-                epoch = self._queue.epoch
-                assert epoch is not None
-                self._gc = BackgroundCollector(
-                    self._store,
-                    manifest_path=self._config.manifest_path,
-                    data_path_prefix=self._prefix,
-                    interval=self._config.gc_interval,
-                    grace_period=self._config.gc_grace_period,
-                    clock=self._clock,
-                    epoch=epoch,
-                    counters=self.gc_counters,
-                    latency=self.gc_latency,
-                )
-                self._gc.start()
-            if self._config.backlog_index:
-                self._start_mover()
-            # Fetching is not delivering: the first objects are on their way before the first
-            # next_batches() call, which checks the epoch while they arrive.
-            self._ahead.top_up()
+            taken = self._guard(lambda: self._take_over(last_acked_sequence))
+            self._start_after(taken)
             logger.info(
                 "consumer at epoch %s starts after sequence %s (%s entries queued)",
-                self._queue.epoch,
-                acked,
+                taken.epoch,
+                taken.acked,
                 self._ahead.waiting,
             )
+
+    def _take_over(self, last_acked: int | None) -> Takeover:
+        config = self._config
+        return take_over_queue(
+            self._queue,
+            self._store,
+            identity=self.queue,
+            manifest_path=config.manifest_path,
+            data_path_prefix=self._prefix,
+            last_acked=last_acked,
+            gc_grace_period=config.gc_grace_period if config.gc_enabled else None,
+            retry=config.retry,
+            clock=self._clock,
+        )
+
+    def _start_after(self, taken: Takeover) -> None:
+        """Position the reader after a takeover, finish what an earlier consumer left half
+        done, and start the threads: read-ahead, collector, backlog mover."""
+        self._index = taken.index
+        self._acked = taken.acked
+        self._dequeued = taken.first - 1
+        self._next = taken.acked + 1
+        self._cache_new(taken.queue, after=taken.acked)
+        self._ahead.start()
+        self._initialized = True
+        if taken.unfinished_move:
+            # A move that stopped before its manifest write: finish it.
+            self._guard(lambda: self._queue.dequeue(taken.index.end))
+        if self._acked > self._dequeued:
+            self._dequeue()
+        self._maybe_move()
+        if self._config.gc_enabled:
+            self._start_collector(taken.epoch)
+        if self._config.backlog_index:
+            self._start_mover()
+        # Fetching is not delivering: the first objects are on their way before the first
+        # next_batches() call, which checks the epoch while they arrive.
+        self._ahead.top_up()
+
+    def _start_collector(self, epoch: int) -> None:
+        config = self._config
+        self._gc = BackgroundCollector(
+            self._store,
+            manifest_path=config.manifest_path,
+            data_path_prefix=self._prefix,
+            interval=config.gc_interval,
+            grace_period=config.gc_grace_period,
+            clock=self._clock,
+            epoch=epoch,
+            counters=self.gc_counters,
+            latency=self.gc_latency,
+        )
+        self._gc.start()
 
     def next_batch(self) -> ConsumedBatch | None:
         """The next batch in sequence order, or ``None`` when the queue holds nothing new.
@@ -697,35 +649,6 @@ class Consumer:
                 self._gc.stop(join=False)
             logger.warning("consumer fenced: %s", err)
             raise
-
-    def _open_claim(self) -> None:
-        """Read the queue's claim (a consumer that collects makes it, with its grace period)
-        and check this consumer against it."""
-        config = self._config
-        grace = config.gc_grace_period
-        create = None
-        if config.gc_enabled:
-            create = QueueClaim(
-                manifest_path=config.manifest_path,
-                gc_grace_period=grace,
-                created_ms=self._clock.now_ms(),
-            )
-        claim = open_claim(
-            self._store,
-            data_path_prefix=self._prefix,
-            manifest_path=config.manifest_path,
-            create=create,
-        )
-        if claim is not None and config.gc_enabled:
-            claim.check_gc_grace(grace, store_url=self._store.url)
-
-    def _check_ahead(self, acked: int | None, next_sequence: int) -> None:
-        if acked is not None and acked >= next_sequence:
-            raise InvalidInputError(
-                f"last_acked_sequence: expected < next_sequence {next_sequence} of "
-                f"{self.queue}, found {acked}: the sink is ahead of this queue (a manifest "
-                "that was recreated, or a sink restored from another queue)"
-            )
 
     def _first_available(self, manifest: Manifest) -> int:
         first = manifest.first_sequence
