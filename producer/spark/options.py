@@ -48,7 +48,7 @@ from millpond.errors import ConfigError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
 from millpond.queue.claim import open_claim
-from millpond.storage import ObjectStore, open_store
+from millpond.queue.location import QueueLocation
 
 if TYPE_CHECKING:
     from millpond.producer.config import ProducerConfig
@@ -85,20 +85,17 @@ EXECUTOR_WAL_DIR = "spark-local-dirs"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SparkWriteSettings:
-    """The parsed options of one write. Plain values only, so Spark can pickle it to tasks."""
+class SparkWriteSettings(QueueLocation):
+    """The parsed options of one write. Plain values only, so Spark can pickle it to tasks.
+
+    Where the queue is (``store``, a URL here, with its ``store_options`` given as Spark
+    options, ``manifest_path``, ``data_path_prefix``) comes from
+    :class:`~millpond.queue.location.QueueLocation`, with :meth:`open_store`.
+    """
 
     producer_options: Mapping[str, str] = field(repr=False)
     """What ``ProducerConfig.from_options`` accepted: the store, the queue paths, flush size,
     compression, WAL settings and credentials (hence left out of ``repr``)."""
-    store_url: str
-    """The store URL (``s3://``, ``az://``, ``gs://``, ``file://``, ``memory://``)."""
-    store_options: Mapping[str, str] = field(repr=False)
-    """obstore options (endpoint, credentials, ...) given as Spark options."""
-    data_path_prefix: str
-    """Where batch objects go. Default ``ingest``."""
-    manifest_path: str
-    """The queue manifest. Default ``ingest/manifest``."""
     flush_size_bytes: int
     """Largest batch object, in bytes."""
     compression: CompressionType
@@ -140,35 +137,15 @@ class SparkWriteSettings:
         opts = {str(k).lower(): str(v) for k, v in options.items()}
         spark = {k: opts.pop(k) for k in list(opts) if k in SPARK_ONLY_KEYS}
         provided = {k: opts.pop(k) for k in list(opts) if k in _SPARK_PROVIDED}
-        path = spark.get("path")
-        if path:
-            if opts.get("store", path) != path:
-                raise ConfigError(
-                    "path",
-                    f"expected the same store as option store ({opts['store']!r}), found {path!r}",
-                )
-            opts["store"] = path
-        if not opts.get("store"):
-            raise ConfigError(
-                "store", "expected a store URL (option store, or .save('s3://bucket')), found none"
-            )
-        if opts["store"].startswith("memory:"):
-            raise ConfigError(
-                "store",
-                "expected a store every Spark process can reach (s3://, az://, gs://, file://), "
-                "found memory://, which lives inside one process",
-            )
+        _take_store(opts, spark.get("path"))
         producer_options = _as_producer_options(opts)
         config = _producer_config(producer_options)
         commit = spark.get("commit", "job").lower()
         if commit not in _COMMIT_MODES:
             raise ConfigError("commit", f"expected 'job' or 'task', found {commit!r}")
-        query_id = spark.get("query_id")
-        if query_id is not None and not query_id.strip():
-            raise ConfigError("query_id", "expected a non-empty id, found ''")
-        write_id = spark.get("write_id")
-        if write_id is not None and not write_id.strip():
-            raise ConfigError("write_id", "expected a non-empty id, found ''")
+        for key in ("query_id", "write_id"):
+            if key in spark and not spark[key].strip():
+                raise ConfigError(key, "expected a non-empty id, found ''")
         receipt_path = spark.get("receipt_path")
         if receipt_path is not None and not receipt_path.strip("/"):
             raise ConfigError(
@@ -176,7 +153,7 @@ class SparkWriteSettings:
             )
         return cls(
             producer_options=producer_options,
-            store_url=str(config.store),
+            store=str(config.store),
             store_options=dict(config.store_options),
             data_path_prefix=config.data_path_prefix,
             manifest_path=config.manifest_path,
@@ -185,7 +162,7 @@ class SparkWriteSettings:
             upload_concurrency=config.upload_concurrency,
             retry=config.retry,
             commit=commit,
-            query_id=query_id,
+            query_id=spark.get("query_id"),
             checkpoint_location=provided.get("checkpointlocation") or None,
             gc_grace_period=_seconds(
                 "gc_grace_period", spark.get("gc_grace_period"), _DEFAULT_GRACE
@@ -193,18 +170,15 @@ class SparkWriteSettings:
             check_store=_boolean("check_store", spark.get("check_store"), default=True),
             receipt_path=receipt_path.strip("/") if receipt_path else None,
             tag=spark.get("metadata"),
-            write_id=write_id,
+            write_id=spark.get("write_id"),
             coordinator=tuple(config.coordinator or ()),
             host_coordinator=config.host_coordinator,
         )
 
-    def open_store(self) -> ObjectStore:
-        """The store these settings point at.
-
-        Raises:
-            ConfigError: the URL or an option is bad.
-        """
-        return open_store(self.store_url, self.store_options)
+    @property
+    def store_url(self) -> str:
+        """The store URL (``s3://``, ``az://``, ``gs://``, ``file://``)."""
+        return str(self.store)
 
     def probe(self) -> SparkWriteSettings:
         """Read the queue's claim and manifest footer, so a bad store or another queue's data
@@ -266,6 +240,31 @@ class SparkWriteSettings:
     def payload_fields(self) -> dict[str, object]:
         """Extra fields for every entry's metadata payload."""
         return {"tag": self.tag} if self.tag is not None else {}
+
+
+def _take_store(opts: dict[str, str], path: str | None) -> None:
+    """Set option ``store`` from ``.save(path)``; refuse none, two, or one in this process.
+
+    Raises:
+        ConfigError: naming ``path`` or ``store``.
+    """
+    if path:
+        if opts.get("store", path) != path:
+            raise ConfigError(
+                "path",
+                f"expected the same store as option store ({opts['store']!r}), found {path!r}",
+            )
+        opts["store"] = path
+    if not opts.get("store"):
+        raise ConfigError(
+            "store", "expected a store URL (option store, or .save('s3://bucket')), found none"
+        )
+    if opts["store"].startswith("memory:"):
+        raise ConfigError(
+            "store",
+            "expected a store every Spark process can reach (s3://, az://, gs://, file://), "
+            "found memory://, which lives inside one process",
+        )
 
 
 def _producer_config(options: Mapping[str, str]) -> ProducerConfig:
