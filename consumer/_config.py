@@ -18,11 +18,7 @@ _MAX_READ_AHEAD = 256
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConsumerConfig(QueueLocation):
-    """Configuration of a :class:`~millpond.consumer.Consumer` (RFC ``ConsumerConfig``).
-
-    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
-    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
-    """
+    """Configuration of a :class:`~millpond.consumer.Consumer` (RFC ``ConsumerConfig``)."""
 
     ack_batch_size: int = 1000
     """Fewest acks between two dequeues (manifest writes); ``flush()`` and ``close()`` dequeue

@@ -30,11 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GarbageCollectorConfig(QueueLocation):
-    """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``).
-
-    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
-    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
-    """
+    """Configuration of a :class:`GarbageCollector` (RFC ``GarbageCollectorConfig``)."""
 
     gc_interval: float = 300.0
     """Seconds between two passes of :meth:`GarbageCollector.run_forever`. Default 300."""

@@ -47,11 +47,7 @@ def _default_retry() -> RetryPolicy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProducerConfig(QueueLocation):
-    """How a :class:`~millpond.producer.Producer` stages, batches and publishes entries.
-
-    Where the queue is (``store``, ``store_options``, ``manifest_path``, ``data_path_prefix``)
-    and its checks come from :class:`~millpond.queue.location.QueueLocation`.
-    """
+    """How a :class:`~millpond.producer.Producer` stages, batches and publishes entries."""
 
     wal_dir: str | os.PathLike[str]
     """Directory of the local write-ahead log. Required: where staged data survives a crash is

@@ -12,26 +12,22 @@ from millpond.storage.store import check_store_url
 
 __all__ = ["QueueLocation"]
 
-_U16_MAX = 0xFFFF
+_MAX_PATH_BYTES = 0xFFFF - 40
+"""Room for ``/``, a 26-character ULID and ``.batch`` in a manifest location (u16 length)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueLocation:
-    """A queue's store, its options, its manifest and its data prefix, checked once.
+    """Where a queue lives: its store, the store's options, its manifest and its data prefix.
 
     ``ProducerConfig``, ``ConsumerConfig``, ``GarbageCollectorConfig`` and Spark's
-    ``SparkWriteSettings`` inherit these four fields and their checks. Inheritance, not
-    composition: a field of the base is a keyword of the subclass, so
+    ``SparkWriteSettings`` inherit these fields and their checks (a ``ConfigError`` naming the
+    bad key). Inheritance, not composition: a base field is a keyword of the subclass, so
     ``ProducerConfig(store="s3://b", wal_dir=..., manifest_path=...)`` and
-    ``config.manifest_path`` stay as they were, where a ``location: QueueLocation`` field would
-    take another keyword and properties could not give it back. A subclass's ``__post_init__``
-    calls ``QueueLocation.__post_init__(self)`` first (zero-argument ``super()`` does not work
-    in a slotted dataclass). Keyword-only, so the subclasses' required fields may follow these
-    defaults; frozen and slotted like them.
-
-    Raises:
-        ConfigError: naming the bad key (``store``, ``store_options``, ``manifest_path``,
-            ``data_path_prefix``).
+    ``config.manifest_path`` stay as they were; a ``location`` field would be another keyword,
+    which properties cannot give back. A subclass's ``__post_init__`` calls
+    ``QueueLocation.__post_init__(self)`` first (zero-argument ``super()`` fails in a slotted
+    dataclass). Keyword-only, so a subclass's required fields may follow these defaults.
     """
 
     store: str | ObjectStore | Any
@@ -92,6 +88,5 @@ def _check_path(key: str, value: object, *, folder: bool) -> None:
         raise ConfigError(key, f"expected an object path, found a folder {value!r}")
     if clean and any(part in ("", ".", "..") for part in clean.split("/")):
         raise ConfigError(key, f"expected a relative object path, found {value!r}")
-    # Room for "/" + 26-character ULID + ".batch" in a u16 manifest location.
-    if len(clean.encode("utf-8")) > _U16_MAX - 40:
-        raise ConfigError(key, f"expected at most {_U16_MAX - 40} bytes, found {len(clean)}")
+    if len(clean.encode("utf-8")) > _MAX_PATH_BYTES:
+        raise ConfigError(key, f"expected at most {_MAX_PATH_BYTES} bytes, found {len(clean)}")

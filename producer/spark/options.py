@@ -86,12 +86,7 @@ EXECUTOR_WAL_DIR = "spark-local-dirs"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SparkWriteSettings(QueueLocation):
-    """The parsed options of one write. Plain values only, so Spark can pickle it to tasks.
-
-    Where the queue is (``store``, a URL here, with its ``store_options`` given as Spark
-    options, ``manifest_path``, ``data_path_prefix``) comes from
-    :class:`~millpond.queue.location.QueueLocation`, with :meth:`open_store`.
-    """
+    """The parsed options of one write. Plain values only, so Spark can pickle it to tasks."""
 
     producer_options: Mapping[str, str] = field(repr=False)
     """What ``ProducerConfig.from_options`` accepted: the store, the queue paths, flush size,
