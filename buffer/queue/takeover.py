@@ -96,6 +96,60 @@ def take_over_queue(
         FencedError: another consumer took over meanwhile, or this one lost the queue before.
         FormatError, StorageError, StoreAccessError: the store's.
     """
+    state = _look(
+        queue, store, manifest_path, data_path_prefix, gc_grace_period=gc_grace_period, clock=clock
+    )
+    check_not_ahead(last_acked, state.next_sequence, identity)
+    check_not_replaced(
+        state.recorded,
+        state.epoch,
+        queue=identity,
+        store_url=store.url,
+        data_path_prefix=data_path_prefix,
+    )
+    epoch = queue.initialize()
+    write_epoch_mark(store, data_path_prefix, manifest_path, epoch)
+    index = BacklogIndex(
+        store, data_path_prefix=data_path_prefix, epoch=epoch, retry=retry, clock=clock
+    )
+    indexed = index.claim()
+    # Without an index, the manifest as the epoch bump wrote it is as good as a read (appends
+    # made since are found by the next refresh); with one, it is read after the claim.
+    manifest = queue.read(reuse=not index.holds_anything).manifest
+    view = queue_view(manifest, index.head, indexed)
+    first = view.first_sequence if view.first_sequence is not None else view.next_sequence
+    acked = _check_progress(last_acked, first, view.next_sequence, identity)
+    return Takeover(
+        epoch=epoch,
+        index=index,
+        queue=view,
+        acked=acked,
+        first=first,
+        unfinished_move=bool(manifest.entries) and manifest.entries[0].sequence <= index.end,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Before:
+    """What the queue looked like before the bump."""
+
+    next_sequence: int
+    epoch: int
+    recorded: int | None
+    """The epoch a consumer last recorded, if any."""
+
+
+def _look(
+    queue: QueueConsumer,
+    store: ObjectStore,
+    manifest_path: str,
+    data_path_prefix: str,
+    *,
+    gc_grace_period: float | None,
+    clock: Clock,
+) -> _Before:
+    """Read the claim (checking this consumer against it), the manifest and the epoch mark
+    side by side: one round trip, not three."""
     create = None
     if gc_grace_period is not None:
         create = QueueClaim(
@@ -112,33 +166,24 @@ def take_over_queue(
         )
     if claim is not None and gc_grace_period is not None:
         claim.check_gc_grace(gc_grace_period, store_url=store.url)
-    next_sequence, manifest_epoch = peeked.result()
+    next_sequence, epoch = peeked.result()
     recorded = marked.result()
-    if is_replaced(recorded, manifest_epoch):
+    if is_replaced(recorded, epoch):
         # Another consumer may have taken over between the two reads (its record is written
         # after its bump lands): a manifest read after the record tells.
-        next_sequence, manifest_epoch = queue.peek()
-    check_not_ahead(last_acked, next_sequence, identity)
-    check_not_replaced(
-        recorded,
-        manifest_epoch,
-        queue=identity,
-        store_url=store.url,
-        data_path_prefix=data_path_prefix,
-    )
-    epoch = queue.initialize()
-    write_epoch_mark(store, data_path_prefix, manifest_path, epoch)
-    index = BacklogIndex(
-        store, data_path_prefix=data_path_prefix, epoch=epoch, retry=retry, clock=clock
-    )
-    indexed = index.claim()
-    # Without an index, the manifest as the epoch bump wrote it is as good as a read (appends
-    # made since are found by the next refresh); with one, it is read after the claim.
-    manifest = queue.read(reuse=not index.holds_anything).manifest
-    view = queue_view(manifest, index.head, indexed)
-    first = view.first_sequence if view.first_sequence is not None else view.next_sequence
+        next_sequence, epoch = queue.peek()
+    return _Before(next_sequence=next_sequence, epoch=epoch, recorded=recorded)
+
+
+def _check_progress(last_acked: int | None, first: int, next_sequence: int, identity: str) -> int:
+    """The last sequence the sink has, checked against the queue as read after the claim.
+
+    Raises:
+        InvalidInputError: the sink is ahead of the queue.
+        ProgressBehindError: entries the sink never saw were dequeued.
+    """
     acked = first - 1 if last_acked is None else last_acked
-    check_not_ahead(acked, view.next_sequence, identity)
+    check_not_ahead(acked, next_sequence, identity)
     if acked < first - 1:
         raise ProgressBehindError(
             f"last_acked_sequence: expected >= {first - 1} (the queue starts at {first}), "
@@ -147,14 +192,7 @@ def take_over_queue(
             found=acked,
             first=first,
         )
-    return Takeover(
-        epoch=epoch,
-        index=index,
-        queue=view,
-        acked=acked,
-        first=first,
-        unfinished_move=bool(manifest.entries) and manifest.entries[0].sequence <= index.end,
-    )
+    return acked
 
 
 def check_not_ahead(acked: int | None, next_sequence: int, identity: str) -> None:
