@@ -70,7 +70,7 @@ def take_over_queue(
     data_path_prefix: str,
     last_acked: int | None,
     gc_grace_period: float | None,
-    retry: RetryPolicy,
+    retry: RetryPolicy | None,
     clock: Clock,
 ) -> Takeover:
     """Take the queue over for ``queue`` (see the module doc for the steps).
