@@ -91,7 +91,7 @@ spark-archive: $(STAMP)
 PLAIN := build/plain
 
 $(PLAIN): $(STAMP) $(shell find buffer producer consumer gc localstack -name '*.py' -o -name '*.yml')
-	rm -rf $(PLAIN)
+	rm -rf $(PLAIN) build/lib build/bdist.*  # setuptools reuses build/lib: a moved module would linger
 	$(PY) -m pip install --quiet --no-deps --target $(PLAIN) .
 	touch $(PLAIN)
 
