@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
 from functools import partial
 
 from millpond.common.clock import Clock
@@ -155,167 +156,15 @@ class QueueProducer:
         """
         if not entries:
             raise InvalidInputError("entries: expected at least one entry, found none")
-        entries = list(entries)
-        locations = {entry.location for entry in entries}
-        if len(locations) != len(entries):
-            raise InvalidInputError("entries: expected distinct locations, found duplicates")
-        cas = self._cas
-        # Under a fair strategy a writer that just won lets the others go first.
-        # What became ready while this writer let the others go first joins its first write.
-        grow = self._pacer.take_turn()
-        lost = False  # a write of this loop has lost a race or failed
-        current = self._cached
-        backoff = self._pacer.start(cached=current is not None)
-        result: list[int | None] = [None] * len(entries)
-        todo = list(range(len(entries)))  # indices not yet known to be in the queue
-        peeked: RawManifest | None = None  # the state a read sent alongside a lost write found
-        # peeked was read while sitting a race out (that read is counted by before_write, not
-        # as a read alongside a write)
-        sat_out = False
-        # the state the last write that may have landed was on
-        written_on: RawManifest | None = None
-        # maybe_landed_from: the lowest sequence an attempt could have landed at; set once a
-        # write may have (or given by the caller, for an attempt made elsewhere).
-        while True:
-            try:
-                if maybe_landed_from is None:
-                    # Until a write of ours lands, every attempt reads and looks first: a
-                    # manifest kept from an earlier call may hold what the write in doubt
-                    # carried (it landed before that read), and writing on it unread would
-                    # append those locations a second time.
-                    maybe_landed_from = self._in_doubt_from
-                if current is None or maybe_landed_from is not None:
-                    if peeked is not None:
-                        current, peeked = peeked, None
-                        if not sat_out:
-                            backoff.read_ahead()
-                    else:
-                        try:
-                            current = cas.read()
-                        except StorageError as err:
-                            cas.backoff(backoff, "manifest read", err)
-                            continue
-                    if current is not None:
-                        footer = decode_footer(current.data, name=cas.path)
-                        self._note_next_sequence(footer.next_sequence)
-                        if present_from is not None:
-                            low = present_from
-                            if maybe_landed_from is not None:
-                                low = min(low, maybe_landed_from)
-                            todo = self._drop_present(current, entries, todo, result, low)
-                            if not todo:
-                                self._cached = current
-                                return tuple(_filled(result))
-                    if maybe_landed_from is not None and current is not None:
-                        # Only what was appended after the state written on is looked at,
-                        # when nothing was dequeued since (not the whole backlog).
-                        resume = (
-                            resume_after(written_on.data, current.data)
-                            if written_on is not None
-                            else None
-                        )
-                        todo = self._settle_landed(
-                            current, entries, todo, result, maybe_landed_from, resume
-                        )
-                        lost_from, maybe_landed_from = maybe_landed_from, None
-                        sat_out = False
-                        if not todo:
-                            self._cached = current
-                            return tuple(_filled(result))
-                        if lost:
-                            turn = backoff.before_write(
-                                partial(
-                                    _oldest_against_winners,
-                                    current.data,
-                                    lost_from,
-                                    entries,
-                                    todo,
-                                    resume,
-                                )
-                            )
-                            if turn.pause > 0:
-                                cas.clock.sleep(turn.pause)
-                            if turn.sit_out:
-                                found = self._read_again(current)
-                                if found is not current:
-                                    # Looked at as after a lost race (a write of ours in
-                                    # doubt may have landed since), then written on at once.
-                                    peeked, maybe_landed_from = found, lost_from
-                                    sat_out, lost = True, False
-                                    continue
-                elif present_from is not None:
-                    # Written on as this writer kept it: entries another writer appended are
-                    # in it since it was read, maybe before this call (checker, seed 550989).
-                    todo = self._drop_present(current, entries, todo, result, present_from)
-                    if not todo:
-                        return tuple(_filled(result))
-                if grow and more is not None:
-                    extra = list(more())
-                    if any(e.location in locations for e in extra) or len(
-                        {e.location for e in extra}
-                    ) != len(extra):
-                        raise InvalidInputError(
-                            "more: expected locations not in the group yet, found duplicates"
-                        )
-                    locations.update(e.location for e in extra)
-                    joined = list(range(len(entries), len(entries) + len(extra)))
-                    entries.extend(extra)
-                    result.extend([None] * len(extra))
-                    if current is not None and self._in_doubt_from is not None:
-                        # A write in doubt may have carried them too (a run that died with
-                        # its batches in flight): look in the state about to be written on.
-                        joined = self._drop_present(
-                            current, entries, joined, result, self._in_doubt_from
-                        )
-                    todo.extend(joined)
-                base = current.data if current is not None else empty_manifest()
-                data, sequences = append_entries(base, [entries[i] for i in todo])
-                _check_deadline(cas, deadline)
-                peek = self._peek(current)
-                try:
-                    if peek is not None and current is not None and current.etag is not None:
-                        etag = peek.outrun(
-                            partial(cas.write, current, data),
-                            current.etag,
-                            partial(_is_written, data),
-                        )
-                    else:
-                        etag = cas.write(current, data)
-                except (ConflictError, CommitStateUnknownError) as err:
-                    # Either way our write may be in the manifest (a retried request can fail
-                    # its precondition on our own landed write): look before appending again.
-                    maybe_landed_from = sequences.start
-                    self.in_doubt_from(sequences.start)
-                    written_on = current
-                    self._cached = None
-                    grow = lost = True
-                    if peek is not None and current is not None and current.etag is not None:
-                        peeked = peek.moved_from(current.etag)
-                    cas.backoff(backoff, "manifest append", err)
-                    continue
-                except StorageError as err:
-                    self._cached = None
-                    current = None
-                    grow = lost = True
-                    cas.backoff(backoff, "manifest append", err)
-                    continue
-            except StorageError as err:
-                if maybe_landed_from is None and self._in_doubt_from is not None:
-                    maybe_landed_from = self._in_doubt_from  # a write of ours may still land
-                if maybe_landed_from is None and all(seq is None for seq in result):
-                    raise
-                # Out of retries after a write that may have landed, or with part of the group
-                # known to be in: say what is known.
-                raise CommitStateUnknownError(
-                    str(err), sequences=tuple(result), maybe_landed_from=maybe_landed_from
-                ) from err
-            for index, sequence in zip(todo, sequences, strict=True):
-                result[index] = sequence
-            self._cached = RawManifest(data, etag) if etag is not None else None
-            self._seen_next = max(self._seen_next, sequences.stop)
-            self._in_doubt_from = None
-            self._pacer.won(backoff)
-            return tuple(_filled(result))
+        attempt = _Append(
+            self,
+            entries,
+            maybe_landed_from=maybe_landed_from,
+            deadline=deadline,
+            present_from=present_from,
+            more=more,
+        )
+        return attempt.run()
 
     def rewrite(
         self, change: Callable[[bytes], bytes | None], *, deadline: float | None = None
@@ -479,6 +328,256 @@ class QueueProducer:
             if sequence is not None:
                 result[todo[position]] = sequence
         return [todo[position] for position in landing.missing]
+
+
+class _Step(Enum):
+    """What one phase of an append attempt leaves the loop to do."""
+
+    DONE = "done"  # every entry is in the queue
+    AGAIN = "again"  # start the loop over (a read failed, or sitting the race out)
+    ON = "on"  # go on to the next phase
+
+
+class _Append:
+    """One :meth:`QueueProducer.append` call: the loop's state and its phases.
+
+    Each pass: **look** (read the manifest when it must be read: after a write that may have
+    landed, or with nothing kept; settle what landed, what another writer appended, and pace a
+    lost race), **grow** (after a lost race, take what became ready meanwhile), **write** (one
+    compare-and-swap; a write whose outcome is unknown makes the next look search from its
+    first sequence).
+    """
+
+    def __init__(
+        self,
+        writer: QueueProducer,
+        entries: Sequence[PendingEntry],
+        *,
+        maybe_landed_from: int | None,
+        deadline: float | None,
+        present_from: int | None,
+        more: Callable[[], Sequence[PendingEntry]] | None,
+    ) -> None:
+        self.writer = writer
+        self.cas = writer._cas
+        self.entries = list(entries)
+        self.locations = {entry.location for entry in self.entries}
+        if len(self.locations) != len(self.entries):
+            raise InvalidInputError("entries: expected distinct locations, found duplicates")
+        self.deadline = deadline
+        self.present_from = present_from
+        self.more = more
+        # The lowest sequence an attempt could have landed at: set once a write may have (or
+        # given by the caller, for an attempt made elsewhere).
+        self.maybe_landed_from = maybe_landed_from
+        # Under a fair strategy a writer that just won lets the others go first; what became
+        # ready while it let them go first joins its first write.
+        self.grow = writer._pacer.take_turn()
+        self.lost = False  # a write of this call has lost a race or failed
+        self.current = writer._cached
+        self.backoff = writer._pacer.start(cached=self.current is not None)
+        self.result: list[int | None] = [None] * len(self.entries)
+        self.todo = list(range(len(self.entries)))  # indices not yet known to be in the queue
+        # The state a read sent alongside a lost write found; ``sat_out``: it was read while
+        # sitting a race out (that read is counted by before_write, not as a read alongside).
+        self.peeked: RawManifest | None = None
+        self.sat_out = False
+        self.written_on: RawManifest | None = None  # the state the last write in doubt was on
+
+    def run(self) -> tuple[int, ...]:
+        while True:
+            try:
+                step = self._look()
+                if step is _Step.ON:
+                    self._grow()
+                    step = self._write()
+            except StorageError as err:
+                unknown = self._unknown(err)
+                if unknown is None:
+                    raise
+                raise unknown from err
+            if step is _Step.DONE:
+                return tuple(_filled(self.result))
+
+    # -- look --------------------------------------------------------------------------------
+
+    def _look(self) -> _Step:
+        writer = self.writer
+        if self.maybe_landed_from is None:
+            # Until a write of ours lands, every attempt reads and looks first: a manifest
+            # kept from an earlier call may hold what the write in doubt carried (it landed
+            # before that read), and writing on it unread would append those locations again.
+            self.maybe_landed_from = writer._in_doubt_from
+        if self.current is not None and self.maybe_landed_from is None:
+            if self.present_from is not None:
+                # Written on as this writer kept it: entries another writer appended are in
+                # it since it was read, maybe before this call (checker, seed 550989).
+                self._drop_present(self.present_from)
+                if not self.todo:
+                    return _Step.DONE
+            return _Step.ON
+        if not self._read():
+            return _Step.AGAIN
+        current = self.current
+        if current is not None:
+            footer = decode_footer(current.data, name=self.cas.path)
+            writer._note_next_sequence(footer.next_sequence)
+            if self.present_from is not None:
+                low = self.present_from
+                if self.maybe_landed_from is not None:
+                    low = min(low, self.maybe_landed_from)
+                self._drop_present(low)
+                if not self.todo:
+                    writer._cached = current
+                    return _Step.DONE
+        if self.maybe_landed_from is None or current is None:
+            return _Step.ON
+        return self._settle(current)
+
+    def _read(self) -> bool:
+        """The state to look at: the one a read alongside found, or a read now; ``False``
+        when the read failed (the backoff was taken)."""
+        if self.peeked is not None:
+            self.current, self.peeked = self.peeked, None
+            if not self.sat_out:
+                self.backoff.read_ahead()
+            return True
+        try:
+            self.current = self.cas.read()
+        except StorageError as err:
+            self.cas.backoff(self.backoff, "manifest read", err)
+            return False
+        return True
+
+    def _settle(self, current: RawManifest) -> _Step:
+        """Settle what landed of a write in doubt; pace a lost race before writing again."""
+        assert self.maybe_landed_from is not None
+        # Only what was appended after the state written on is looked at, when nothing was
+        # dequeued since (not the whole backlog).
+        written_on = self.written_on
+        resume = resume_after(written_on.data, current.data) if written_on is not None else None
+        self.todo = self.writer._settle_landed(
+            current, self.entries, self.todo, self.result, self.maybe_landed_from, resume
+        )
+        lost_from, self.maybe_landed_from = self.maybe_landed_from, None
+        self.sat_out = False
+        if not self.todo:
+            self.writer._cached = current
+            return _Step.DONE
+        if not self.lost:
+            return _Step.ON
+        turn = self.backoff.before_write(
+            partial(
+                _oldest_against_winners, current.data, lost_from, self.entries, self.todo, resume
+            )
+        )
+        if turn.pause > 0:
+            self.cas.clock.sleep(turn.pause)
+        if turn.sit_out:
+            found = self.writer._read_again(current)
+            if found is not current:
+                # Looked at as after a lost race (a write of ours in doubt may have landed
+                # since), then written on at once.
+                self.peeked, self.maybe_landed_from = found, lost_from
+                self.sat_out, self.lost = True, False
+                return _Step.AGAIN
+        return _Step.ON
+
+    def _drop_present(self, from_sequence: int, todo: list[int] | None = None) -> list[int]:
+        """Drop from ``todo`` (default: all still to append) what ``self.current`` holds
+        from ``from_sequence`` on; returns what is left (also kept when ``todo`` is the
+        default)."""
+        assert self.current is not None
+        kept = self.writer._drop_present(
+            self.current,
+            self.entries,
+            self.todo if todo is None else todo,
+            self.result,
+            from_sequence,
+        )
+        if todo is None:
+            self.todo = kept
+        return kept
+
+    # -- grow --------------------------------------------------------------------------------
+
+    def _grow(self) -> None:
+        """After a lost race (or a turn let go), take what became ready meanwhile."""
+        if not self.grow or self.more is None:
+            return
+        extra = list(self.more())
+        if any(e.location in self.locations for e in extra) or len(
+            {e.location for e in extra}
+        ) != len(extra):
+            raise InvalidInputError(
+                "more: expected locations not in the group yet, found duplicates"
+            )
+        self.locations.update(e.location for e in extra)
+        joined = list(range(len(self.entries), len(self.entries) + len(extra)))
+        self.entries.extend(extra)
+        self.result.extend([None] * len(extra))
+        in_doubt = self.writer._in_doubt_from
+        if self.current is not None and in_doubt is not None:
+            # A write in doubt may have carried them too (a run that died with its batches
+            # in flight): look in the state about to be written on.
+            joined = self._drop_present(in_doubt, joined)
+        self.todo.extend(joined)
+
+    # -- write -------------------------------------------------------------------------------
+
+    def _write(self) -> _Step:
+        writer, cas, current = self.writer, self.cas, self.current
+        base = current.data if current is not None else empty_manifest()
+        data, sequences = append_entries(base, [self.entries[i] for i in self.todo])
+        _check_deadline(cas, self.deadline)
+        peek = writer._peek(current)  # None without a current state carrying an ETag
+        read_etag = current.etag if current is not None else None
+        try:
+            if peek is not None and read_etag is not None:
+                etag = peek.outrun(
+                    partial(cas.write, current, data), read_etag, partial(_is_written, data)
+                )
+            else:
+                etag = cas.write(current, data)
+        except (ConflictError, CommitStateUnknownError) as err:
+            # Either way our write may be in the manifest (a retried request can fail its
+            # precondition on our own landed write): look before appending again.
+            self.maybe_landed_from = sequences.start
+            writer.in_doubt_from(sequences.start)
+            self.written_on = current
+            writer._cached = None
+            self.grow = self.lost = True
+            if peek is not None and read_etag is not None:
+                self.peeked = peek.moved_from(read_etag)
+            cas.backoff(self.backoff, "manifest append", err)
+            return _Step.AGAIN
+        except StorageError as err:
+            writer._cached = None
+            self.current = None
+            self.grow = self.lost = True
+            cas.backoff(self.backoff, "manifest append", err)
+            return _Step.AGAIN
+        for index, sequence in zip(self.todo, sequences, strict=True):
+            self.result[index] = sequence
+        writer._cached = RawManifest(data, etag) if etag is not None else None
+        writer._seen_next = max(writer._seen_next, sequences.stop)
+        writer._in_doubt_from = None
+        writer._pacer.won(self.backoff)
+        return _Step.DONE
+
+    def _unknown(self, err: StorageError) -> CommitStateUnknownError | None:
+        """Once the retries ran out: the error saying what is known, or ``None`` when nothing
+        of the group can have landed (``err`` itself is raised)."""
+        in_doubt = self.writer._in_doubt_from
+        if self.maybe_landed_from is None and in_doubt is not None:
+            self.maybe_landed_from = in_doubt  # a write of ours may still land
+        if self.maybe_landed_from is None and all(seq is None for seq in self.result):
+            return None
+        # Out of retries after a write that may have landed, or with part of the group known
+        # to be in: say what is known.
+        return CommitStateUnknownError(
+            str(err), sequences=tuple(self.result), maybe_landed_from=self.maybe_landed_from
+        )
 
 
 def _oldest_against_winners(
