@@ -72,6 +72,19 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+_COUNTERS = (
+    "batches",
+    "entries",
+    "bytes",
+    "acks",
+    "dequeues",
+    "manifest_refreshes",
+    "index_moves",
+    "coordinator_dequeues",
+    "coordinator_dequeue_fallbacks",
+)
+"""What a consumer counts (``Consumer.counters``; manifest reads, writes and conflicts too)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
@@ -102,17 +115,7 @@ class Consumer:
         self._clock: Clock = config.clock or SystemClock()
         self._store: ObjectStore = open_store(config.store, config.store_options)
         self._prefix = config.data_path_prefix.strip("/")
-        self.counters = Counters(
-            "batches",
-            "entries",
-            "bytes",
-            "acks",
-            "dequeues",
-            "manifest_refreshes",
-            "index_moves",
-            "coordinator_dequeues",
-            "coordinator_dequeue_fallbacks",
-        )
+        self.counters = Counters(*_COUNTERS)
         self.fetch_latency = LatencySummary()
         """Seconds to read and decode one batch object."""
         # Kept across initialize() calls, which start a new collector each.
@@ -127,11 +130,7 @@ class Consumer:
         )
         self._coordinator = (
             CoordinatedDequeue(
-                config.coordinator,
-                self.queue,
-                self.counters,
-                self._clock,
-                token=token_from_env(),
+                config.coordinator, self.queue, self.counters, self._clock, token=token_from_env()
             )
             if config.coordinator is not None
             else None
@@ -161,11 +160,7 @@ class Consumer:
         self._fenced: FencedError | None = None
         self._index: BacklogIndex | None = None
         self._mover = IndexMover(
-            self._queue,
-            config,
-            self.counters,
-            guard=self._guard,
-            dequeued=self._dequeued_through,
+            self._queue, config, self.counters, guard=self._guard, dequeued=self._dequeued_through
         )
         self._mover_stop = threading.Event()
 

@@ -112,12 +112,8 @@ class QueueProducer:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
         Returns only when every entry is provably in the queue (in the manifest, or already
-        dequeued by the consumer), in the order given. After a write whose outcome is unknown
-        it looks before writing again (:func:`~millpond.queue.landed.resolve_landing`): a group
-        that landed is not appended twice, and when only a prefix landed (an earlier, delayed
-        request of ours) only the rest is appended — so the sequences are contiguous except in
-        that case. A group that may have landed and been dequeued whole is appended again under
-        the same locations, which the sink recognises.
+        dequeued by the consumer), in the order given; sequences are contiguous unless only a
+        prefix of the group had landed (module doc: ambiguous writes).
 
         Args:
             entries: the group, in order.
@@ -129,18 +125,11 @@ class QueueProducer:
                 clients this way that it never writes their entries after they stopped waiting.
             present_from: entries may already be in the queue at or after this sequence,
                 appended by another writer for the same producer (a coordinator's client that
-                stopped waiting appends its own entries directly). Whenever the manifest is read
-                from the store, an entry found there from this sequence on is taken as in the
-                queue (its sequence is returned) and is not written again; so is one found
-                in the state kept from this writer's last write, when it writes on that
-                without reading. Entries are only ever written on a state looked in this way,
-                so no location found in it is appended twice.
-
+                stopped waiting appends its own entries directly): one found there, in a state
+                read or kept, is taken as in the queue and not written again.
             more: after a lost race, or a pause to let other writers go first, called
                 before the next write for entries that became ready meanwhile; they join the
-                group (after it, in the order returned) and the result covers them too. A
-                writer that waited takes everything it has ready into its next attempt, so
-                what became ready meanwhile does not wait for another turn.
+                group (after it, in the order returned) and the result covers them too.
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -149,9 +138,7 @@ class QueueProducer:
                 them cannot explain (something else wrote them).
             CommitStateUnknownError: the retry budget ran out after a write that may have
                 landed: ``sequences`` holds what is known per entry, ``maybe_landed_from`` where
-                the rest may be. A caller that appends the same entries again (as the producer
-                does) gets them settled by the same look; one that gives up must not claim they
-                are absent.
+                the rest may be (a caller that gives up must not claim they are absent).
             StorageError: the retry budget ran out before any write could have landed.
         """
         if not entries:

@@ -77,16 +77,13 @@ def take_over_queue(
 
     Args:
         queue: the consumer's side of the manifest; it holds the new epoch afterwards.
-        store: the queue's store.
+        store, manifest_path, data_path_prefix: where the queue is.
         identity: the queue's identity (store URL and manifest path), for messages.
-        manifest_path: where the manifest is.
-        data_path_prefix: where the batch objects, the claim and the index are.
         last_acked: the sink's last sequence, or ``None`` to start at the queue's first.
         gc_grace_period: the grace period of the consumer's own collector (it makes the claim
             when there is none, and must not be shorter than the queue's); ``None``: no
             collector.
-        retry: retry policy of the index claim.
-        clock: clock of the claim's creation time and the index's retries.
+        retry, clock: the index claim's retries; the clock also dates a new claim.
 
     Raises:
         ConfigError: the claim refuses this consumer.
