@@ -177,52 +177,81 @@ def plan_collection(
     Returns:
         The objects to delete and the count of kept objects per reason.
     """
-    prefix = data_path_prefix.strip("/")
-    referenced = {entry.location for entry in manifest.entries}
-    # The oldest ULID time among the entries. Entries are in append order, but producers mint
-    # names before their CAS wins, so the first entry is not always the oldest name: take the
-    # minimum, which can only keep more. An entry without a ULID name is ignored here; if no
-    # entry has one, nothing can be compared and nothing is deleted.
+    rules = _Rules(
+        prefix=data_path_prefix.strip("/"),
+        referenced=frozenset(entry.location for entry in manifest.entries),
+        held=held,
+        queue_floor_ms=_queue_floor_ms(manifest),
+        now_ms=now_ms,
+        grace_period_ms=grace_period_ms,
+        store_now_ms=store_now_ms,
+    )
+    delete: list[str] = []
+    kept: Counter[KeepReason] = Counter()
+    for info in objects:
+        reason = rules.keep_reason(info)
+        if reason is None:
+            delete.append(info.path)
+        else:
+            kept[reason] += 1
+    return GcPlan(delete=tuple(delete), kept=dict(kept))
+
+
+def _queue_floor_ms(manifest: Manifest) -> int | None:
+    """The oldest ULID time among the manifest's entries; ``None`` with no entries.
+
+    Entries are in append order, but producers mint names before their CAS wins, so the first
+    entry is not always the oldest name: take the minimum, which can only keep more. An entry
+    without a ULID name is ignored here; if no entry has one, nothing can be compared and
+    nothing is deleted.
+    """
+    if not manifest.entries:
+        return None
     entry_times = [
         ulid_time_ms(ulid)
         for entry in manifest.entries
         if (ulid := parse_batch_name(entry.location.rpartition("/")[2])) is not None
     ]
-    queue_floor_ms: int | None = None
-    if manifest.entries:
-        queue_floor_ms = min(entry_times, default=_NOTHING_IS_OLDER)
-    delete: list[str] = []
-    kept: Counter[KeepReason] = Counter()
-    for info in objects:
+    return min(entry_times, default=_NOTHING_IS_OLDER)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Rules:
+    """The deletion rules as one pass applies them: what each listed object is judged against."""
+
+    prefix: str
+    referenced: frozenset[str]
+    held: frozenset[str] | set[str]
+    queue_floor_ms: int | None
+    """The oldest entry's ULID time (:func:`_queue_floor_ms`); ``None``: the rule is off."""
+    now_ms: int
+    grace_period_ms: int
+    store_now_ms: int | None
+    """The store's clock; ``None`` skips the last-modified rule."""
+
+    def keep_reason(self, info: ObjectInfo) -> KeepReason | None:
+        """Why ``info`` must be kept, the first rule it fails; ``None`` when it may be deleted."""
         parent, _, name = info.path.strip("/").rpartition("/")
-        if parent != prefix:
-            kept[KeepReason.OUTSIDE_PREFIX] += 1
-            continue
+        if parent != self.prefix:
+            return KeepReason.OUTSIDE_PREFIX
         ulid = parse_batch_name(name)
         if ulid is None:
-            kept[KeepReason.NOT_A_BATCH] += 1
-            continue
-        if info.path in referenced:
-            kept[KeepReason.REFERENCED] += 1
-            continue
-        if info.path in held:
-            kept[KeepReason.HELD] += 1
-            continue
+            return KeepReason.NOT_A_BATCH
+        if info.path in self.referenced:
+            return KeepReason.REFERENCED
+        if info.path in self.held:
+            return KeepReason.HELD
         created_ms = ulid_time_ms(ulid)
-        if queue_floor_ms is not None and created_ms >= queue_floor_ms:
-            kept[KeepReason.NOT_OLDER_THAN_QUEUE] += 1
-            continue
-        if now_ms - created_ms <= grace_period_ms:
-            kept[KeepReason.IN_GRACE_PERIOD] += 1
-            continue
-        if store_now_ms is not None and (
+        if self.queue_floor_ms is not None and created_ms >= self.queue_floor_ms:
+            return KeepReason.NOT_OLDER_THAN_QUEUE
+        if self.now_ms - created_ms <= self.grace_period_ms:
+            return KeepReason.IN_GRACE_PERIOD
+        if self.store_now_ms is not None and (
             info.last_modified is None
-            or store_now_ms - to_ms(info.last_modified) <= grace_period_ms
+            or self.store_now_ms - to_ms(info.last_modified) <= self.grace_period_ms
         ):
-            kept[KeepReason.RECENTLY_WRITTEN] += 1
-            continue
-        delete.append(info.path)
-    return GcPlan(delete=tuple(delete), kept=dict(kept))
+            return KeepReason.RECENTLY_WRITTEN
+        return None
 
 
 def collect_once(
@@ -264,86 +293,176 @@ def collect_once(
             from an older copy: :mod:`millpond.queue.epoch_mark`); nothing is deleted.
         StorageError: the store failed before any delete (nothing is deleted).
     """
-    prefix = data_path_prefix.strip("/")
-    started = clock.monotonic()
-    now_ms = clock.now_ms()
-    grace_ms = round(grace_period * 1000)
-    claim = open_claim(store, data_path_prefix=prefix, manifest_path=manifest_path)
-    if claim is not None:
-        claim.check_gc_grace(grace_period, store_url=store.url)
-    offset_ms: float | None = None
-    if dry_run:
-        store_now_ms = now_ms
-    else:
-        probe = probe_store_time(store, internal_path(prefix, CLOCK_PROBE), clock)
-        store_now_ms, offset_ms = probe.stamp_ms, probe.offset_ms
-    # Only objects directly under the prefix: nested prefixes may hold other queues.
-    listing = store.list(prefix, recursive=False)
-    held = held_locations(store, prefix)
-    # Read before the manifest: a record written by a takeover after the manifest read would
-    # be newer than the manifest read, without anything being wrong.
-    recorded = read_epoch_mark(store, prefix)
-    try:
-        snapshot = read_manifest(store, manifest_path)
-    except NotFoundError:
-        logger.warning("gc: no manifest at %s; deleting nothing", manifest_path)
+    collection = _Pass(
+        store,
+        manifest_path=manifest_path,
+        prefix=data_path_prefix.strip("/"),
+        clock=clock,
+        grace_period=grace_period,
+        dry_run=dry_run,
+    )
+    return collection.run(check_manifest)
+
+
+class _Pass:
+    """One run of :func:`collect_once`: what its steps share, and the steps in their order."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        manifest_path: str,
+        prefix: str,
+        clock: Clock,
+        grace_period: float,
+        dry_run: bool,
+    ) -> None:
+        self.store = store
+        self.manifest_path = manifest_path
+        self.prefix = prefix
+        self.clock = clock
+        self.grace_period = grace_period
+        self.dry_run = dry_run
+        self.started = clock.monotonic()
+        self.now_ms = clock.now_ms()
+
+    def run(self, check_manifest: Callable[[Manifest], None] | None) -> GcReport:
+        """Read everything in the order the module docstring gives, plan, delete, report."""
+        claim = self._checked_claim()
+        store_now_ms, offset_ms = self._store_now()
+        # Only objects directly under the prefix: nested prefixes may hold other queues.
+        listing = self.store.list(self.prefix, recursive=False)
+        held = held_locations(self.store, self.prefix)
+        manifest = self._read_manifest()
+        if manifest is None:
+            return self._nothing_deleted(listing)
+        if check_manifest is not None:
+            check_manifest(manifest)
+        queued = self._with_index(manifest)
+        if claim is None and not self.dry_run:
+            claim = self._claim()
+        plan = plan_collection(
+            listing,
+            queued,
+            data_path_prefix=self.prefix,
+            now_ms=self.now_ms,
+            grace_period_ms=round(self.grace_period * 1000),
+            store_now_ms=store_now_ms,
+            held=held,
+        )
+        kept = dict(plan.kept)
+        deleted, failures = self._delete(plan.delete, claim, kept)
         return GcReport(
-            started_ms=now_ms,
+            started_ms=self.now_ms,
+            listed=len(listing),
+            deleted=tuple(deleted),
+            kept=kept,
+            failures=tuple(failures),
+            dry_run=self.dry_run,
+            manifest_epoch=manifest.epoch,
+            store_clock_offset_ms=offset_ms,
+        )
+
+    def _checked_claim(self) -> QueueClaim | None:
+        """The queue's claim, if any, once it allows this pass's grace period."""
+        claim = open_claim(
+            self.store, data_path_prefix=self.prefix, manifest_path=self.manifest_path
+        )
+        if claim is not None:
+            claim.check_gc_grace(self.grace_period, store_url=self.store.url)
+        return claim
+
+    def _store_now(self) -> tuple[int, float | None]:
+        """The store's clock and its offset from ours; a dry run probes nothing (no offset)."""
+        if self.dry_run:
+            return self.now_ms, None
+        probe = probe_store_time(self.store, internal_path(self.prefix, CLOCK_PROBE), self.clock)
+        return probe.stamp_ms, probe.offset_ms
+
+    def _read_manifest(self) -> Manifest | None:
+        """The manifest, checked not replaced; ``None`` (and a warning) when there is none."""
+        # Read before the manifest: a record written by a takeover after the manifest read would
+        # be newer than the manifest read, without anything being wrong.
+        recorded = read_epoch_mark(self.store, self.prefix)
+        try:
+            snapshot = read_manifest(self.store, self.manifest_path)
+        except NotFoundError:
+            logger.warning("gc: no manifest at %s; deleting nothing", self.manifest_path)
+            return None
+        # A replaced manifest no longer names what was appended to the one it replaced.
+        check_not_replaced(
+            recorded,
+            snapshot.manifest.epoch,
+            queue=f"{self.store.url}/{self.manifest_path}",
+            store_url=self.store.url,
+            data_path_prefix=self.prefix,
+        )
+        return snapshot.manifest
+
+    def _nothing_deleted(self, listing: list[ObjectInfo]) -> GcReport:
+        """The report of a pass that found no manifest: every listed object kept."""
+        return GcReport(
+            started_ms=self.now_ms,
             listed=len(listing),
             deleted=(),
             kept={KeepReason.NO_MANIFEST: len(listing)} if listing else {},
-            dry_run=dry_run,
+            dry_run=self.dry_run,
         )
-    # A replaced manifest no longer names what was appended to the one it replaced.
-    check_not_replaced(
-        recorded,
-        snapshot.manifest.epoch,
-        queue=f"{store.url}/{manifest_path}",
-        store_url=store.url,
-        data_path_prefix=prefix,
-    )
-    if check_manifest is not None:
-        check_manifest(snapshot.manifest)
-    _head, indexed = read_indexed(store, prefix)
-    queued = snapshot.manifest
-    if indexed:
+
+    def _with_index(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with the backlog index's entries in front (read after the manifest)."""
+        _head, indexed = read_indexed(self.store, self.prefix)
+        if not indexed:
+            return manifest
         # Every entry of either is referenced (an entry in both is a move that has not
         # finished); plan_collection only looks at the locations and their ULID times.
-        queued = Manifest(footer=queued.footer, entries=(*indexed, *queued.entries))
-    if claim is None and not dry_run:
-        # A queue no millpond role has claimed yet (written by an RFC peer, or older): claim
-        # it, so a second queue pointed at this prefix is refused from now on.
-        claim = open_claim(
-            store,
-            data_path_prefix=prefix,
-            manifest_path=manifest_path,
+        return Manifest(footer=manifest.footer, entries=(*indexed, *manifest.entries))
+
+    def _claim(self) -> QueueClaim | None:
+        """Claim a queue no millpond role has claimed yet (written by an RFC peer, or older).
+
+        So a second queue pointed at this prefix is refused from now on.
+        """
+        return open_claim(
+            self.store,
+            data_path_prefix=self.prefix,
+            manifest_path=self.manifest_path,
             create=QueueClaim(
-                manifest_path=manifest_path, gc_grace_period=grace_period, created_ms=now_ms
+                manifest_path=self.manifest_path,
+                gc_grace_period=self.grace_period,
+                created_ms=self.now_ms,
             ),
         )
-    plan = plan_collection(
-        listing,
-        queued,
-        data_path_prefix=prefix,
-        now_ms=now_ms,
-        grace_period_ms=grace_ms,
-        store_now_ms=store_now_ms,
-        held=held,
-    )
-    kept = dict(plan.kept)
-    failures: list[DeleteFailure] = []
-    deleted: list[str] = []
-    if plan.delete and not dry_run:
-        window = claim.delete_window if claim is not None else default_delete_window(grace_period)
-        deadline = started + window / 2
-        for begin in range(0, len(plan.delete), _DELETE_CHUNK):
-            chunk = plan.delete[begin : begin + _DELETE_CHUNK]
+
+    def _delete(
+        self, paths: tuple[str, ...], claim: QueueClaim | None, kept: dict[KeepReason, int]
+    ) -> tuple[list[str], list[DeleteFailure]]:
+        """Delete ``paths`` in chunks until half the delete window after the pass began.
+
+        A dry run deletes nothing and returns ``paths`` as deleted. What the deadline leaves is
+        counted in ``kept`` as :attr:`KeepReason.OUT_OF_TIME`.
+
+        Returns:
+            The paths deleted, and the deletes that failed (logged, left for the next pass).
+        """
+        if self.dry_run:
+            return list(paths), []
+        if not paths:
+            return [], []
+        window = (
+            claim.delete_window if claim is not None else default_delete_window(self.grace_period)
+        )
+        deadline = self.started + window / 2
+        deleted: list[str] = []
+        failures: list[DeleteFailure] = []
+        for begin in range(0, len(paths), _DELETE_CHUNK):
+            chunk = paths[begin : begin + _DELETE_CHUNK]
             # A zero window (a zero grace period) means no producer may write to this queue
             # (they refuse to start), so nothing is rewritten and there is no deadline.
-            if window > 0 and clock.monotonic() >= deadline:
+            if window > 0 and self.clock.monotonic() >= deadline:
                 # A producer that rewrote one of these since our listing waits out the whole
                 # window before appending it; deleting later could take its fresh copy.
-                left = len(plan.delete) - begin
+                left = len(paths) - begin
                 kept[KeepReason.OUT_OF_TIME] = kept.get(KeepReason.OUT_OF_TIME, 0) + left
                 logger.warning(
                     "gc: pass ran past half the delete window (%.1f s); %s deletes left for the "
@@ -352,7 +471,7 @@ def collect_once(
                     left,
                 )
                 break
-            chunk_failures = store.delete_many(chunk)
+            chunk_failures = self.store.delete_many(chunk)
             failed = {failure.path for failure in chunk_failures}
             deleted.extend(path for path in chunk if path not in failed)
             failures.extend(chunk_failures)
@@ -360,15 +479,4 @@ def collect_once(
             logger.warning(
                 "gc: could not delete %s (%s); retrying next pass", failure.path, failure.reason
             )
-    elif dry_run:
-        deleted = list(plan.delete)
-    return GcReport(
-        started_ms=now_ms,
-        listed=len(listing),
-        deleted=tuple(deleted),
-        kept=kept,
-        failures=tuple(failures),
-        dry_run=dry_run,
-        manifest_epoch=snapshot.manifest.epoch,
-        store_clock_offset_ms=offset_ms,
-    )
+        return deleted, failures
