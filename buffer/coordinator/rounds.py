@@ -114,6 +114,23 @@ _MAX_ROUND_ENTRIES = 10_000
 _MAX_PENDING_ENTRIES = 200_000
 _SLOT_SMOOTHING = 0.2
 _CONSUMER_KNOWN = 60.0  # seconds after a consumer's dequeue here it counts as knowing us
+_COUNTERS = (
+    "requests",
+    "rounds",
+    "entries_appended",
+    "refused",
+    "late_requests",
+    "unknown",
+    "yields",
+    "manifest_reads",
+    "manifest_writes",
+    "cas_conflicts",
+    "cas_retries",
+    "fence_checks",
+    "dequeues",
+    "ways_made",
+    "chained_requests",
+)
 
 
 @dataclass(eq=False)
@@ -195,11 +212,135 @@ def write_dequeues(
             ticket.answer(DEQUEUED)
 
 
+class _Pauses:
+    """When the round thread leaves the manifest alone (module docstring, Fencing).
+
+    The pacing arguments of :class:`AppendCoordinator`, checked, and what the round thread has
+    seen of the store and of the other writers. Round thread only, but for
+    ``consumer_seen_at``, which request threads set holding the coordinator's lock.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        yield_every: int,
+        yield_slots: float,
+        quiet_yield_interval: float,
+        busy_seconds: float,
+        consumer_yield_interval: float,
+    ) -> None:
+        """Check the pacing arguments (:class:`AppendCoordinator`'s, of the same names).
+
+        Raises:
+            ConfigError: a pacing value that is not a finite number (``yield_every`` an
+                integer >= 1; the rest >= 0).
+        """
+        check_count("yield_every", yield_every)
+        check_duration("yield_slots", yield_slots, allow_zero=True, unit="store requests")
+        check_duration("quiet_yield_interval", quiet_yield_interval, allow_zero=True)
+        check_duration("busy_seconds", busy_seconds, allow_zero=True)
+        check_duration("consumer_yield_interval", consumer_yield_interval, allow_zero=True)
+        self._clock = clock
+        self._yield_every = yield_every
+        self._yield_slots = yield_slots
+        self._quiet_yield_interval = quiet_yield_interval
+        self._busy_seconds = busy_seconds
+        self._consumer_yield_interval = consumer_yield_interval
+        self.slot = 0.05
+        """Seconds one store request takes, as measured on uncontended rounds."""
+        self._back_to_back = 0
+        self._last_round_end = float("-inf")
+        self._manifest_free_at = float("-inf")  # when the last pause (or idle gap) began
+        self._foreign_write_at = float("-inf")  # when a round last lost to another writer
+        self.consumer_seen_at = float("-inf")  # when a consumer last sent a dequeue here
+        self._way_made = False  # a pause was made on request: the next lost race is expected
+
+    def due(self) -> float | None:
+        """Seconds to leave the manifest alone before the next round, or ``None`` when no pause
+        is due (or the manifest was left alone anyway, until now)."""
+        gap = self._yield_slots * self.slot
+        now = self._clock.monotonic()
+        idle = now - self._last_round_end
+        if idle >= gap:  # the manifest was left alone anyway, until now
+            self._back_to_back = 0
+            self._manifest_free_at = now
+            return None
+        if now - self._foreign_write_at < self._busy_seconds:
+            due = self._back_to_back >= self._yield_every
+        else:
+            known = now - self.consumer_seen_at < _CONSUMER_KNOWN
+            interval = self._consumer_yield_interval if known else self._quiet_yield_interval
+            due = now - self._manifest_free_at >= interval
+        if not due:
+            return None
+        self._back_to_back = 0
+        self._manifest_free_at = now
+        return gap - idle
+
+    def made_way(self) -> float:
+        """Note a pause made on request (:meth:`AppendCoordinator.make_way`), and its seconds:
+        its writer's read and write fit in it after the answer's way there (one store request
+        more than a quiet pause)."""
+        self._back_to_back = 0
+        self._manifest_free_at = self._clock.monotonic()
+        self._way_made = True
+        return self._yield_slots * self.slot + self.slot
+
+    def wrote(self, lost: int) -> None:
+        """After a write of the round thread: ``lost`` races mean someone else wrote meanwhile,
+        except the one write a pause was made for (:meth:`AppendCoordinator.make_way`)."""
+        if self._way_made and lost > 0:
+            lost -= 1
+        self._way_made = False
+        if lost > 0:
+            self._foreign_write_at = self._clock.monotonic()
+        self._back_to_back += 1
+        self._last_round_end = self._clock.monotonic()
+
+    def measured(self, sample: float) -> None:
+        """One store request of an uncontended round took ``sample`` seconds."""
+        if sample > 0:
+            self.slot += _SLOT_SMOOTHING * (sample - self.slot)
+
+
 class AppendCoordinator:
     """Appends its clients' entries to one queue manifest, one CAS per round.
 
     Thread-safe: :meth:`submit` and :meth:`outcome` are called from request threads, the
     rounds run on one thread (``millpond-coordinator``) started by :meth:`start`.
+
+    Args:
+        store: the queue's store.
+        manifest_path: the queue manifest.
+        data_path_prefix: where the queue's batch objects live; entries elsewhere are
+            refused.
+        queue: this queue's identity (:func:`~millpond.queue.claim.queue_identity`);
+            requests naming another queue are refused.
+        retry: backoff of a round's compare-and-swap (default: 2 s, then the round gives
+            up; a round never outlives its requests' budget anyway).
+        clock: time source.
+        yield_every: back-to-back rounds after which the coordinator leaves the manifest
+            alone for ``yield_slots`` store requests' time (fencing and dequeues get in),
+            while another writer has written within ``busy_seconds``.
+        yield_slots: see ``yield_every``.
+        quiet_yield_interval: seconds of back-to-back rounds between two such pauses while
+            nobody else has written within ``busy_seconds``. Default 3 (1 before
+            2026-11-27): a writer the coordinator does not know about waits up to that
+            long for its first write, then the pauses come every ``yield_every`` rounds.
+            At 50 ms a request and 16 producers, p99 of ``wait()`` through
+            ``millpond coordinator`` was 3.05x, 3.21x and 3.08x a lone producer's p50 at
+            3 s, against 3.55x and 4.14x at 1 s (paired runs, the same hour).
+        busy_seconds: how long after another writer's write landed the coordinator
+            pauses every ``yield_every`` rounds.
+        consumer_yield_interval: ``quiet_yield_interval`` while a consumer sends its
+            dequeues here (it asks for a pause before its takeover: :meth:`make_way`).
+        max_round_entries: entries in one round at most; the rest wait for the next.
+        max_pending_entries: entries waiting at most; requests beyond are refused.
+
+    Raises:
+        ConfigError: a bad retry policy, or a pacing value that is not a finite number
+            (``yield_every`` an integer >= 1; the rest >= 0).
     """
 
     def __init__(
@@ -219,76 +360,25 @@ class AppendCoordinator:
         max_round_entries: int = _MAX_ROUND_ENTRIES,
         max_pending_entries: int = _MAX_PENDING_ENTRIES,
     ) -> None:
-        """Set up; nothing is read or written until the first round.
-
-        Args:
-            store: the queue's store.
-            manifest_path: the queue manifest.
-            data_path_prefix: where the queue's batch objects live; entries elsewhere are
-                refused.
-            queue: this queue's identity (:func:`~millpond.queue.claim.queue_identity`);
-                requests naming another queue are refused.
-            retry: backoff of a round's compare-and-swap (default: 2 s, then the round gives
-                up; a round never outlives its requests' budget anyway).
-            clock: time source.
-            yield_every: back-to-back rounds after which the coordinator leaves the manifest
-                alone for ``yield_slots`` store requests' time (fencing and dequeues get in),
-                while another writer has written within ``busy_seconds``.
-            yield_slots: see ``yield_every``.
-            quiet_yield_interval: seconds of back-to-back rounds between two such pauses while
-                nobody else has written within ``busy_seconds``. Default 3 (1 before
-                2026-11-27): a writer the coordinator does not know about waits up to that
-                long for its first write, then the pauses come every ``yield_every`` rounds.
-                At 50 ms a request and 16 producers, p99 of ``wait()`` through
-                ``millpond coordinator`` was 3.05x, 3.21x and 3.08x a lone producer's p50 at
-                3 s, against 3.55x and 4.14x at 1 s (paired runs, the same hour).
-            busy_seconds: how long after another writer's write landed the coordinator
-                pauses every ``yield_every`` rounds.
-            consumer_yield_interval: ``quiet_yield_interval`` while a consumer sends its
-                dequeues here (it asks for a pause before its takeover: :meth:`make_way`).
-            max_round_entries: entries in one round at most; the rest wait for the next.
-            max_pending_entries: entries waiting at most; requests beyond are refused.
-
-        Raises:
-            ConfigError: a bad retry policy, or a pacing value that is not a finite number
-                (``yield_every`` an integer >= 1; the rest >= 0).
-        """
-        check_count("yield_every", yield_every)
-        check_duration("yield_slots", yield_slots, allow_zero=True, unit="store requests")
-        check_duration("quiet_yield_interval", quiet_yield_interval, allow_zero=True)
-        check_duration("busy_seconds", busy_seconds, allow_zero=True)
-        check_duration("consumer_yield_interval", consumer_yield_interval, allow_zero=True)
+        """Set up; nothing is read or written until the first round (the arguments: the class
+        docstring)."""
+        self._clock: Clock = clock or SystemClock()
+        self._pauses = _Pauses(
+            self._clock,
+            yield_every=yield_every,
+            yield_slots=yield_slots,
+            quiet_yield_interval=quiet_yield_interval,
+            busy_seconds=busy_seconds,
+            consumer_yield_interval=consumer_yield_interval,
+        )
         self.queue = queue
         self.manifest_path = manifest_path
         self._prefix = data_path_prefix.strip("/")
-        self._clock: Clock = clock or SystemClock()
-        policy = retry or RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET)
-        self._policy = policy
-        self.counters = Counters(
-            "requests",
-            "rounds",
-            "entries_appended",
-            "refused",
-            "late_requests",
-            "unknown",
-            "yields",
-            "manifest_reads",
-            "manifest_writes",
-            "cas_conflicts",
-            "cas_retries",
-            "fence_checks",
-            "dequeues",
-            "ways_made",
-            "chained_requests",
-        )
+        self._policy = retry or RetryPolicy(max_attempts=1000, max_elapsed=DEFAULT_BUDGET)
+        self.counters = Counters(*_COUNTERS)
         self._queue = QueueProducer(
-            store, manifest_path, retry=policy, clock=self._clock, counters=self.counters
+            store, manifest_path, retry=self._policy, clock=self._clock, counters=self.counters
         )
-        self._yield_every = yield_every
-        self._yield_slots = yield_slots
-        self._quiet_yield_interval = quiet_yield_interval
-        self._busy_seconds = busy_seconds
-        self._consumer_yield_interval = consumer_yield_interval
         self._max_round = max_round_entries
         self._max_pending = max_pending_entries
         self._lock = threading.Condition()
@@ -300,18 +390,19 @@ class AppendCoordinator:
         self.dead: BaseException | None = None
         """Set when the round thread died of something unexpected: nothing more is written."""
         self._thread: threading.Thread | None = None
-        self.slot = 0.05
-        """Seconds one store request takes, as measured on uncontended rounds."""
-        self._back_to_back = 0
-        self._last_round_end = float("-inf")
-        self._manifest_free_at = float("-inf")  # when the last pause (or idle gap) began
-        self._foreign_write_at = float("-inf")  # when a round last lost to another writer
-        self._consumer_seen_at = float("-inf")  # when a consumer last sent a dequeue here
         self._way_waiters: list[threading.Event] = []  # make_way() calls waiting for a pause
-        self._way_made = False  # a pause was made on request: the next lost race is expected
         self._round: list[_Ticket] = []
         self._recent: dict[str, int] = {}
         self._recent_at: deque[tuple[float, str]] = deque()
+
+    @property
+    def slot(self) -> float:
+        """Seconds one store request takes, as measured on uncontended rounds."""
+        return self._pauses.slot
+
+    @slot.setter
+    def slot(self, seconds: float) -> None:
+        self._pauses.slot = seconds
 
     # -- requests -------------------------------------------------------------------------
 
@@ -347,21 +438,9 @@ class AppendCoordinator:
             InvalidInputError: no entries, duplicate locations, or a location outside the
                 data prefix (nothing is queued).
         """
-        if not entries:
-            raise InvalidInputError("entries: expected at least one entry, found none")
-        if len({e.location for e in entries}) != len(entries):
-            raise InvalidInputError("entries: expected distinct locations, found duplicates")
-        for entry in entries:
-            parent, _, name = entry.location.rpartition("/")
-            if parent != self._prefix or parse_batch_name(name) is None:
-                raise InvalidInputError(
-                    f"entries: expected {self._prefix}/{{ULID}}.batch locations, found "
-                    f"{entry.location!r}"
-                )
+        self._check_entries(entries)
         now = self._clock.monotonic()
-        budget = min(budget, DEFAULT_BUDGET * 30)
-        if not_after_ms is not None:
-            budget = min(budget, (not_after_ms - self._clock.now_ms()) / 1000)
+        budget = self._budget(budget, not_after_ms)
         with self._lock:
             self._forget(now)
             known = self._tickets.get(request_id)
@@ -373,24 +452,9 @@ class AppendCoordinator:
             behind = None if after is None else self._tickets.get(after)
             if after is not None:
                 self.counters.add("chained_requests")
-            if after is not None and (behind is None or _not_appended(behind)):
-                why = "was not appended" if behind is not None else "is not here"
-                self._settle(ticket, Outcome(REFUSED, reason=f"request {after} it follows {why}"))
-            elif self._stopping or self.dead is not None:
-                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
-            elif budget < _MIN_BUDGET:
-                self.counters.add("late_requests")
-                reason = (
-                    f"arrived {-budget:.1f} s after its writer's deadline"
-                    if budget <= 0
-                    else f"arrived {budget:.2f} s before its writer's deadline: too late to write"
-                )
-                self._settle(ticket, Outcome(REFUSED, reason=reason))
-            elif self._pending_entries + len(entries) > self._max_pending:
-                self._settle(
-                    ticket,
-                    Outcome(REFUSED, reason=f"{self._pending_entries} entries already waiting"),
-                )
+            refusal = self._refusal(ticket, after, behind, budget)
+            if refusal is not None:
+                self._settle(ticket, Outcome(REFUSED, reason=refusal))
             else:
                 if behind is not None and behind.outcome is None:
                     ticket.after = behind
@@ -398,6 +462,54 @@ class AppendCoordinator:
                 self._pending_entries += len(entries)
                 self._lock.notify_all()
             return ticket
+
+    def _check_entries(self, entries: list[PendingEntry]) -> None:
+        """Refuse a request's entries unless they are distinct batch locations of this queue.
+
+        Raises:
+            InvalidInputError: no entries, duplicate locations, or a location outside the
+                data prefix.
+        """
+        if not entries:
+            raise InvalidInputError("entries: expected at least one entry, found none")
+        if len({e.location for e in entries}) != len(entries):
+            raise InvalidInputError("entries: expected distinct locations, found duplicates")
+        for entry in entries:
+            parent, _, name = entry.location.rpartition("/")
+            if parent != self._prefix or parse_batch_name(name) is None:
+                raise InvalidInputError(
+                    f"entries: expected {self._prefix}/{{ULID}}.batch locations, found "
+                    f"{entry.location!r}"
+                )
+
+    def _budget(self, budget: float, not_after_ms: int | None) -> float:
+        """Seconds a request has from now: its ``budget``, capped, ending at its writer's
+        deadline on the wall clock at the latest (negative once that has passed)."""
+        budget = min(budget, DEFAULT_BUDGET * 30)
+        if not_after_ms is not None:
+            budget = min(budget, (not_after_ms - self._clock.now_ms()) / 1000)
+        return budget
+
+    def _refusal(
+        self, ticket: _Ticket, after: str | None, behind: _Ticket | None, budget: float
+    ) -> str | None:
+        """Why a request is refused on arrival, or ``None`` when it waits for a round
+        (holding the lock; a late request is counted)."""
+        if after is not None and (behind is None or _not_appended(behind)):
+            why = "was not appended" if behind is not None else "is not here"
+            return f"request {after} it follows {why}"
+        if self._stopping or self.dead is not None:
+            return "the coordinator is stopping"
+        if budget < _MIN_BUDGET:
+            self.counters.add("late_requests")
+            return (
+                f"arrived {-budget:.1f} s after its writer's deadline"
+                if budget <= 0
+                else f"arrived {budget:.2f} s before its writer's deadline: too late to write"
+            )
+        if self._pending_entries + len(ticket.entries) > self._max_pending:
+            return f"{self._pending_entries} entries already waiting"
+        return None
 
     def outcome(self, request_id: str, wait: float) -> Outcome | None:
         """The outcome of a request, for a client whose reply was lost.
@@ -437,7 +549,7 @@ class AppendCoordinator:
                 ticket.answer(REFUSED, "the coordinator is stopping")
             else:
                 self._dequeues.append(ticket)
-                self._consumer_seen_at = self._clock.monotonic()
+                self._pauses.consumer_seen_at = self._clock.monotonic()
                 self._lock.notify_all()
         return ticket
 
@@ -553,31 +665,16 @@ class AppendCoordinator:
 
     def _pace(self) -> None:
         """Now and then leave the manifest alone for a while (module docstring, Fencing)."""
-        gap = self._yield_slots * self.slot
-        if self._make_way(gap):
+        if self._make_way():
             return
-        now = self._clock.monotonic()
-        idle = now - self._last_round_end
-        if idle >= gap:  # the manifest was left alone anyway, until now
-            self._back_to_back = 0
-            self._manifest_free_at = now
+        pause = self._pauses.due()
+        if pause is None:
             return
-        if now - self._foreign_write_at < self._busy_seconds:
-            due = self._back_to_back >= self._yield_every
-        else:
-            known = now - self._consumer_seen_at < _CONSUMER_KNOWN
-            interval = self._consumer_yield_interval if known else self._quiet_yield_interval
-            due = now - self._manifest_free_at >= interval
-        if not due:
-            return
-        self._back_to_back = 0
-        self._manifest_free_at = now
         self.counters.add("yields")
-        self._clock.sleep(gap - idle)
+        self._clock.sleep(pause)
 
-    def _make_way(self, gap: float) -> bool:
-        """The pause :meth:`make_way` asked for, if any: its writer's read and write fit in it
-        after the answer's way there (one store request more than a quiet pause)."""
+    def _make_way(self) -> bool:
+        """The pause :meth:`make_way` asked for, if any (:meth:`_Pauses.made_way`)."""
         with self._lock:
             waiters, self._way_waiters = self._way_waiters, []
             if not waiters:
@@ -585,10 +682,7 @@ class AppendCoordinator:
             for event in waiters:
                 event.set()
         self.counters.add("ways_made")
-        self._back_to_back = 0
-        self._manifest_free_at = self._clock.monotonic()
-        self._way_made = True
-        self._clock.sleep(gap + self.slot)
+        self._clock.sleep(self._pauses.made_way())
         return True
 
     def _release_way_waiters(self) -> None:
@@ -607,9 +701,7 @@ class AppendCoordinator:
         deadline = self._clock.monotonic() + self._policy.max_elapsed
         write_dequeues(self._queue, tickets, deadline=deadline)
         self.counters.add("dequeues", len(tickets))
-        self._note_conflicts(self.counters.get("cas_conflicts") - conflicts)
-        self._back_to_back += 1
-        self._last_round_end = self._clock.monotonic()
+        self._pauses.wrote(lost=self.counters.get("cas_conflicts") - conflicts)
 
     def _refuse_dequeues(self, reason: str) -> None:
         """Answer every waiting dequeue ``refused`` (holding the lock)."""
@@ -626,8 +718,25 @@ class AppendCoordinator:
         # A round on the cached ETag never reads the manifest, so only this memory finds them.
         known: list[int | None] = [self._recent.get(entry.location) for entry in entries]
         todo = [i for i, sequence in enumerate(known) if sequence is None]
-        deadline = min(ticket.deadline for ticket in round_)
         before = self.counters.snapshot()
+        outcomes = self._write_round(round_, entries, known, todo, before)
+        self.counters.add("rounds")
+        self._pauses.wrote(lost=self.counters.get("cas_conflicts") - before.get("cas_conflicts", 0))
+        with self._lock:
+            for ticket, outcome in zip(round_, outcomes, strict=True):
+                self._settle(ticket, outcome)
+
+    def _write_round(
+        self,
+        round_: list[_Ticket],
+        entries: list[PendingEntry],
+        known: list[int | None],
+        todo: list[int],
+        before: dict[str, int],
+    ) -> list[Outcome]:
+        """Append the round's entries ``todo`` indexes (``known`` holds the others' sequences,
+        and gets theirs); each request's outcome."""
+        deadline = min(ticket.deadline for ticket in round_)
         started = self._clock.monotonic()
         outcomes: list[Outcome]
         try:
@@ -651,14 +760,7 @@ class AppendCoordinator:
                 len(round_),
                 err,
             )
-            outcomes = [
-                Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
-                if all(s is not None for s in seqs)
-                else Outcome(
-                    UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err)
-                )
-                for seqs in _slices(known, round_)
-            ]
+            outcomes = self._in_doubt(err, _slices(known, round_))
         except StorageError as err:
             # No write of the round can have landed: the clients append directly (what is
             # known to be in already is said, and the rest is looked for first).
@@ -672,22 +774,19 @@ class AppendCoordinator:
         except MillpondError as err:
             logger.exception("round of %s entries failed", len(todo))
             outcomes = [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
-        self._note_conflicts(self.counters.get("cas_conflicts") - before.get("cas_conflicts", 0))
-        self.counters.add("rounds")
-        self._back_to_back += 1
-        self._last_round_end = self._clock.monotonic()
-        with self._lock:
-            for ticket, outcome in zip(round_, outcomes, strict=True):
-                self._settle(ticket, outcome)
+        return outcomes
 
-    def _note_conflicts(self, lost: int) -> None:
-        """After a write of the round thread: ``lost`` races mean someone else wrote meanwhile,
-        except the one write a pause was made for (:meth:`make_way`)."""
-        if self._way_made and lost > 0:
-            lost -= 1
-        self._way_made = False
-        if lost > 0:
-            self._foreign_write_at = self._clock.monotonic()
+    def _in_doubt(
+        self, err: CommitStateUnknownError, slices: list[tuple[int | None, ...]]
+    ) -> list[Outcome]:
+        """Each request's outcome after a round's write that may or may not have landed:
+        ``appended`` for a request whose every entry is known to be in."""
+        return [
+            Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
+            if all(s is not None for s in seqs)
+            else Outcome(UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err))
+            for seqs in slices
+        ]
 
     def _measure(self, started: float, before: dict[str, int]) -> None:
         after = self.counters.snapshot()
@@ -695,9 +794,7 @@ class AppendCoordinator:
             after.get(k, 0) - before.get(k, 0) for k in ("manifest_reads", "manifest_writes")
         )
         if requests == 1:  # an uncontended round on the cached ETag: one request
-            sample = self._clock.monotonic() - started
-            if sample > 0:
-                self.slot += _SLOT_SMOOTHING * (sample - self.slot)
+            self._pauses.measured(self._clock.monotonic() - started)
 
     def _remember(self, entries: Sequence[PendingEntry], sequences: Sequence[int | None]) -> None:
         """Keep the locations just appended for ``_REMEMBER`` seconds (round thread only)."""
