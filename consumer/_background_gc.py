@@ -15,7 +15,7 @@ from millpond.common.clock import Clock
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ConfigError, MillpondError
 from millpond.formats.manifest import Manifest
-from millpond.queue.gc_rules import collect_once
+from millpond.queue import collect_once
 from millpond.storage.store import ObjectStore
 
 __all__ = ["BackgroundCollector"]

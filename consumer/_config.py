@@ -9,7 +9,7 @@ from millpond.common.durations import check_duration
 from millpond.common.retry import RetryPolicy
 from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError
-from millpond.queue.location import QueueLocation
+from millpond.queue import QueueLocation
 
 __all__ = ["ConsumerConfig"]
 

@@ -59,11 +59,8 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import Manifest, ManifestEntry
-from millpond.queue import QueueConsumer
-from millpond.queue.claim import queue_identity
-from millpond.queue.index import BacklogIndex
-from millpond.queue.takeover import Takeover, take_over_queue
-from millpond.storage import ObjectStore, open_store
+from millpond.queue import BacklogIndex, Queue, Takeover
+from millpond.storage import ObjectStore
 from millpond.storage.checks import preflight
 
 __all__ = ["Backlog", "Consumer"]
@@ -113,7 +110,8 @@ class Consumer:
         """
         self._config = config
         self._clock: Clock = config.clock or SystemClock()
-        self._store: ObjectStore = open_store(config.store, config.store_options)
+        self._opened = Queue.open(config)
+        self._store: ObjectStore = self._opened.store
         self._prefix = config.data_path_prefix.strip("/")
         self.counters = Counters(*_COUNTERS)
         self.fetch_latency = LatencySummary()
@@ -121,12 +119,9 @@ class Consumer:
         # Kept across initialize() calls, which start a new collector each.
         self.gc_counters = Counters("gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors")
         self.gc_latency = LatencySummary()
-        self._queue = QueueConsumer(
-            self._store,
-            config.manifest_path,
-            retry=config.retry,
-            clock=self._clock,
-            counters=self.counters,  # manifest reads, writes and conflicts count here too
+        # Manifest reads, writes and conflicts count with the consumer's own.
+        self._queue = self._opened.reader(
+            retry=config.retry, clock=self._clock, counters=self.counters
         )
         self._coordinator = (
             CoordinatedDequeue(
@@ -178,7 +173,7 @@ class Consumer:
     @property
     def queue(self) -> str:
         """This queue's identity (store URL and manifest path): what sinks key progress by."""
-        return queue_identity(self._store.url, self._config.manifest_path)
+        return self._opened.identity
 
     @property
     def epoch(self) -> int | None:
@@ -262,12 +257,8 @@ class Consumer:
 
     def _take_over(self, last_acked: int | None) -> Takeover:
         config = self._config
-        return take_over_queue(
+        return self._opened.take_over(
             self._queue,
-            self._store,
-            identity=self.queue,
-            manifest_path=config.manifest_path,
-            data_path_prefix=self._prefix,
             last_acked=last_acked,
             gc_grace_period=config.gc_grace_period if config.gc_enabled else None,
             retry=config.retry,

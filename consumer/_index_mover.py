@@ -20,8 +20,7 @@ from typing import Any
 from millpond.common.metrics import Counters
 from millpond.consumer._config import ConsumerConfig
 from millpond.errors import FencedError, MillpondError
-from millpond.queue import QueueConsumer
-from millpond.queue.index import BacklogIndex
+from millpond.queue import BacklogIndex, QueueConsumer
 
 __all__ = ["IndexMover"]
 

@@ -15,7 +15,7 @@ scheduled-job entry point, ``millpond gc``.
 from __future__ import annotations
 
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
-from millpond.queue.gc_rules import GcPlan, GcReport, KeepReason, plan_collection
+from millpond.queue import GcPlan, GcReport, KeepReason, plan_collection
 
 __all__ = [
     "GarbageCollector",

@@ -19,8 +19,7 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_duration
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import ClosedError, ConfigError, MillpondError
-from millpond.queue.gc_rules import GcReport, collect_once
-from millpond.queue.location import QueueLocation
+from millpond.queue import GcReport, Queue, QueueLocation
 from millpond.storage import ObjectStore
 
 __all__ = ["GarbageCollector", "GarbageCollectorConfig"]
@@ -64,7 +63,8 @@ class GarbageCollector:
             ConfigError: the store URL or options are invalid.
         """
         self._config = config
-        self._store = config.open_store()
+        self._queue = Queue.open(config)
+        self._store = self._queue.store
         self._clock = config.clock or SystemClock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,13 +98,8 @@ class GarbageCollector:
         config = self._config
         try:
             with self.latency.time():
-                report = collect_once(
-                    self._store,
-                    manifest_path=config.manifest_path,
-                    data_path_prefix=config.data_path_prefix,
-                    clock=self._clock,
-                    grace_period=config.gc_grace_period,
-                    dry_run=config.dry_run,
+                report = self._queue.collect(
+                    grace_period=config.gc_grace_period, clock=self._clock, dry_run=config.dry_run
                 )
         except MillpondError:
             self.counters.add("errors")

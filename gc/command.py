@@ -24,7 +24,7 @@ from millpond.cli.common import (
 from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.signals import stop_on_signals
 from millpond.gc._collector import GarbageCollector, GarbageCollectorConfig
-from millpond.queue.gc_rules import GcReport
+from millpond.queue import GcReport
 
 __all__ = ["add_arguments", "run"]
 

@@ -56,8 +56,7 @@ from millpond.producer._publisher import encode_records, fail_fatal, named_at, p
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
-from millpond.queue.cas import Appender
-from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.queue import Appender, LandingStatus, resolve_landing
 from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
 

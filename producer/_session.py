@@ -24,7 +24,7 @@ import logging
 from millpond.common.clock import Clock
 from millpond.errors import ConfigError, StorageError
 from millpond.producer.config import ProducerConfig
-from millpond.queue.claim import (
+from millpond.queue import (
     CLOCK_PROBE,
     MAX_CLOCK_SKEW,
     QueueClaim,

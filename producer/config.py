@@ -21,7 +21,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError, InvalidInputError
 from millpond.formats.batch import CompressionType
-from millpond.queue.location import QueueLocation
+from millpond.queue import QueueLocation
 
 __all__ = ["ProducerConfig", "parse_bool", "parse_duration", "parse_size"]
 

@@ -32,8 +32,15 @@ from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.errors import MillpondError, NotFoundError
 from millpond.formats.manifest import ManifestEntry, decode_manifest
-from millpond.queue.index import IndexHead, decode_head, head_path, queue_view
-from millpond.queue.observe import Waiting, list_sizes, waiting_after
+from millpond.queue import (
+    IndexHead,
+    Waiting,
+    decode_head,
+    head_path,
+    list_sizes,
+    queue_view,
+    waiting_after,
+)
 from millpond.storage.store import ObjectStore
 
 if TYPE_CHECKING:

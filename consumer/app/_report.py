@@ -28,7 +28,7 @@ from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.errors import FormatError, MillpondError, NotFoundError
-from millpond.queue.claim import internal_path
+from millpond.queue import internal_path
 from millpond.storage.store import ObjectStore
 
 __all__ = [

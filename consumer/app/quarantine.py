@@ -47,9 +47,7 @@ from millpond.consumer.sinks import AdbcSink, QuarantineLedger, SetAside, open_s
 from millpond.errors import ConfigError, FormatError, InvalidInputError, NotFoundError
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry, Metadata
-from millpond.queue import read_manifest
-from millpond.queue.claim import queue_identity
-from millpond.queue.index import queue_view, read_indexed
+from millpond.queue import queue_identity, queue_view, read_indexed, read_manifest
 from millpond.storage import ObjectStore, open_store
 
 __all__ = [

@@ -20,7 +20,7 @@ from millpond.consumer.app.quarantine import (
 )
 from millpond.consumer.sinks import open_sink
 from millpond.errors import ConfigError
-from millpond.queue.claim import queue_identity
+from millpond.queue import queue_identity
 from millpond.storage import open_store
 
 __all__ = ["add_arguments", "run"]

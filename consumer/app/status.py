@@ -25,10 +25,15 @@ from millpond.consumer.app._sink_progress import ProgressReader, SinkProgress
 from millpond.consumer.app._watch import watch
 from millpond.consumer.sinks.postgres import redact
 from millpond.errors import NotFoundError
-from millpond.queue import read_manifest
-from millpond.queue.epoch_mark import is_replaced, read_epoch_mark
-from millpond.queue.index import queue_view, read_indexed
-from millpond.queue.observe import referenced_bytes, waiting_after
+from millpond.queue import (
+    is_replaced,
+    queue_view,
+    read_epoch_mark,
+    read_indexed,
+    read_manifest,
+    referenced_bytes,
+    waiting_after,
+)
 from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueStatus", "add_arguments", "queue_status", "run", "status_record"]

@@ -63,9 +63,15 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
-from millpond.queue.cas import Appender
-from millpond.queue.holds import encode_hold, hold_path, locations_of
-from millpond.queue.landed import Landing, LandingStatus, resolve_landing
+from millpond.queue import (
+    Appender,
+    Landing,
+    LandingStatus,
+    encode_hold,
+    hold_path,
+    locations_of,
+    resolve_landing,
+)
 from millpond.storage.store import ObjectStore
 
 __all__ = [

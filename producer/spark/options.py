@@ -47,8 +47,7 @@ from millpond.common.retry import RetryPolicy
 from millpond.errors import ConfigError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
-from millpond.queue.claim import open_claim
-from millpond.queue.location import QueueLocation
+from millpond.queue import QueueLocation, open_claim
 
 if TYPE_CHECKING:
     from millpond.producer.config import ProducerConfig
