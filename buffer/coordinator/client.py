@@ -209,30 +209,56 @@ class CoordinatedAppender:
                 return self._with_chain(endpoint, entries, outcome, chain, lower, deadline, more)
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
-                self.counters.add("coordinator_lost")
-                return self._direct.append(
-                    entries,
-                    maybe_landed_from=lower,
-                    present_from=lower,
-                    more=more,
-                    deadline=deadline,
-                )
+                return self._after_lost(entries, lower, more, deadline)
             outcome = fitting(outcome, len(entries))
             assert outcome is not None
             if outcome.status == APPENDED:
                 self.counters.add("coordinator_appends")
                 return self._appended(outcome)
             if outcome.status == REFUSED:
-                self.counters.add("coordinator_refused")
-                endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
+                self._refused(endpoint)
                 logger.info("coordinator %s refused an append: %s", endpoint.url, outcome.reason)
                 continue
             self.counters.add("coordinator_unknown")
             return self._after_unknown(entries, outcome, lower, deadline)
-        self.counters.add("direct_appends")
         # A refused request was never written; were a coordinator's write still in flight, it
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
+        return self._direct_append(entries, lower, more, deadline)
+
+    def _after_lost(
+        self,
+        entries: Sequence[PendingEntry],
+        lower: int,
+        more: Callable[[], Sequence[PendingEntry]] | None,
+        deadline: float | None,
+    ) -> tuple[int, ...]:
+        """Append directly what no coordinator could say anything of, looking for it first
+        from ``lower`` on."""
+        self.counters.add("coordinator_lost")
+        return self._direct.append(
+            entries,
+            maybe_landed_from=lower,
+            present_from=lower,
+            more=more,
+            deadline=deadline,
+        )
+
+    def _direct_append(
+        self,
+        entries: Sequence[PendingEntry],
+        lower: int,
+        more: Callable[[], Sequence[PendingEntry]] | None,
+        deadline: float | None,
+    ) -> tuple[int, ...]:
+        """Append directly what no coordinator took (entries it finds from ``lower`` on count
+        as in)."""
+        self.counters.add("direct_appends")
         return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
+
+    def _refused(self, endpoint: Endpoint) -> None:
+        """Leave a coordinator that refused an append alone for ``retry_after`` seconds."""
+        self.counters.add("coordinator_refused")
+        endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
 
     def _identify(self, endpoint: Endpoint) -> bool:
         """Whether a live coordinator of the queue answers at ``endpoint``; else it is left
@@ -282,18 +308,7 @@ class CoordinatedAppender:
         reused = endpoint.connected()
         request_id = uuid.uuid4().hex
         sent_at = self._clock.monotonic()
-        headers = {
-            QUEUE_HEADER: self._queue,
-            REQUEST_HEADER: request_id,
-            BUDGET_HEADER: f"{self._options.budget:g}",
-            FROM_HEADER: str(lower),
-            "Content-Type": "application/octet-stream",
-        }
-        if deadline is not None:
-            # The deadline on the wall clock too: a request held up on its way past it is
-            # refused on arrival, not written after our batches may have been collected.
-            not_after = self._clock.now_ms() + int((deadline - sent_at) * 1000)
-            headers[NOT_AFTER_HEADER] = str(not_after)
+        headers = self._headers(request_id, lower, deadline, sent_at)
         while_waiting = None
         if chain is not None and not chain.sent:
             may_send = partial(self._may_send, deadline)
@@ -332,6 +347,24 @@ class CoordinatedAppender:
         )
         return None
 
+    def _headers(
+        self, request_id: str, lower: int, deadline: float | None, sent_at: float
+    ) -> dict[str, str]:
+        """The headers of an append request sent at ``sent_at`` (on this appender's clock)."""
+        headers = {
+            QUEUE_HEADER: self._queue,
+            REQUEST_HEADER: request_id,
+            BUDGET_HEADER: f"{self._options.budget:g}",
+            FROM_HEADER: str(lower),
+            "Content-Type": "application/octet-stream",
+        }
+        if deadline is not None:
+            # The deadline on the wall clock too: a request held up on its way past it is
+            # refused on arrival, not written after our batches may have been collected.
+            not_after = self._clock.now_ms() + int((deadline - sent_at) * 1000)
+            headers[NOT_AFTER_HEADER] = str(not_after)
+        return headers
+
     def _ask(self, endpoint: Endpoint, request_id: str, sent_at: float) -> Outcome | None:
         """What became of a request whose reply was lost, or ``None`` when the coordinator
         could not say before its promise for the request ran out."""
@@ -367,46 +400,17 @@ class CoordinatedAppender:
         second = chain.resolve(self._ask)
         first = fitting(first, len(entries))
         second = fitting(second, len(chain.entries))
-        both = [*entries, *chain.entries]
         if first is not None and first.status == APPENDED:
             self.counters.add("coordinator_appends")
             head = self._appended(first)
-            if second is not None and second.status == APPENDED:
-                return head + self._appended(second)
-            # The first is in; the second follows it now, as an append of its own.
-            try:
-                if second is not None and second.status == REFUSED:
-                    tail = self.append(chain.entries, deadline=deadline)
-                else:
-                    self.counters.add("coordinator_unknown")
-                    tail = self._after_unknown(
-                        chain.entries, second or Outcome(UNKNOWN), lower, deadline
-                    )
-            except CommitStateUnknownError as err:
-                behind = err.sequences or (None,) * len(chain.entries)
-                raise CommitStateUnknownError(
-                    str(err),
-                    sequences=head + tuple(behind),
-                    maybe_landed_from=err.maybe_landed_from,
-                ) from err
-            except StorageError as err:
-                raise CommitStateUnknownError(
-                    str(err),
-                    sequences=head + (None,) * len(chain.entries),
-                    maybe_landed_from=self.seen_next_sequence,
-                ) from err
-            return head + tail
+            return head + self._behind(head, chain.entries, second, lower, deadline)
         # The first is not known to be in, so the second was never written without it.
+        both = [*entries, *chain.entries]
         if first is None or (second is None and first.status == REFUSED):
-            self.counters.add("coordinator_lost")
-            return self._direct.append(
-                both, maybe_landed_from=lower, present_from=lower, more=more, deadline=deadline
-            )
+            return self._after_lost(both, lower, more, deadline)
         if first.status == REFUSED and second is not None and second.status == REFUSED:
-            self.counters.add("coordinator_refused")
-            endpoint.mark_down(self._clock.monotonic() + self._options.retry_after)
-            self.counters.add("direct_appends")
-            return self._direct.append(both, present_from=lower, more=more, deadline=deadline)
+            self._refused(endpoint)
+            return self._direct_append(both, lower, more, deadline)
         self.counters.add("coordinator_unknown")
         sequences = known(first, len(entries)) + known(second, len(chain.entries))
         landed_from = first.maybe_landed_from if first.status == UNKNOWN else None
@@ -416,6 +420,43 @@ class CoordinatedAppender:
             lower,
             deadline,
         )
+
+    def _behind(
+        self,
+        head: tuple[int, ...],
+        entries: Sequence[PendingEntry],
+        second: Outcome | None,
+        lower: int,
+        deadline: float | None,
+    ) -> tuple[int, ...]:
+        """The sequences of a chained request's ``entries``, whose outcome was ``second``,
+        once the request ahead of it is in at ``head``.
+
+        Raises:
+            CommitStateUnknownError: not known whether (all of) them landed; ``sequences``
+                covers both requests, ``head`` first.
+        """
+        if second is not None and second.status == APPENDED:
+            return self._appended(second)
+        # The first is in; the second follows it now, as an append of its own.
+        try:
+            if second is not None and second.status == REFUSED:
+                return self.append(entries, deadline=deadline)
+            self.counters.add("coordinator_unknown")
+            return self._after_unknown(entries, second or Outcome(UNKNOWN), lower, deadline)
+        except CommitStateUnknownError as err:
+            behind = err.sequences or (None,) * len(entries)
+            raise CommitStateUnknownError(
+                str(err),
+                sequences=head + tuple(behind),
+                maybe_landed_from=err.maybe_landed_from,
+            ) from err
+        except StorageError as err:
+            raise CommitStateUnknownError(
+                str(err),
+                sequences=head + (None,) * len(entries),
+                maybe_landed_from=self.seen_next_sequence,
+            ) from err
 
     def _appended(self, outcome: Outcome) -> tuple[int, ...]:
         """The sequences of an ``appended`` outcome (noting how far the queue has come)."""
