@@ -158,77 +158,140 @@ def commit_job(
         StorageError: the store failed before anything could have been enqueued.
     """
     clock = clock or SystemClock()
-    if any(message is None for message in messages):
-        raise MillpondError(f"job {job_id}: a task has no commit message; refusing to commit")
-    ordered = sorted(
-        (m for m in messages if m is not None), key=lambda m: (m.partition_id, m.attempt)
-    )
-    entries: list[PendingEntry] = []
-    stats = UploadStats()
-    for message in ordered:
-        stats += message.stats
-        payload = spark_payload(
-            job=job_id,
-            partition=message.partition_id,
-            attempt=message.attempt,
-            **(extra_payload or {}),
-        )
-        entries.extend(upload.pending_entry(payload) for upload in message.uploads)
-    limit = gc_grace_period / 2
+    job = _Job.collect(messages, job_id=job_id, write_id=write_id, extra_payload=extra_payload)
     with _appender(
         store, manifest_path, retry=retry, clock=clock, coordinator=coordinator
     ) as queue:
-        if write_id is not None:
+        sequences, status = job.append(
+            store,
+            queue,
+            limit=gc_grace_period / 2,
+            data_path_prefix=data_path_prefix,
+            manifest_path=manifest_path,
+            retry=retry,
+            clock=clock,
+        )
+        return job.receipt(sequences, status, queue.counters.snapshot())
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A batch job's successful task attempts, as :func:`commit_job` appends them."""
+
+    job_id: str
+    write_id: str | None
+    tasks: int
+    """Task commit messages (one per partition)."""
+    entries: list[PendingEntry]
+    """Every batch of every task, in partition order, with the Spark payload."""
+    stats: UploadStats
+
+    @classmethod
+    def collect(
+        cls,
+        messages: Sequence[TaskCommitMessage | None],
+        *,
+        job_id: str,
+        write_id: str | None,
+        extra_payload: Mapping[str, object] | None,
+    ) -> _Job:
+        """The job of these task commit messages.
+
+        Raises:
+            MillpondError: a message is missing (Spark should never commit then).
+        """
+        if any(message is None for message in messages):
+            raise MillpondError(f"job {job_id}: a task has no commit message; refusing to commit")
+        ordered = sorted(
+            (m for m in messages if m is not None), key=lambda m: (m.partition_id, m.attempt)
+        )
+        entries: list[PendingEntry] = []
+        stats = UploadStats()
+        for message in ordered:
+            stats += message.stats
+            payload = spark_payload(
+                job=job_id,
+                partition=message.partition_id,
+                attempt=message.attempt,
+                **(extra_payload or {}),
+            )
+            entries.extend(upload.pending_entry(payload) for upload in message.uploads)
+        return cls(job_id, write_id, len(ordered), entries, stats)
+
+    def append(
+        self,
+        store: ObjectStore,
+        queue: Appender,
+        *,
+        limit: float,
+        data_path_prefix: str,
+        manifest_path: str,
+        retry: RetryPolicy | None,
+        clock: Clock,
+    ) -> tuple[tuple[int, ...], str]:
+        """Append the job's entries: through its write id's state when it has one, else in
+        one append of fresh copies (:func:`fresh_copies`, ``limit``).
+
+        Returns:
+            Where the entries went, and the receipt's status.
+
+        Raises:
+            As :func:`commit_job`.
+        """
+        if self.write_id is not None:
             outcome = _commit_keyed(
                 store,
                 queue,
-                path=write_state_path(data_path_prefix, write_id),
-                key=f"write:{write_id}",
+                path=write_state_path(data_path_prefix, self.write_id),
+                key=f"write:{self.write_id}",
                 batch_id=0,
-                entries=entries,
+                entries=self.entries,
                 limit=limit,
                 data_path_prefix=data_path_prefix,
                 manifest_path=manifest_path,
                 retry=retry,
                 clock=clock,
             )
-            sequences = outcome.sequences or ()
-            status = outcome.status
-        elif not entries:
-            sequences, status = (), "empty"
-        else:
-            fresh = fresh_copies(
-                store, entries, data_path_prefix=data_path_prefix, limit=limit, clock=clock
+            return outcome.sequences or (), outcome.status
+        if not self.entries:
+            return (), "empty"
+        fresh = fresh_copies(
+            store, self.entries, data_path_prefix=data_path_prefix, limit=limit, clock=clock
+        )
+        try:
+            sequences = queue.append(
+                fresh, deadline=append_deadline(fresh, limit=limit, clock=clock)
             )
-            try:
-                sequences = queue.append(
-                    fresh, deadline=append_deadline(fresh, limit=limit, clock=clock)
-                )
-            except CommitStateUnknownError as err:
-                raise CommitStateUnknownError(
-                    f"job {job_id}: the append of {len(fresh)} batches may or may not have landed "
-                    f"({err}); rerunning the job may enqueue its rows twice. Give the job a "
-                    ".option('write_id', ...) to make reruns safe",
-                    sequences=err.sequences,
-                    maybe_landed_from=err.maybe_landed_from,
-                ) from err
-            status = "appended"
+        except CommitStateUnknownError as err:
+            raise CommitStateUnknownError(
+                f"job {self.job_id}: the append of {len(fresh)} batches may or may not have landed "
+                f"({err}); rerunning the job may enqueue its rows twice. Give the job a "
+                ".option('write_id', ...) to make reruns safe",
+                sequences=err.sequences,
+                maybe_landed_from=err.maybe_landed_from,
+            ) from err
+        return sequences, "appended"
+
+    def receipt(
+        self, sequences: tuple[int, ...], status: str, manifest: Mapping[str, int]
+    ) -> JobReceipt:
+        """Log the job's summary line; its receipt (``manifest``: the commit's counters)."""
         log_summary(
-            f"job {job_id}",
-            stats=stats,
+            f"job {self.job_id}",
+            stats=self.stats,
             status=status,
             sequences=sequences,
-            manifest=queue.counters.snapshot(),
+            manifest=manifest,
         )
         return JobReceipt(
-            job_id,
+            self.job_id,
             sequences[0] if sequences else None,
             sequences[-1] if sequences else None,
-            len(ordered),
-            stats,
-            queue.counters.snapshot(),
+            self.tasks,
+            self.stats,
+            manifest,
             status=status,
-            write_id=write_id,
+            write_id=self.write_id,
         )
 
 
@@ -408,19 +471,12 @@ def _commit_keyed(
     past that point copies them again rather than hold objects a collector may have taken.
     """
     retry = retry or RetryPolicy()
-    backoff = retry.start(clock)
+    again = _DecideAgain(retry, clock)
     fresh = tuple(entries)
-    late = 0
     # This commit, in every attempt: it goes on with a pending state it claimed itself, and
     # waits for any other commit's (commit_state's docstring). Its lease: as long as one
     # append may retry.
     owner = uuid.uuid4().hex
-    waited = False
-
-    def on_wait() -> None:
-        nonlocal waited
-        waited = True
-
     while True:
         fresh = fresh_copies(
             store, fresh, data_path_prefix=data_path_prefix, limit=limit, clock=clock
@@ -438,23 +494,53 @@ def _commit_keyed(
                 clock=clock,
                 owner=owner,
                 lease=retry.max_elapsed,
-                on_wait=on_wait,
+                on_wait=again.on_wait,
             )
         except HoldTooLate as err:
             # Not a failed attempt: the next decision holds fresh copies at once.
-            late += 1
-            if late > _HOLD_RETRIES:
+            if not again.hold_again():
                 raise
             logger.warning("%s; copying them to fresh names", err)
         except (ConflictError, StorageError) as err:
-            if waited:
-                # Waiting for another commit's outcome is no failed attempt: the budget
-                # starts again from here.
-                waited = False
-                backoff = retry.start(clock)
-            if not backoff.sleep():
+            if not again.back_off():
                 raise StorageError(
-                    f"{path}: commit of {key} batch {batch_id} gave up after {backoff.attempt} "
+                    f"{path}: commit of {key} batch {batch_id} gave up after {again.attempt} "
                     f"attempts; run it again to resolve it: {err}"
                 ) from err
             logger.info("%s batch %s: %s; deciding again", key, batch_id, err)
+
+
+class _DecideAgain:
+    """When :func:`_commit_keyed` decides again, and when it gives up."""
+
+    def __init__(self, retry: RetryPolicy, clock: Clock) -> None:
+        self._retry = retry
+        self._clock = clock
+        self._backoff = retry.start(clock)
+        self._late = 0
+        self._waited = False
+
+    @property
+    def attempt(self) -> int:
+        """The attempt the backoff has come to, since the budget last started."""
+        return self._backoff.attempt
+
+    def on_wait(self) -> None:
+        """The commit waits for another commit's outcome (``commit_with_state``'s ``on_wait``)."""
+        self._waited = True
+
+    def hold_again(self) -> bool:
+        """Whether to decide again after a hold given up because the driver was held up past
+        the uploads' deadline (at most ``_HOLD_RETRIES`` times)."""
+        self._late += 1
+        return self._late <= _HOLD_RETRIES
+
+    def back_off(self) -> bool:
+        """Wait before deciding again after a failed attempt; ``False`` once the retry budget
+        is spent."""
+        if self._waited:
+            # Waiting for another commit's outcome is no failed attempt: the budget
+            # starts again from here.
+            self._waited = False
+            self._backoff = self._retry.start(self._clock)
+        return self._backoff.sleep()
