@@ -13,23 +13,13 @@ No wall-clock wait decides an outcome. When no thread can run and none waits wit
 the runtime raises :class:`SimDeadlock` in the main thread, naming every blocked thread and
 what it waits for.
 
-The product is made to use it without being rewritten: for the duration of a schedule,
-:class:`Runtime` replaces, in the globals of every loaded ``millpond.*`` module (found through
-``sys.modules``, so modules that move keep working), ``threading``, ``time`` (``sleep`` and the
-monotonic clocks; the wall clock stays real), the names imported from ``concurrent.futures``,
-``selectors`` and ``http`` (``http.client.HTTPConnection``: see :mod:`tests.system.simnet`),
-and any ``SystemClock`` (a clock nobody injected reads the schedule's time) with
-scheduler-aware stand-ins; dataclass fields defaulting to a ``threading`` primitive get the
-stand-in too, and ``socketserver`` servers defined there listen on the simulated network. So
-that a seed also fixes what the product draws at random, ``random``, ``os.urandom``,
-``uuid.uuid4`` and ``secrets`` draw from a generator seeded with it. ``os.fsync`` and
-``os.fdatasync`` return at once: a simulated crash loses nothing the page cache holds, and a
-real sync would hold the baton for its whole latency. The stand-ins give the real thing to a
-thread the runtime does not know (a leftover of another test), so only the schedule's own
-threads are simulated. Everything is put back when the schedule ends; the threads still alive
-then are ended by raising :class:`Killed` at their scheduling points (their ``finally`` blocks
-run). ``millpond.storage.obstore_store`` is left alone: the store itself is the world, not an
-actor (its requests are atomic; the roles' views of it are the scheduling points).
+The product is made to use it without being rewritten: for the duration of a schedule the
+globals of every loaded ``millpond.*`` module see the runtime's stand-ins for ``threading``,
+``time``, ``concurrent.futures``, ``http.client`` and the rest (:mod:`tests.system.standins`;
+the primitives themselves in :mod:`tests.system.primitives`, the network in
+:mod:`tests.system.simnet`). Everything is put back when the schedule ends; the threads still
+alive then are ended by raising :class:`Killed` at their scheduling points (their ``finally``
+blocks run).
 
 A thread that must not be interrupted between two points — a sink transaction, which holds
 SQLite's write lock: another thread's write would wait for it in C, in real time — runs inside
@@ -40,22 +30,9 @@ error.
 from __future__ import annotations
 
 import _thread
-import concurrent.futures
 import contextlib
-import dataclasses
-import http
-import http.client
-import os
 import random
-import secrets
-import selectors
-import socketserver
-import sys
 import threading
-import time
-import types
-import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -65,6 +42,7 @@ __all__ = [
     "Runtime",
     "SimDeadlock",
     "SimLivelock",
+    "SimThread",
     "current_runtime",
 ]
 
@@ -259,15 +237,18 @@ class Runtime:
         self._rng = random.Random(seed)
         self.data_random = random.Random(seed ^ 0x5EED5)
         """The source of everything the product draws at random (names, jitter, tokens)."""
-        self._time = clock if clock is not None else _OwnTime()
+        self.time_line = clock if clock is not None else _OwnTime()
+        """The simulated time (``current()``, ``jump_to(t)``; a ``now_ms()`` if it has one is
+        what a ``SystemClock`` reads during the schedule)."""
         self.switch = switch
         self.request_switch = request_switch
         self.max_steps = max_steps
         self.quiet_exceptions = quiet_exceptions
-        self._patch_prefixes = patch_prefixes
-        self._exclude = frozenset(exclude_modules)
+        self.patch_prefixes = patch_prefixes
+        """The packages whose modules get the stand-ins (:mod:`tests.system.standins`)."""
+        self.exclude_modules = frozenset(exclude_modules)
         self._threads: list[SimThread] = []
-        self._timed: set[SimThread] = set()
+        self.time_lined: set[SimThread] = set()
         self._by_ident: dict[int, SimThread] = {}
         self._numbers = 0
         self._current: SimThread | None = None
@@ -289,9 +270,13 @@ class Runtime:
         self._ever: set[int | None] = set()
         self.leaked: list[str] = []
         """Threads that did not end when killed at the end of the schedule."""
-        self._clock_class: type | None = None
         self.net: Any = None
         """The simulated network (:class:`tests.system.simnet.SimNet`), made on entry."""
+
+    @property
+    def main(self) -> SimThread | None:
+        """The thread that entered the runtime."""
+        return self._main
 
     # -- entering and leaving ----------------------------------------------------------------
 
@@ -311,7 +296,9 @@ class Runtime:
         self._before = {t.ident for t in threading.enumerate()}
         _ACTIVE = self
         try:
-            self._patch()
+            from tests.system import standins
+
+            self._restore.extend(standins.patch(self))
         except BaseException:
             _ACTIVE = None
             raise
@@ -343,7 +330,7 @@ class Runtime:
                 continue
             thread.killed = True
             thread.pending = Killed(thread.name)
-            self._timed.discard(thread)
+            self.time_lined.discard(thread)
             thread.state = _RUNNABLE
             self._current = thread
             thread._baton.release()
@@ -362,7 +349,7 @@ class Runtime:
         self._threads.append(thread)
 
     def now(self) -> float:
-        return float(self._time.current())
+        return float(self.time_line.current())
 
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:
@@ -427,7 +414,7 @@ class Runtime:
         me.waiting_for = what
         me.deadline = deadline
         if deadline is not None:
-            self._timed.add(me)
+            self.time_lined.add(me)
         self._switch(me)
         return me.woken
 
@@ -437,15 +424,15 @@ class Runtime:
             thread.state = _RUNNABLE
             thread.woken = True
             thread.deadline = None
-            self._timed.discard(thread)
+            self.time_lined.discard(thread)
 
     def _wake_due(self) -> None:
         """Blocked threads whose deadline has come are runnable (timed out)."""
-        if not self._timed:
+        if not self.time_lined:
             return
         now = self.now()
-        for thread in [t for t in self._timed if t.deadline is not None and t.deadline <= now]:
-            self._timed.discard(thread)
+        for thread in [t for t in self.time_lined if t.deadline is not None and t.deadline <= now]:
+            self.time_lined.discard(thread)
             thread.state = _RUNNABLE
             thread.deadline = None
 
@@ -457,9 +444,9 @@ class Runtime:
             return main
         self._wake_due()
         runnable = [t for t in self._threads if t.state is _RUNNABLE]
-        if not runnable and self._timed:
-            earliest = min(t.deadline for t in self._timed if t.deadline is not None)
-            self._time.jump_to(earliest)
+        if not runnable and self.time_lined:
+            earliest = min(t.deadline for t in self.time_lined if t.deadline is not None)
+            self.time_line.jump_to(earliest)
             self._wake_due()
             runnable = [t for t in self._threads if t.state is _RUNNABLE]
         if self.steps >= self.max_steps and main.state is not _FINISHED:
@@ -467,7 +454,7 @@ class Runtime:
                 main.pending = SimLivelock(
                     f"the schedule took {self.steps} scheduling steps: {self.describe()}"
                 )
-            self._timed.discard(main)
+            self.time_lined.discard(main)
             main.state = _RUNNABLE
             return main
         if not runnable:
@@ -511,7 +498,7 @@ class Runtime:
     def _finish(self, me: SimThread) -> None:
         """``me`` ends: wake its joiners, give the baton on, and let the OS thread go."""
         me.state = _FINISHED
-        self._timed.discard(me)
+        self.time_lined.discard(me)
         for joiner in me._joiners:
             self._wake(joiner)
         me._joiners = []
@@ -530,74 +517,6 @@ class Runtime:
         thread.start()
         return thread
 
-    # -- patching the product ----------------------------------------------------------------
-
-    def _patch(self) -> None:
-        replacements = _replacements(self)
-        for name, module in list(sys.modules.items()):
-            if module is None or name in self._exclude:
-                continue
-            if not any(name == p or name.startswith(p + ".") for p in self._patch_prefixes):
-                continue
-            self._patch_module(module, replacements)
-
-    def _patch_module(self, module: types.ModuleType, replacements: dict[int, Any]) -> None:
-        namespace = module.__dict__
-        for key, value in list(namespace.items()):
-            new = replacements.get(id(value))
-            if new is not None:
-                namespace[key] = new
-                self._restore.append(_setter(namespace, key, value))
-            elif isinstance(value, type) and value.__name__ == "SystemClock":
-                # A clock no one injected would read real time: the schedule's instead.
-                namespace[key] = self._system_clock()
-                self._restore.append(_setter(namespace, key, value))
-            elif isinstance(value, type) and value.__module__ == module.__name__:
-                self._patch_class(value, namespace, key, replacements)
-
-    def _patch_class(
-        self, cls: type, namespace: dict[str, Any], key: str, replacements: dict[int, Any]
-    ) -> None:
-        if dataclasses.is_dataclass(cls):
-            init = cls.__dict__.get("__init__")
-            for cell in getattr(init, "__closure__", None) or ():
-                try:
-                    content = cell.cell_contents
-                except ValueError:
-                    continue
-                new = replacements.get(id(content))
-                if new is not None:
-                    cell.cell_contents = new
-                    self._restore.append(_cell_setter(cell, content))
-        if issubclass(cls, socketserver.BaseServer) and self.net is not None:
-            namespace[key] = self.net.server_class(cls)
-            self._restore.append(_setter(namespace, key, cls))
-
-    def _system_clock(self) -> type:
-        """A ``SystemClock`` on the schedule's time (the real one for a foreign thread)."""
-        if self._clock_class is not None:
-            return self._clock_class
-        runtime = self
-
-        class SimSystemClock:
-            def now_ms(self) -> int:
-                if not runtime.registered():
-                    return time.time_ns() // 1_000_000
-                wall = getattr(runtime._time, "now_ms", None)
-                return int(wall()) if wall is not None else int(runtime.now() * 1000)
-
-            def monotonic(self) -> float:
-                return runtime.now() if runtime.registered() else time.monotonic()
-
-            def sleep(self, seconds: float) -> None:
-                if runtime.registered():
-                    runtime.sleep(seconds)
-                elif seconds > 0:
-                    time.sleep(seconds)
-
-        self._clock_class = SimSystemClock
-        return SimSystemClock
-
     def patch_attribute(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` for the schedule (put back when it ends)."""
         old = (
@@ -605,20 +524,6 @@ class Runtime:
         )
         setattr(owner, name, value)
         self._restore.append(lambda: setattr(owner, name, old))
-
-
-def _setter(namespace: dict[str, Any], key: str, value: Any) -> Callable[[], None]:
-    def undo() -> None:
-        namespace[key] = value
-
-    return undo
-
-
-def _cell_setter(cell: Any, value: Any) -> Callable[[], None]:
-    def undo() -> None:
-        cell.cell_contents = value
-
-    return undo
 
 
 class _OwnTime:
@@ -680,628 +585,3 @@ class Lanes:
 
     def busy(self) -> list[str]:
         return [lane for lane, last in self._last.items() if last.is_alive()]
-
-
-# -- the primitives ---------------------------------------------------------------------------
-
-
-class SimLock:
-    """``threading.Lock``: acquiring is a scheduling point."""
-
-    _reentrant = False
-
-    def __init__(self) -> None:
-        self._owner: SimThread | None = None
-        self._count = 0
-        self._waiters: deque[SimThread] = deque()
-
-    def __repr__(self) -> str:
-        owner = self._owner.name if self._owner is not None else None
-        return f"<{type(self).__name__} owner={owner}>"
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        runtime, me = _require()
-        runtime.point("lock")
-        if self._owner is me and self._reentrant:
-            self._count += 1
-            return True
-        if self._owner is None:
-            self._owner, self._count = me, 1
-            return True
-        if not blocking:
-            return False
-        deadline = runtime._deadline(None if timeout is None or timeout < 0 else timeout)
-        while self._owner is not None:
-            self._waiters.append(me)
-            holder = self._owner.name
-            woke = runtime._block(me, f"{type(self).__name__[3:]} held by {holder}", deadline)
-            if me in self._waiters:
-                self._waiters.remove(me)
-            if not woke and self._owner is not None and runtime._passed(deadline):
-                return False
-        self._owner, self._count = me, 1
-        return True
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def release(self) -> None:
-        found = _registered()
-        me = found[1] if found is not None else None
-        if self._owner is None:
-            if me is not None and me.killed:
-                return
-            raise RuntimeError("release unlocked lock")
-        if self._reentrant:
-            if self._owner is not me:
-                if me is not None and me.killed:
-                    return
-                raise RuntimeError("cannot release un-acquired lock")
-            self._count -= 1
-            if self._count:
-                return
-        self._owner, self._count = None, 0
-        self._wake_one()
-
-    def _wake_one(self) -> None:
-        """Wake the first waiter still blocked (one that timed out takes no wake-up)."""
-        runtime = _ACTIVE
-        while self._waiters and runtime is not None:
-            thread = self._waiters.popleft()
-            if thread.state is _BLOCKED:
-                runtime._wake(thread)
-                return
-
-    def locked(self) -> bool:
-        return self._owner is not None
-
-    def _is_owned(self) -> bool:
-        found = _registered()
-        return found is not None and self._owner is found[1]
-
-    def _release_save(self) -> tuple[SimThread | None, int]:
-        state = (self._owner, self._count)
-        self._owner, self._count = None, 0
-        self._wake_one()
-        return state
-
-    def _acquire_restore(self, state: tuple[SimThread | None, int]) -> None:
-        self.acquire()
-        self._count = state[1]
-
-
-class SimRLock(SimLock):
-    """``threading.RLock``."""
-
-    _reentrant = True
-
-
-class SimCondition:
-    """``threading.Condition`` on a :class:`SimLock` (a new :class:`SimRLock` by default)."""
-
-    def __init__(self, lock: SimLock | None = None) -> None:
-        if lock is None:
-            lock = SimRLock()
-        if not isinstance(lock, SimLock):
-            raise TypeError(f"a simulated condition needs a simulated lock, found {lock!r}")
-        self._lock = lock
-        self._waiters: deque[SimThread] = deque()
-        self.acquire = lock.acquire
-        self.release = lock.release
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        runtime, me = _require()
-        if not self._lock._is_owned():
-            raise RuntimeError("cannot wait on un-acquired lock")
-        saved = self._lock._release_save()
-        self._waiters.append(me)
-        try:
-            woke = runtime._block(me, "Condition.wait", runtime._deadline(timeout))
-        finally:
-            if me in self._waiters:
-                self._waiters.remove(me)
-            self._lock._acquire_restore(saved)
-        return woke
-
-    def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
-        runtime, _ = _require()
-        deadline = runtime._deadline(timeout)
-        result = predicate()
-        while not result:
-            if deadline is not None:
-                left = deadline - runtime.now()
-                if left <= 0:
-                    break
-                self.wait(left)
-            else:
-                self.wait()
-            result = predicate()
-        return result
-
-    def notify(self, n: int = 1) -> None:
-        runtime, _ = _require()
-        if not self._lock._is_owned():
-            raise RuntimeError("cannot notify on un-acquired lock")
-        for _ in range(min(n, len(self._waiters))):
-            runtime._wake(self._waiters.popleft())
-
-    def notify_all(self) -> None:
-        self.notify(len(self._waiters))
-
-    notifyAll = notify_all
-
-
-class SimEvent:
-    """``threading.Event``: waiting is a scheduling point."""
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._waiters: list[SimThread] = []
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    isSet = is_set
-
-    def set(self) -> None:
-        self._flag = True
-        runtime = _ACTIVE
-        waiters, self._waiters = self._waiters, []
-        if runtime is not None:
-            for thread in waiters:
-                runtime._wake(thread)
-
-    def clear(self) -> None:
-        self._flag = False
-
-    def wait(self, timeout: float | None = None) -> bool:
-        runtime, me = _require()
-        runtime.point("event")
-        if self._flag:
-            return True
-        deadline = runtime._deadline(timeout)
-        while not self._flag:
-            if deadline is not None and runtime._passed(deadline):
-                break
-            self._waiters.append(me)
-            runtime._block(me, "Event.wait", deadline)
-            if me in self._waiters:
-                self._waiters.remove(me)
-        return self._flag
-
-
-class SimSemaphore:
-    """``threading.Semaphore``."""
-
-    def __init__(self, value: int = 1) -> None:
-        self._value = value
-        self._cond = SimCondition(SimLock())
-
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        with self._cond:
-            if not blocking and self._value <= 0:
-                return False
-            if not self._cond.wait_for(lambda: self._value > 0, timeout):
-                return False
-            self._value -= 1
-            return True
-
-    __enter__ = acquire
-
-    def release(self, n: int = 1) -> None:
-        with self._cond:
-            self._value += n
-            self._cond.notify(n)
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class SimBoundedSemaphore(SimSemaphore):
-    """``threading.BoundedSemaphore``."""
-
-
-# -- futures and executors --------------------------------------------------------------------
-
-_PENDING, _RUNNING, _CANCELLED, _DONE = "PENDING", "RUNNING", "CANCELLED", "FINISHED"
-
-
-class SimFuture:
-    """``concurrent.futures.Future`` on the runtime's primitives."""
-
-    def __init__(self) -> None:
-        self._state = _PENDING
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._event = SimEvent()
-        self._callbacks: list[Callable[[SimFuture], object]] = []
-        self._watchers: list[SimEvent] = []
-
-    def __repr__(self) -> str:
-        return f"<SimFuture {self._state}>"
-
-    def cancel(self) -> bool:
-        if self._state in (_RUNNING, _DONE):
-            return False
-        if self._state != _CANCELLED:
-            self._state = _CANCELLED
-            self._settled()
-        return True
-
-    def cancelled(self) -> bool:
-        return self._state == _CANCELLED
-
-    def running(self) -> bool:
-        return self._state == _RUNNING
-
-    def done(self) -> bool:
-        return self._state in (_CANCELLED, _DONE)
-
-    def set_running_or_notify_cancel(self) -> bool:
-        if self._state == _CANCELLED:
-            return False
-        self._state = _RUNNING
-        return True
-
-    def set_result(self, result: Any) -> None:
-        self._result = result
-        self._state = _DONE
-        self._settled()
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._exception = exception
-        self._state = _DONE
-        self._settled()
-
-    def _settled(self) -> None:
-        self._event.set()
-        for watcher in self._watchers:
-            watcher.set()
-        for callback in self._callbacks:
-            try:
-                callback(self)
-            except Exception:
-                import logging
-
-                logging.getLogger(__name__).exception("future callback failed")
-
-    def add_done_callback(self, fn: Callable[[SimFuture], object]) -> None:
-        if self.done():
-            fn(self)
-        else:
-            self._callbacks.append(fn)
-
-    def _wait(self, timeout: float | None) -> None:
-        if not self._event.wait(timeout):
-            raise concurrent.futures.TimeoutError()
-
-    def result(self, timeout: float | None = None) -> Any:
-        self._wait(timeout)
-        if self._state == _CANCELLED:
-            raise concurrent.futures.CancelledError()
-        if self._exception is not None:
-            raise self._exception
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._wait(timeout)
-        if self._state == _CANCELLED:
-            raise concurrent.futures.CancelledError()
-        return self._exception
-
-
-def sim_wait(
-    fs: Iterable[SimFuture],
-    timeout: float | None = None,
-    return_when: str = concurrent.futures.ALL_COMPLETED,
-) -> concurrent.futures._base.DoneAndNotDoneFutures[Any]:
-    """``concurrent.futures.wait``."""
-    runtime, _ = _require()
-    futures = set(fs)
-    deadline = runtime._deadline(timeout)
-
-    def split() -> tuple[set[SimFuture], set[SimFuture]]:
-        done = {f for f in futures if f.done()}
-        return done, futures - done
-
-    done, pending = split()
-    while pending:
-        if return_when == concurrent.futures.FIRST_COMPLETED and done:
-            break
-        if return_when == concurrent.futures.FIRST_EXCEPTION and any(
-            not f.cancelled() and f._exception is not None for f in done
-        ):
-            break
-        watcher = SimEvent()
-        for future in pending:
-            future._watchers.append(watcher)
-        left = None if deadline is None else deadline - runtime.now()
-        if left is not None and left <= 0:
-            break
-        watcher.wait(left)
-        for future in pending:
-            if watcher in future._watchers:
-                future._watchers.remove(watcher)
-        done, pending = split()
-    return concurrent.futures._base.DoneAndNotDoneFutures(done, pending)
-
-
-def sim_as_completed(fs: Iterable[SimFuture], timeout: float | None = None) -> Iterator[SimFuture]:
-    """``concurrent.futures.as_completed``."""
-    pending = set(fs)
-    while pending:
-        done, pending = sim_wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
-        if not done:
-            raise concurrent.futures.TimeoutError()
-        yield from done
-
-
-class SimExecutor:
-    """``concurrent.futures.ThreadPoolExecutor`` on registered threads."""
-
-    def __init__(
-        self,
-        max_workers: int | None = None,
-        thread_name_prefix: str = "",
-        initializer: Callable[..., object] | None = None,
-        initargs: tuple[Any, ...] = (),
-    ) -> None:
-        self._max = max_workers or 4
-        self._prefix = thread_name_prefix or "SimExecutor"
-        self._initializer = initializer
-        self._initargs = initargs
-        self._cond = SimCondition(SimLock())
-        self._work: deque[tuple[SimFuture, Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
-        self._work = deque()
-        self._threads: list[SimThread] = []
-        self._idle = 0
-        self._shutdown = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> SimFuture:
-        future = SimFuture()
-        with self._cond:
-            if self._shutdown:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            self._work.append((future, fn, args, kwargs))
-            if self._idle == 0 and len(self._threads) < self._max:
-                thread = SimThread(target=self._worker, name=f"{self._prefix}_{len(self._threads)}")
-                self._threads.append(thread)
-                thread.start()
-            else:
-                self._cond.notify()
-        return future
-
-    def _worker(self) -> None:
-        if self._initializer is not None:
-            self._initializer(*self._initargs)
-        while True:
-            with self._cond:
-                while not self._work and not self._shutdown:
-                    self._idle += 1
-                    try:
-                        self._cond.wait()
-                    finally:
-                        self._idle -= 1
-                if not self._work:
-                    return
-                future, fn, args, kwargs = self._work.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as err:
-                future.set_exception(err)
-                if isinstance(err, Killed):
-                    raise
-            else:
-                future.set_result(result)
-
-    def map(
-        self,
-        fn: Callable[..., Any],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-    ) -> Iterator[Any]:
-        futures = [self.submit(fn, *args) for args in zip(*iterables, strict=False)]
-
-        def results() -> Iterator[Any]:
-            for future in futures:
-                yield future.result(timeout)
-
-        return results()
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._cond:
-            self._shutdown = True
-            if cancel_futures:
-                while self._work:
-                    self._work.popleft()[0].cancel()
-            self._cond.notify_all()
-        if wait:
-            for thread in list(self._threads):
-                thread.join()
-
-    def __enter__(self) -> SimExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown(wait=True)
-
-
-# -- the stand-ins put into the product's modules ---------------------------------------------
-
-
-def _dispatch(sim: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
-    """``sim`` for the runtime's threads, ``real`` for any other (another test's leftover)."""
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        if _registered() is not None:
-            return sim(*args, **kwargs)
-        return real(*args, **kwargs)
-
-    make.__name__ = getattr(real, "__name__", "stand_in")
-    return make
-
-
-def _proxy(name: str, original: types.ModuleType, **overrides: Any) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__dict__.update(original.__dict__)
-    module.__dict__.update(overrides)
-    return module
-
-
-def _current_thread() -> Any:
-    found = _registered()
-    return found[1] if found is not None else threading.current_thread()
-
-
-def _main_thread() -> Any:
-    runtime = _ACTIVE
-    if runtime is not None and runtime._main is not None:
-        return runtime._main
-    return threading.main_thread()
-
-
-def _no_sync(fd: int) -> None:
-    os.fstat(fd)  # a closed descriptor still fails, as it would
-
-
-def _replacements(runtime: Runtime) -> dict[int, Any]:
-    """By the identity of what a module imported: what it sees during the schedule."""
-    from tests.system import simnet
-
-    def monotonic() -> float:
-        return runtime.now() if _registered() is not None else time.monotonic()
-
-    def sleep(seconds: float) -> None:
-        if _registered() is not None:
-            runtime.sleep(seconds)
-        else:
-            time.sleep(seconds)
-
-    def ns() -> int:
-        return int(monotonic() * 1e9)
-
-    sim_threading = _proxy(
-        "threading",
-        threading,
-        Thread=_dispatch(SimThread, threading.Thread),
-        Lock=_dispatch(SimLock, threading.Lock),
-        RLock=_dispatch(SimRLock, threading.RLock),
-        Condition=_dispatch(SimCondition, threading.Condition),
-        Event=_dispatch(SimEvent, threading.Event),
-        Semaphore=_dispatch(SimSemaphore, threading.Semaphore),
-        BoundedSemaphore=_dispatch(SimBoundedSemaphore, threading.BoundedSemaphore),
-        current_thread=_current_thread,
-        currentThread=_current_thread,
-        main_thread=_main_thread,
-    )
-    sim_time = _proxy(
-        "time",
-        time,
-        sleep=sleep,
-        monotonic=monotonic,
-        perf_counter=monotonic,
-        monotonic_ns=ns,
-        perf_counter_ns=ns,
-    )
-    rng = runtime.data_random
-    sim_random = _proxy("random", random)
-    for name in (
-        "random",
-        "uniform",
-        "randint",
-        "randrange",
-        "choice",
-        "choices",
-        "shuffle",
-        "sample",
-        "getrandbits",
-        "gauss",
-        "expovariate",
-        "triangular",
-        "betavariate",
-        "normalvariate",
-        "lognormvariate",
-        "randbytes",
-    ):
-        setattr(sim_random, name, getattr(rng, name))
-    # A simulated crash loses nothing the page cache holds (only a power loss would), so the
-    # schedule's syncs are not waited for: a real one holds the baton for its whole latency.
-    sim_os = _proxy(
-        "os", os, urandom=lambda n: rng.randbytes(n), fsync=_no_sync, fdatasync=_no_sync
-    )
-    sim_uuid = _proxy("uuid", uuid, uuid4=lambda: uuid.UUID(int=rng.getrandbits(128), version=4))
-    sim_secrets = _proxy(
-        "secrets",
-        secrets,
-        token_bytes=lambda n=32: rng.randbytes(n),
-        token_hex=lambda n=32: rng.randbytes(n).hex(),
-        randbits=rng.getrandbits,
-        randbelow=lambda n: rng.randrange(n),
-        choice=rng.choice,
-    )
-    executor = _dispatch(SimExecutor, concurrent.futures.ThreadPoolExecutor)
-    future = _dispatch(SimFuture, concurrent.futures.Future)
-    wait = _dispatch(sim_wait, concurrent.futures.wait)
-    as_completed = _dispatch(sim_as_completed, concurrent.futures.as_completed)
-    sim_futures = _proxy(
-        "concurrent.futures",
-        concurrent.futures,
-        ThreadPoolExecutor=executor,
-        Future=future,
-        wait=wait,
-        as_completed=as_completed,
-    )
-    sim_concurrent = types.ModuleType("concurrent")
-    sim_concurrent.futures = sim_futures  # type: ignore[attr-defined]
-    sim_client = _proxy("http.client", http.client, HTTPConnection=runtime.net.connection_class())
-    sim_http = _proxy("http", http, client=sim_client)
-    sim_selectors = _proxy(
-        "selectors",
-        selectors,
-        DefaultSelector=simnet.SimSelector,
-        SelectSelector=simnet.SimSelector,
-        PollSelector=simnet.SimSelector,
-        EpollSelector=simnet.SimSelector,
-    )
-    table: dict[Any, Any] = {
-        threading: sim_threading,
-        threading.Thread: sim_threading.Thread,
-        threading.Lock: sim_threading.Lock,
-        threading.RLock: sim_threading.RLock,
-        threading.Condition: sim_threading.Condition,
-        threading.Event: sim_threading.Event,
-        threading.Semaphore: sim_threading.Semaphore,
-        threading.current_thread: _current_thread,
-        time: sim_time,
-        time.sleep: sleep,
-        time.monotonic: monotonic,
-        time.perf_counter: monotonic,
-        random: sim_random,
-        os: sim_os,
-        uuid: sim_uuid,
-        secrets: sim_secrets,
-        concurrent.futures: sim_futures,
-        concurrent.futures.ThreadPoolExecutor: executor,
-        concurrent.futures.Future: future,
-        concurrent.futures.wait: wait,
-        concurrent.futures.as_completed: as_completed,
-        http: sim_http,
-        http.client: sim_client,
-        http.client.HTTPConnection: sim_client.HTTPConnection,
-        selectors: sim_selectors,
-    }
-    import concurrent as concurrent_package
-
-    table[concurrent_package] = sim_concurrent
-    return {id(key): value for key, value in table.items()}

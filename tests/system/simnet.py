@@ -16,6 +16,7 @@ it again. Nothing here binds a real socket.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import io
@@ -25,6 +26,7 @@ from collections import deque
 from typing import Any
 
 from tests.system import runtime as rt
+from tests.system.primitives import SimCondition, SimEvent, SimLock
 
 __all__ = ["SimNet", "SimSelector", "SimSocket"]
 
@@ -37,7 +39,7 @@ class _Pipe:
     def __init__(self) -> None:
         self.data = bytearray()
         self.closed = False  # the writer shut down or closed: end of file once drained
-        self.changed = rt.SimCondition(rt.SimLock())
+        self.changed = SimCondition(SimLock())
 
 
 class SimSocket:
@@ -222,7 +224,7 @@ def selectors_key(fileobj: Any, fd: int, events: int, data: Any) -> Any:
 class _Listener:
     def __init__(self) -> None:
         self.backlog: deque[tuple[SimSocket, tuple[str, int]]] = deque()
-        self.changed = rt.SimCondition(rt.SimLock())
+        self.changed = SimCondition(SimLock())
         self.open = True
 
 
@@ -283,88 +285,85 @@ class SimNet:
     def server_class(self, base: type[socketserver.BaseServer]) -> type[Any]:
         """``base`` (a ``socketserver`` server class, threading or not) listening on this
         network; each connection is served on a registered thread."""
-        net = self
+        made = type(base.__name__, (_SimServer, base), {"_net": self})
+        made.__qualname__ = base.__qualname__
+        return made
 
-        class SimServer(base):  # type: ignore[valid-type, misc]
-            def __init__(
-                self, server_address: tuple[str, int], handler: Any, bind_and_activate: bool = True
-            ) -> None:
-                if rt._registered() is None:
-                    raise RuntimeError("a simulated server is made by a thread of the schedule")
-                socketserver.BaseServer.__init__(self, server_address, handler)
-                host = server_address[0]
-                port, self._listener = net.listen(int(server_address[1]))
-                self.server_address = (host, port)
-                self.server_name = host
-                self.server_port = port
-                self.socket = _ClosedSocket(self)
-                self._stopping = False
-                self._stopped = rt.SimEvent()
-                self._stopped.set()
 
-            def fileno(self) -> int:
-                return -1
+class _SimServer:
+    """What :meth:`SimNet.server_class` puts in front of a ``socketserver`` server class."""
 
-            def serve_forever(self, poll_interval: float = 0.5) -> None:
-                self._stopped.clear()
-                listener = self._listener
-                try:
-                    while not self._stopping:
-                        with listener.changed:
-                            listener.changed.wait_for(
-                                lambda: listener.backlog or self._stopping or not listener.open,
-                                poll_interval,
-                            )
-                            taken = listener.backlog.popleft() if listener.backlog else None
-                        if taken is not None:
-                            self.process_request(*taken)
-                        elif not listener.open:
-                            break
-                finally:
-                    self._stopping = False
-                    self._stopped.set()
+    _net: SimNet
 
-            def shutdown(self) -> None:
-                self._stopping = True
-                listener = self._listener
+    def __init__(
+        self, server_address: tuple[str, int], handler: Any, bind_and_activate: bool = True
+    ) -> None:
+        if rt._registered() is None:
+            raise RuntimeError("a simulated server is made by a thread of the schedule")
+        socketserver.BaseServer.__init__(self, server_address, handler)  # type: ignore[arg-type]
+        host = server_address[0]
+        port, self._listener = self._net.listen(int(server_address[1]))
+        self.server_address = (host, port)
+        self.server_name = host
+        self.server_port = port
+        self.socket = _ClosedSocket(self)
+        self._stopping = False
+        self._stopped = SimEvent()
+        self._stopped.set()
+
+    def fileno(self) -> int:
+        return -1
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stopped.clear()
+        listener = self._listener
+        try:
+            while not self._stopping:
                 with listener.changed:
-                    listener.changed.notify_all()
-                self._stopped.wait()
+                    listener.changed.wait_for(
+                        lambda: listener.backlog or self._stopping or not listener.open,
+                        poll_interval,
+                    )
+                    taken = listener.backlog.popleft() if listener.backlog else None
+                if taken is not None:
+                    self.process_request(*taken)
+                elif not listener.open:
+                    break
+        finally:
+            self._stopping = False
+            self._stopped.set()
 
-            def process_request(self, request: Any, client_address: Any) -> None:
-                thread = rt.SimThread(
-                    target=self._serve_one,
-                    args=(request, client_address),
-                    name=f"{type(self).__name__}-request",
-                    daemon=True,
-                )
-                thread.start()
+    def shutdown(self) -> None:
+        self._stopping = True
+        listener = self._listener
+        with listener.changed:
+            listener.changed.notify_all()
+        self._stopped.wait()
 
-            def _serve_one(self, request: Any, client_address: Any) -> None:
-                try:
-                    self.finish_request(request, client_address)
-                except Exception:
-                    self.handle_error(request, client_address)
-                finally:
-                    self.shutdown_request(request)
+    def process_request(self, request: Any, client_address: Any) -> None:
+        name = f"{type(self).__name__}-request"
+        thread = rt.SimThread(target=self._serve_one, args=(request, client_address), name=name)
+        thread.start()
 
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                pass  # a client that went away mid-request (a crash, a timeout)
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        server: Any = self
+        try:
+            # A client that went away mid-request (socketserver would print its traceback).
+            with contextlib.suppress(Exception):
+                server.finish_request(request, client_address)
+        finally:
+            server.shutdown_request(request)
 
-            def server_close(self) -> None:
-                listener = self._listener
-                listener.open = False
-                backlog = list(listener.backlog)
-                listener.backlog.clear()
-                for sock, _ in backlog:
-                    sock.close()
-                if rt._registered() is not None:
-                    with listener.changed:
-                        listener.changed.notify_all()
-
-        SimServer.__name__ = base.__name__
-        SimServer.__qualname__ = base.__qualname__
-        return SimServer
+    def server_close(self) -> None:
+        listener = self._listener
+        listener.open = False
+        backlog = list(listener.backlog)
+        listener.backlog.clear()
+        for sock, _ in backlog:
+            sock.close()
+        if rt._registered() is not None:
+            with listener.changed:
+                listener.changed.notify_all()
 
 
 class _ClosedSocket:

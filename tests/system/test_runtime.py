@@ -13,17 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.system.runtime import (
-    Killed,
-    Runtime,
-    SimDeadlock,
-    SimEvent,
-    SimExecutor,
-    SimLivelock,
-    SimLock,
-    SimThread,
-    sim_wait,
-)
+from tests.system.primitives import SimEvent, SimExecutor, SimLock, sim_wait
+from tests.system.runtime import Killed, Runtime, SimDeadlock, SimLivelock, SimThread
 
 
 def _interleaving(seed: int, workers: int = 4, steps: int = 30) -> list[str]:
