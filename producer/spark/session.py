@@ -77,22 +77,7 @@ def local_spark_session(
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    java_options = f"-Dlog4j2.configurationFile={_log4j_config(log_level)}"
-    scratch: dict[str, str] = {}
-    if work_dir is not None:
-        local, tmp = Path(work_dir) / "spark-local", Path(work_dir) / "jvm-tmp"
-        local.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-        scratch["spark.local.dir"] = str(local)
-        java_options += f" -Djava.io.tmpdir={tmp}"
-    settings = {
-        **LOCAL_SPARK_CONF,
-        **scratch,
-        # Without a log4j configuration of its own the JVM logs its start-up warnings before
-        # any log level can be set; the driver JVM reads this one when it starts.
-        "spark.driver.extraJavaOptions": java_options,
-        **(conf or {}),
-    }
+    settings = _settings(log_level, work_dir, conf)
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -102,6 +87,29 @@ def local_spark_session(
     register(spark)
     logger.info("spark session %s on %s", app_name, master)
     return spark
+
+
+def _settings(
+    log_level: str, work_dir: str | os.PathLike[str] | None, conf: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The session's Spark settings: :data:`LOCAL_SPARK_CONF`, the scratch directories under
+    ``work_dir`` (made here), the driver JVM's options, then ``conf``."""
+    java_options = f"-Dlog4j2.configurationFile={_log4j_config(log_level)}"
+    scratch: dict[str, str] = {}
+    if work_dir is not None:
+        local, tmp = Path(work_dir) / "spark-local", Path(work_dir) / "jvm-tmp"
+        local.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        scratch["spark.local.dir"] = str(local)
+        java_options += f" -Djava.io.tmpdir={tmp}"
+    return {
+        **LOCAL_SPARK_CONF,
+        **scratch,
+        # Without a log4j configuration of its own the JVM logs its start-up warnings before
+        # any log level can be set; the driver JVM reads this one when it starts.
+        "spark.driver.extraJavaOptions": java_options,
+        **(conf or {}),
+    }
 
 
 _LOG4J = """\
