@@ -129,20 +129,27 @@ class Producer:
         except BaseException:
             self._wal.close()
             raise
+        queue = self._appender()
+        self._releaser = Releaser(state, self._wal)
+        self._start_threads(queue)
+
+    def _appender(self) -> Appender:
+        """The committer's appender: through the coordinators the config names, or the one the
+        producers of this queue on this machine share, else straight to the manifest (a
+        coordinated one is kept in ``_coordinated``, closed with the producer)."""
+        config = self._config
         direct = QueueProducer(
             self._store,
             config.manifest_path,
             retry=config.retry,
             clock=self._clock,
-            counters=state.counters,
+            counters=self._state.counters,
         )
-        queue: Appender = direct
         identity = queue_identity(self._store.url, config.manifest_path)
         if config.coordinator:
             self._coordinated = CoordinatedAppender(
                 direct, config.coordinator, queue=identity, clock=self._clock
             )
-            queue = self._coordinated
         elif shares_a_coordinator(config.host_coordinator, self._store):
             host = HostCoordinator(
                 self._store,
@@ -154,22 +161,24 @@ class Producer:
             self._coordinated = HostCoordinatedAppender(
                 direct, host, queue=identity, clock=self._clock
             )
-            queue = self._coordinated
-        binder = _Binder(self._wal, config, UlidMinter(config.clock))
-        writer = WalWriter(state, self._wal, config)
-        committer = Committer(
-            state, self._wal, config, self._store, queue, self._session, self._clock
-        )
-        self._releaser = Releaser(state, self._wal)
+        return direct if self._coordinated is None else self._coordinated
+
+    def _start_threads(self, queue: Appender) -> None:
+        """Start the background threads (module docstring); the committer appends through
+        ``queue``."""
+        config, state, wal = self._config, self._state, self._wal
+        binder = _Binder(wal, config, UlidMinter(config.clock))
+        writer = WalWriter(state, wal, config)
+        committer = Committer(state, wal, config, self._store, queue, self._session, self._clock)
         bodies: list[tuple[str, Any]] = [
             ("millpond-wal-writer", writer.run),
             ("millpond-wal-syncer", writer.run_syncer),
-            ("millpond-sealer", Sealer(state, self._wal, config, binder).run),
+            ("millpond-sealer", Sealer(state, wal, config, binder).run),
             ("millpond-committer", committer.run),
             ("millpond-wal-releaser", self._releaser.run),
         ]
         for i in range(config.upload_concurrency):
-            uploader = Uploader(state, self._wal, config, self._store, self._clock, self._session)
+            uploader = Uploader(state, wal, config, self._store, self._clock, self._session)
             bodies.append((f"millpond-upload-{i}", uploader.run))
         self._threads = [
             threading.Thread(target=run, name=name, daemon=True) for name, run in bodies
