@@ -192,6 +192,7 @@ class Poisoner:
             data_path_prefix=self._queue.data_path_prefix,
             gc_enabled=False,
             retry=RETRY,
+            clock=self._recorder.clock,
         )
 
     def _sink(self) -> AdbcSink:

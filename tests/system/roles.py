@@ -3,7 +3,9 @@
 A role "process" is one object (a ``Producer``, a ``Consumer`` with its sink, a
 ``GarbageCollector``, a Spark driver's commit) and its store view. A crash abandons the object
 mid-flight — its threads stopped, its WAL closed unreleased, its sink transaction rolled back —
-and a restart builds a new one on the same WAL directory or sink.
+and a restart builds a new one on the same WAL directory or sink. The roles run under the
+checker's runtime (``tests/system/runtime.py``): their waits are simulated time, and the
+coordinator serves on the simulated network (``tests/system/simnet.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 import sqlite3
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,8 @@ from millpond.producer import Producer, ProducerConfig
 from millpond.producer.spark.commit import commit_micro_batch
 from millpond.queue.claim import queue_identity
 from tests.invariants import ConsumerEvent
+from tests.system.primitives import SimEvent
+from tests.system.runtime import current_runtime
 from tests.system.sim import Fault, Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
 
 __all__ = ["ConsumerRole", "CoordinatorRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
@@ -45,7 +47,8 @@ AGING_RETRY = RetryPolicy(
     max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2, strategy="aging"
 )
 """The fair pacing of contended appends (issue 11), for the schedules that switch it on."""
-_FLUSH_ROUNDS = 400  # each waits a few real milliseconds and moves the clock on
+_FLUSH_ROUNDS = 400  # rounds of 20 ms of simulated time a flush is waited for
+_ROUND = 0.02
 # Real seconds each coordinator write takes: a producer uploads its next batches while its
 # append is out, and sends them chained behind it (X-Millpond-After), faults and all.
 _ROUND_WRITE = 0.015
@@ -174,10 +177,14 @@ class ProducerRole:
         return self._while_the_clock_runs(producer.flush, _FLUSH_ROUNDS * (10 if until_done else 1))
 
     def _while_the_clock_runs(self, call: Callable[[], object], rounds: int) -> bool:
-        """Run ``call`` (which waits on the simulated clock) in a thread, moving the clock on in
-        small steps until it returns; ``False`` if it failed or never returned."""
-        done = threading.Event()
+        """Run ``call`` (which waits on the simulated clock) on a thread of its own, for at
+        most ``rounds`` times 20 ms of simulated time, or until this process dies; ``False``
+        if it failed or did not return by then."""
+        runtime = current_runtime()
+        assert runtime is not None, "the checker's roles run under its runtime"
+        done = SimEvent()
         outcome: list[bool] = []
+        store = self.store
 
         def run() -> None:
             try:
@@ -188,13 +195,12 @@ class ProducerRole:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name=f"sim-{self.source}", daemon=True).start()
+        runtime.spawn(run, f"sim-{self.source}")
         for _ in range(rounds):
-            if done.wait(0.002):
+            if done.wait(_ROUND):
                 break
-            if self.store is not None and self.store.dead:
+            if store is not None and store.dead:
                 break
-            self._sim.advance(0.02)
         return bool(outcome) and outcome[0]
 
     def crash(self) -> None:
@@ -238,12 +244,10 @@ def _kill_hosted_coordinator(producer: Producer) -> None:
 
 class CoordinatorRole:
     """``millpond coordinator`` for one queue: a real ``AppendCoordinator`` served over HTTP on
-    loopback, on its own ``RoleStore``. A crash stops its listener and kills its store view
-    (the round under way dies at its next store call); a restart serves on the same port.
-
-    Between a crash and the restart the port stays bound, not listening (a connection is
-    refused, as by a dead process): a port left free meanwhile can be taken by any socket of
-    another test process (seed 91376 under ``-n 6``: "Address already in use").
+    the schedule's simulated loopback (:mod:`tests.system.simnet`), on its own ``RoleStore``.
+    A crash stops its listener and kills its store view (the round under way dies at its next
+    store call); between a crash and the restart a connection is refused, as by a dead
+    process; a restart serves on the same port.
     """
 
     def __init__(
@@ -256,7 +260,6 @@ class CoordinatorRole:
         self.port = 0
         self.store: RoleStore | None = None
         self.server: CoordinatorServer | None = None
-        self._held_port: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -267,7 +270,6 @@ class CoordinatorRole:
         return self.server is not None and self.store is not None and not self.store.dead
 
     def start(self) -> None:
-        self.release_port()
         self.store = RoleStore(
             self._recorder, "coordinator", self._down, bounded=True, cas_delay=_ROUND_WRITE
         )
@@ -295,28 +297,12 @@ class CoordinatorRole:
             self.store.dead = True
         if server is not None:
             server.close_listener()
-            self._held_port = _hold(self.port)
             # Lets an idle round thread end (a real crash takes it too). What was waiting for
             # a round is refused: true, since this store view writes nothing any more.
             server.coordinator.stop(0)
 
     def release_port(self) -> None:
-        """Free the port a crash kept bound (before a restart, and when the schedule ends)."""
-        held, self._held_port = self._held_port, None
-        if held is not None:
-            held.close()
-
-
-def _hold(port: int) -> socket.socket | None:
-    """``port`` on loopback bound and not listening; ``None`` if it was taken at once."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
-    try:
-        sock.bind(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        return None
-    return sock
+        """Nothing to free: the simulated network binds no real port."""
 
 
 class ConsumerRole:
@@ -429,8 +415,9 @@ class ConsumerRole:
             retry_initial_delay=0.001,
             retry_max_delay=0.005,
             on_bad_batch=on_bad_batch,
+            clock=self._clock,
         )
-        stop = threading.Event()
+        stop = SimEvent()
         original = self.consumer.initialize
 
         def initialize(last_acked_sequence: int | None = None) -> None:
@@ -484,8 +471,13 @@ class _RecordingConsumer(Consumer):
 
     # next_batch() goes through next_batches(), and the service delivers with next_batches()
     # (acking what it wrote before with the same call) and acks with ack_through(): each path
-    # is noted once.
+    # is noted once, under the consumer's own lock, so that no takeover can run (on another
+    # thread, between two requests of this consumer's) between a delivery and its note.
     def next_batches(self, limit: int, *, ack_through: int | None = None) -> list[ConsumedBatch]:
+        with self._lock:
+            return self._next_batches(limit, ack_through=ack_through)
+
+    def _next_batches(self, limit: int, *, ack_through: int | None) -> list[ConsumedBatch]:
         acked_before = self.acked_sequence
         try:
             batches = super().next_batches(limit, ack_through=ack_through)
@@ -504,20 +496,22 @@ class _RecordingConsumer(Consumer):
         return batches
 
     def ack(self, sequence: int) -> None:
-        try:
-            super().ack(sequence)
-        except FencedError:
-            self._role.fenced = True
-            raise
-        self._role.record("acked", sequence)
+        with self._lock:
+            try:
+                super().ack(sequence)
+            except FencedError:
+                self._role.fenced = True
+                raise
+            self._role.record("acked", sequence)
 
     def ack_through(self, sequence: int) -> None:
-        try:
-            super().ack_through(sequence)
-        except FencedError:
-            self._role.fenced = True
-            raise
-        self._role.record("acked", sequence)
+        with self._lock:
+            try:
+                super().ack_through(sequence)
+            except FencedError:
+                self._role.fenced = True
+                raise
+            self._role.record("acked", sequence)
 
 
 class GcRole:

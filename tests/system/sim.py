@@ -17,7 +17,14 @@
 
 Fencing at the store: once a newer consumer's takeover has returned (:meth:`Recorder.fence`),
 no conditional write of an older consumer of that queue — the manifest, the backlog index
-head — may land; the recorder notes any that does (:attr:`Recorder.fenced_writes`).
+head — may land; the recorder notes any that does (:attr:`Recorder.fenced_writes`). Nor may a
+backlog index head be created carrying an epoch below its manifest's
+(:attr:`Recorder.stale_heads`).
+
+Under the checker's runtime (:mod:`tests.system.runtime`) each request of a role is a
+scheduling point before it is sent and after its answer (another thread may act in between),
+and the recorder's :attr:`~Recorder.trace` lists every request in the order sent, with its
+answer: two runs of a seed must give the same trace.
 """
 
 from __future__ import annotations
@@ -25,9 +32,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import threading
-import time
-import types
 import weakref
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,7 +41,6 @@ from typing import Any
 
 from millpond.errors import CommitStateUnknownError, ConflictError, NotFoundError, StorageError
 from millpond.formats.manifest import decode_manifest
-from millpond.queue import peek as peek_module
 from millpond.queue.index import decode_head
 from millpond.storage.store import (
     DeleteFailure,
@@ -45,6 +50,7 @@ from millpond.storage.store import (
     ObjectStore,
 )
 from tests.invariants import ObjectEvent
+from tests.system.runtime import current_runtime
 
 __all__ = ["Fault", "Recorder", "RoleStore", "SimClock", "SimulatedCrash", "SkewedClock"]
 
@@ -55,37 +61,35 @@ class SimulatedCrash(BaseException):
 
 
 _CLOCKS: weakref.WeakSet[SimClock] = weakref.WeakSet()
-"""Every simulated clock alive, for :class:`_SendingThread`."""
+"""Every simulated clock alive, for :func:`inherit_clock_readings`."""
 
 
-class _SendingThread(threading.Thread):
-    """A thread that starts with the clock readings of the thread that made it.
+def inherit_clock_readings() -> Callable[[], None]:
+    """Called where a thread is made; what it returns, first thing in the new thread.
 
-    ``Peek.outrun`` sends a writer's compare-and-swap on a thread of its own, right after the
-    writer checked its deadline on the clock: the write is sent on that reading, and the
-    timing assumption (:meth:`RoleStore._in_time`) must bound it by that reading — a new
-    thread has none of its own, and its writes went unbounded (a write whose writer was
-    descheduled while the schedule moved the clock 200 s landed: checker seed 560703,
-    "appended while it did not exist")."""
+    A new thread starts with the clock readings of the thread that made it. ``Peek.outrun``
+    sends a writer's compare-and-swap on a thread of its own, right after the writer checked
+    its deadline on the clock: the write is sent on that reading, and the timing assumption
+    (:meth:`RoleStore._in_time`) must bound it by that reading — a new thread has none of its
+    own, and its writes went unbounded (a write whose writer was descheduled while the
+    schedule moved the clock 200 s landed: checker seed 560703, "appended while it did not
+    exist"). The runtime (:mod:`tests.system.runtime`) calls it for every thread it starts."""
+    readings = [(clock, clock.last_read()) for clock in list(_CLOCKS)]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._readings = [(clock, clock.last_read()) for clock in list(_CLOCKS)]
-
-    def run(self) -> None:
-        for clock, at in self._readings:
+    def inherit() -> None:
+        for clock, at in readings:
             clock.inherit(at)
-        super().run()
 
-
-_peek_threading = types.ModuleType("threading")
-_peek_threading.__dict__.update(threading.__dict__)
-_peek_threading.Thread = _SendingThread  # type: ignore[attr-defined]
-peek_module.threading = _peek_threading  # type: ignore[attr-defined]
+    return inherit
 
 
 class SimClock:
-    """Simulated wall clock (ms) and monotonic clock (s); ``sleep`` advances both at once.
+    """Simulated wall clock (ms) and monotonic clock (s).
+
+    Under the schedule's runtime (:mod:`tests.system.runtime`) it is the runtime's time line:
+    ``sleep`` blocks the calling thread until the time has come, and time moves on only when
+    every thread is blocked (:meth:`jump_to`) or when the schedule moves it (:meth:`advance`).
+    Outside one, ``sleep`` advances the clock.
 
     It remembers when each thread last read it (:meth:`last_read`): a write sent on that
     reading (a deadline checked, then the request) is :meth:`since` it old when it lands.
@@ -124,11 +128,25 @@ class SimClock:
             return self._now - moment
 
     def sleep(self, seconds: float) -> None:
-        self.advance(seconds)
+        runtime = current_runtime()
+        if runtime is not None and runtime.registered():
+            runtime.sleep(seconds)
+        else:
+            self.advance(seconds)
 
     def advance(self, seconds: float) -> None:
         with self._lock:
             self._now += max(0.0, seconds)
+
+    def current(self) -> float:
+        """The simulated time, without counting as this thread's reading (the runtime's)."""
+        with self._lock:
+            return self._now
+
+    def jump_to(self, moment: float) -> None:
+        """Move the time on to ``moment`` (every thread is blocked until then)."""
+        with self._lock:
+            self._now = max(self._now, moment)
 
 
 class SkewedClock:
@@ -184,6 +202,43 @@ class Recorder(ForwardingStore):
         """Role names of consumers a newer consumer's takeover has fenced (it returned)."""
         self.fenced_writes: list[str] = []
         """Conditional writes of a fenced consumer that landed after the takeover returned."""
+        self.stale_heads: list[str] = []
+        """Backlog index heads created carrying an epoch below their manifest's."""
+        self.trace: list[str] = []
+        """Every request a role sent, in the order sent, with its answer
+        (:meth:`RoleStore._request`): under the runtime, a seed gives the same trace."""
+        self.private: list[bytes] = []
+        """What differs between two runs of one seed besides the store's URL (:meth:`digest`)."""
+        self._index_manifests: dict[str, str] = {}
+        """Index head path -> its queue's manifest (:meth:`index_of`)."""
+
+    def index_of(self, head_path: str, manifest_path: str) -> None:
+        """``head_path`` is the backlog index head of the queue at ``manifest_path``."""
+        self._index_manifests[head_path] = manifest_path
+
+    def note(self, line: str) -> None:
+        self.trace.append(line)
+
+    def digest(self, data: bytes) -> str:
+        """A short digest of ``data``, what differs between two runs of a seed left out (the
+        store's URL, a name made for each world, and the run's directory: a sink's path in a
+        set-aside batch's reason)."""
+        normal = data.replace(self.url.encode(), b"<store>")
+        for private in self.private:
+            normal = normal.replace(private, b"<private>")
+        return f"{len(data)}:{zlib.crc32(normal):08x}"
+
+    def describe(self, result: object) -> str:
+        """An answer, as the trace notes it."""
+        if isinstance(result, GetResult):
+            return f"{result.etag} {self.digest(result.data)}"
+        if isinstance(result, ObjectInfo):
+            return f"{result.path} {result.size} {result.etag}"
+        if isinstance(result, builtins.list):
+            return "[" + " ".join(self.describe(item) for item in result) + "]"
+        if isinstance(result, DeleteFailure):
+            return f"failed:{result.path}"
+        return str(result)
 
     def fence(self, roles: Iterable[str]) -> None:
         """A takeover returned: no conditional write of these consumers may land from now."""
@@ -248,7 +303,22 @@ class Recorder(ForwardingStore):
         with self.lock:
             etag = self.inner.put_if_absent(path, data)
             self._written(path, data)
+            manifest = self._index_manifests.get(path)
+            if manifest is not None:
+                self._check_new_head(path, data, manifest)
             return etag
+
+    def _check_new_head(self, path: str, data: bytes, manifest: str) -> None:
+        """A backlog index head was created: it must carry the manifest's current epoch
+        (an older consumer's first move must not create one after a takeover's bump)."""
+        footers = self.footers[manifest]
+        epoch = footers[-1][1] if footers else 0
+        head = decode_head(data, name=path)
+        if head.epoch < epoch:
+            self.stale_heads.append(
+                f"step {self.step}: {path} created carrying epoch {head.epoch}, the manifest "
+                f"{manifest} at epoch {epoch}"
+            )
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         if path in self._manifests:
@@ -482,12 +552,12 @@ class RoleStore(ForwardingStore):
                 self.recorder.held.append(call)
             raise CommitStateUnknownError(f"{path}: injected timeout (request held back)")
         if op == "cas" and self.cas_delay:
-            time.sleep(self.cas_delay)
+            self.recorder.clock.sleep(self.cas_delay)
         try:
             result = call()
         except ConflictError:
             if op == "cas" and self.late_conflict:
-                time.sleep(self.late_conflict)
+                self.recorder.clock.sleep(self.late_conflict)
             raise
         if mode == "land":
             raise CommitStateUnknownError(f"{path}: injected timeout after the write landed")
@@ -497,27 +567,60 @@ class RoleStore(ForwardingStore):
 
     # -- the ObjectStore surface ----------------------------------------------------------
 
+    def _request(self, op: str, path: str, call: Callable[[], Any], data: bytes = b"") -> Any:
+        """One request of this role: a scheduling point before it is sent and after its
+        answer (another thread may act in between), and a line in the recorder's trace."""
+        runtime = current_runtime()
+        if runtime is not None:
+            runtime.point("request")
+        sent = f"{self.name} {op} {path}" + (f" {self.recorder.digest(data)}" if data else "")
+        try:
+            result = call()
+        except BaseException as err:
+            self.recorder.note(f"{sent} !{type(err).__name__}")
+            if runtime is not None and not isinstance(err, SimulatedCrash):
+                runtime.point("response")
+            raise
+        self.recorder.note(f"{sent} {self.recorder.describe(result)}")
+        if runtime is not None:
+            runtime.point("response")
+        return result
+
     def get(self, path: str) -> GetResult:
-        result: GetResult = self._read(path, lambda: self.inner.get(path))
+        result: GetResult = self._request(
+            "get", path, lambda: self._read(path, lambda: self.inner.get(path))
+        )
         return result
 
     def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        result: GetResult | None = self._read(path, lambda: self.inner.get_if_changed(path, etag))
+        result: GetResult | None = self._request(
+            "get_if_changed",
+            path,
+            lambda: self._read(path, lambda: self.inner.get_if_changed(path, etag)),
+        )
         return result
 
     def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
-        result: GetResult | None = self._read(
-            path, lambda: self.inner.get_tail(path, length, etag), garbage=length
+        result: GetResult | None = self._request(
+            "get_tail",
+            path,
+            lambda: self._read(
+                path, lambda: self.inner.get_tail(path, length, etag), garbage=length
+            ),
         )
         return result
 
     def head(self, path: str) -> ObjectInfo:
-        result: ObjectInfo = self._read(path, lambda: self.inner.head(path))
+        result: ObjectInfo = self._request(
+            "head", path, lambda: self._read(path, lambda: self.inner.head(path))
+        )
         return result
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
-        result: builtins.list[ObjectInfo] = self._read(
-            prefix, lambda: self.inner.list(prefix, recursive=recursive)
+        result: builtins.list[ObjectInfo] = self._request(
+            "list",
+            prefix,
+            lambda: self._read(prefix, lambda: self.inner.list(prefix, recursive=recursive)),
         )
         return result
 
@@ -525,28 +628,50 @@ class RoleStore(ForwardingStore):
         return "cas" if path in self.recorder.footers else "put"
 
     def put(self, path: str, data: bytes) -> str | None:
-        result: str | None = self._write("put", path, lambda: self.inner.put(path, data))
+        result: str | None = self._request(
+            "put", path, lambda: self._write("put", path, lambda: self.inner.put(path, data)), data
+        )
         return result
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         op = self._op(path)
-        result: str | None = self._write(
-            op, path, lambda: self.inner.put_if_absent(path, data), held=op == "cas"
+        result: str | None = self._request(
+            "put_if_absent",
+            path,
+            lambda: self._write(
+                op, path, lambda: self.inner.put_if_absent(path, data), held=op == "cas"
+            ),
+            data,
         )
         return result
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         op = self._op(path)
-        result: str | None = self._write(
-            op, path, lambda: self.inner.put_if_match(path, data, etag), held=op == "cas"
+        result: str | None = self._request(
+            f"put_if_match({etag})",
+            path,
+            lambda: self._write(
+                op, path, lambda: self.inner.put_if_match(path, data, etag), held=op == "cas"
+            ),
+            data,
         )
         return result
 
     def copy(self, source: str, target: str) -> None:
-        self._write("put", target, lambda: self.inner.copy(source, target))
+        self._request(
+            f"copy({source})",
+            target,
+            lambda: self._write("put", target, lambda: self.inner.copy(source, target)),
+        )
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         wanted = list(paths)
+        result: builtins.list[DeleteFailure] = self._request(
+            "delete_many", " ".join(wanted), lambda: self._delete_many(wanted)
+        )
+        return result
+
+    def _delete_many(self, wanted: builtins.list[str]) -> builtins.list[DeleteFailure]:
         self._point(wanted[0] if wanted else "", write=True)
         mode = self._take("delete")
         if mode == "fail":

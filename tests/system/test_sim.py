@@ -11,7 +11,8 @@ from millpond.errors import CommitStateUnknownError
 from millpond.formats.manifest import empty_manifest
 from millpond.queue.peek import Peek
 from millpond.storage import GetResult, open_store
-from tests.system.sim import Fault, Recorder, RoleStore, SimClock
+from tests.system.runtime import Runtime
+from tests.system.sim import Fault, Recorder, RoleStore, SimClock, inherit_clock_readings
 
 MANIFEST = "q/manifest"
 LIMIT = 30.0
@@ -94,14 +95,17 @@ def test_a_write_sent_on_a_thread_peek_starts_counts_from_its_makers_reading() -
     clock, recorder, etag = _world()
     assert etag is not None
     store = _store(recorder)
-    clock.monotonic()  # the writer checks its deadline
-    clock.advance(LIMIT + 1)  # and is descheduled while the schedule moves on
-    peek: Peek[GetResult] = Peek(lambda: None, 0.0)
-    with pytest.raises(CommitStateUnknownError, match="outlived the timing assumption"):
-        peek.outrun(
-            lambda: store.put_if_match(MANIFEST, empty_manifest(next_sequence=3), etag),
-            etag,
-            lambda state: False,
-        )
+    runtime = Runtime(0, clock)
+    runtime.spawn_hooks.append(inherit_clock_readings)
+    with runtime:  # the threads Peek starts are the runtime's
+        clock.monotonic()  # the writer checks its deadline
+        clock.advance(LIMIT + 1)  # and is descheduled while the schedule moves on
+        peek: Peek[GetResult] = Peek(lambda: None, 0.0)
+        with pytest.raises(CommitStateUnknownError, match="outlived the timing assumption"):
+            peek.outrun(
+                lambda: store.put_if_match(MANIFEST, empty_manifest(next_sequence=3), etag),
+                etag,
+                lambda state: False,
+            )
     assert recorder.get(MANIFEST).etag == etag
     assert len(recorder.late) == 1

@@ -16,6 +16,13 @@ refuses for good): the consumer stops on one and the operator quarantines it, or
 sets it aside itself (``--on-bad-batch quarantine``); at the end the cause is fixed and the
 batch replayed (``tests/system/poison.py``).
 
+The actors go on while the schedule does (issue 45): an event hands a consumer's run, a flush,
+a collection or a Spark micro-batch to the actor's lane (one per producer, per queue's consumers,
+the collector, the Spark driver; ``Lanes`` in ``tests/system/runtime.py``), and the schedule
+waits for the lanes for a while its seed chooses (not at all, a moment, or until they are idle)
+before the next event. Under the runtime any thread may act between any two requests of
+another, as the seed's scheduler picks; ``takeover_at`` still forces a takeover at a request.
+
 The seams (issue 44): a newer consumer takes over between any two store requests of an older
 one — hand-stepped, or the service under either bad-batch policy, its backlog index mover
 included (``takeover_at``); the manifest answers 404 or garbage to the service for a while
@@ -60,6 +67,7 @@ from tests.system.roles import (
     sink_progress,
     sink_rows,
 )
+from tests.system.runtime import Lanes, current_runtime
 from tests.system.sim import Fault, Recorder, SimClock, SimulatedCrash
 
 __all__ = ["World", "schedule"]
@@ -239,9 +247,16 @@ def _base_schedule(seed: int, length: int) -> list[Event]:
 class World:
     """Everything of one schedule: the store, the clock, the roles, what they did."""
 
-    def __init__(self, seed: int, directory: Path) -> None:
+    def __init__(self, seed: int, directory: Path, clock: SimClock | None = None) -> None:
         rng = random.Random(seed ^ 0x5EED)
         self.seed = seed
+        runtime = current_runtime()
+        assert runtime is not None, "a world runs under the checker's runtime (simulate.py)"
+        self.lanes = Lanes(runtime, self._lane_failed)
+        """The actors that keep running while the schedule goes on (consumers, flushes, the
+        collector, the Spark driver): each event hands its actor's work to a lane, and the
+        schedule waits for the lanes a while the seed chooses before the next event."""
+        self._pauses = random.Random(seed ^ 0x9A05E)
         # Read-ahead 4 (the default) lets the service write several fetched batches in one
         # transaction, so a refused batch can sit inside a group; 1 keeps the older schedules.
         self.read_ahead = random.Random(seed ^ 0xA4EAD).choice([1, 4])
@@ -249,7 +264,7 @@ class World:
         # Half the schedules run queue A's consumers with the backlog index (its own draw, so
         # the schedules of a seed stay what they were).
         self.backlog_index = uses_backlog_index(seed)
-        self.clock = SimClock()
+        self.clock = clock or SimClock()
         self.queue_a = QueueSpec("a", "ingest/manifest", "ingest")
         self.queue_b = QueueSpec("b", "qb/manifest", "qb")
         inner = open_store(f"memory://world-{uuid.uuid4().hex}")
@@ -260,6 +275,9 @@ class World:
             in_flight_limit=GRACE / 2,  # grace period - reupload_after
         )
         for queue in (self.queue_a, self.queue_b):
+            self.recorder.index_of(
+                f"{queue.data_path_prefix}/_millpond/index/head", queue.manifest_path
+            )
             open_claim(
                 self.recorder,
                 data_path_prefix=queue.data_path_prefix,
@@ -270,6 +288,7 @@ class World:
                     gc_delete_window=DELETE_WINDOW,
                 ),
             )
+        self.recorder.private.append(str(directory).encode())
         self.outage_left = 0
         self.step = 0
         self.sink = directory / "sink.db"
@@ -396,8 +415,27 @@ class World:
             self.recorder.step = self.step
             with contextlib.suppress(SimulatedCrash):  # the role is dead; _reap cleans it up
                 self._apply(event)
+            # The actors go on for a while before the next event: not at all, a moment, or
+            # (mostly) until they are done.
+            self.lanes.settle(self._pauses.choice([0.0, 0.05, 0.5, 5.0, 60.0, 60.0]))
             self._reap()
+        self.lanes.drain()
+        self._reap()
         self.heal()
+
+    def _lane_failed(self, lane: str, err: BaseException) -> None:
+        if not isinstance(err, SimulatedCrash):  # the role is dead; _reap cleans it up
+            self.violations.append(f"step {self.step}: {lane} failed: {err!r}")
+
+    def _flush(self, index: int) -> None:
+        """Producer ``index`` of queue A publishes what it staged, while the schedule goes on."""
+        producer = self.producers[index]
+        self.lanes.run(f"flush-{producer.source}", producer.flush)
+
+    def _consumers(self, queue: QueueSpec, action: Any, *args: Any, **kwargs: Any) -> None:
+        """A consumer action of ``queue``, after the ones before it (one consumer lane per
+        queue: a takeover between two requests of another consumer is the events' own)."""
+        self.lanes.run(f"consumers-{queue.name}", lambda: action(*args, **kwargs))
 
     def _reap(self) -> None:
         for producer in [*self.producers, self.producer_b]:
@@ -412,11 +450,11 @@ class World:
         if kind == "produce_flush":
             producer = self.producers[event[1]]
             producer.produce(event[2])
-            producer.flush()
+            self._flush(event[1])
         elif kind == "produce":
             self.producers[event[1]].produce(event[2])
         elif kind == "flush":
-            self.producers[event[1]].flush()
+            self._flush(event[1])
         elif kind == "arm_producer":
             _, index, op, mode, after, times = event
             store = self.producers[index].store
@@ -429,7 +467,7 @@ class World:
                 producer.store.arm(Fault("cas", "hold"))
                 producer.store.arm(Fault("read", "fail", times=5))  # its own look fails too
             producer.produce(count)
-            producer.flush()
+            self._flush(index)
         elif kind == "start_coordinator":
             pass  # started with the world (the producers need its address)
         elif kind == "crash_coordinator":
@@ -451,53 +489,60 @@ class World:
                 producer.crash()
                 producer.start()
         elif kind == "consume":
-            self._consume(self.queue_a)
+            self._consumers(self.queue_a, self._consume, self.queue_a)
         elif kind == "consume_with_fault":
             _, op, mode, after, *times = event
-            self._consume(self.queue_a, fault=Fault(op, mode, after, *times))
+            fault = Fault(op, mode, after, *times)
+            self._consumers(self.queue_a, self._consume, self.queue_a, fault=fault)
         elif kind == "takeover":
-            self._takeover(event[1], event[2])
+            self._consumers(self.queue_a, self._takeover, event[1], event[2])
         elif kind == "takeover_at":
-            self._takeover_at(*event[1:])
+            self._consumers(self.queue_a, self._takeover_at, *event[1:])
         elif kind == "stale_restart":
+            self.lanes.wait(f"flush-{self.producers[event[1]].source}")
             self._stale_restart(event[1], event[2])
         elif kind == "stall":
-            self._stall(event[1])
+            self._consumers(self.queue_a, self._stall, event[1])
         elif kind == "gc":
-            GcRole(self.queue_a, self.recorder, self.clock, GRACE, self._outage).run_once()
+            gc = GcRole(self.queue_a, self.recorder, self.clock, GRACE, self._outage)
+            self.lanes.run("gc-a", gc.run_once)
         elif kind == "gc_with_fault":
             _, op, mode, after = event
             gc = GcRole(self.queue_a, self.recorder, self.clock, GRACE, self._outage)
             gc.store.arm(Fault(op, mode, after))
-            gc.run_once()
+            self.lanes.run("gc-a", gc.run_once)
         elif kind == "advance":
             self.clock.advance(event[1])
         elif kind == "outage":
             self.outage_left = event[1]
         elif kind == "stream":
-            self.stream.micro_batch()
+            self.lanes.run("stream", self.stream.micro_batch)
         elif kind == "stream_with_fault":
-            _, op, mode, after = event
-            if self.stream.store.dead:
-                self.stream.micro_batch()  # the restarted driver runs the pending batch first
-            self.stream.store.arm(Fault(op, mode, after))
-            self.stream.micro_batch()
+            self.lanes.run("stream", lambda: self._stream_with_fault(*event[1:]))
         elif kind == "produce_b":
             self.producer_b.produce(event[1])
-            self.producer_b.flush()
+            self.lanes.run("flush-b", self.producer_b.flush)
         elif kind == "consume_b":
-            self._consume(self.queue_b)
+            self._consumers(self.queue_b, self._consume, self.queue_b)
         elif kind == "misconfigured":
-            self._misconfigured()
+            self._consumers(self.queue_b, self._misconfigured)
         elif kind == "poison":
             self.poison.poison(event[1], event[2], event[3])
         else:  # pragma: no cover - schedule() makes only the kinds above
             raise AssertionError(f"unknown event {event}")
 
+    def _stream_with_fault(self, op: str, mode: str, after: int) -> None:
+        if self.stream.store.dead:
+            self.stream.micro_batch()  # the restarted driver runs the pending batch first
+        self.stream.store.arm(Fault(op, mode, after))
+        self.stream.micro_batch()
+
     def _consume(self, queue: QueueSpec, *, fault: Fault | None = None) -> None:
         # A stop on a poisoned batch: the operator sets it aside and starts the service again
-        # (once per poisoned batch at most).
-        for _ in range(1 + self.poison.poisoned):
+        # (once per poisoned batch at most; batches may be poisoned while it runs).
+        runs = 0
+        while runs <= self.poison.poisoned:
+            runs += 1
             role = self._consumer(queue)
             if fault is not None and fault.op == "manifest":
                 role.after_takeover.append(fault)  # met mid-run, not at start-up
@@ -505,8 +550,9 @@ class World:
             if fault is not None:
                 role.store.arm(fault)
                 fault = None
+            policy = self.poison.on_bad_batch  # the operator's, when it started
             try:
-                role.run_service(self.poison.on_bad_batch)
+                role.run_service(policy)
             except SimulatedCrash:
                 role.crash()
                 return
@@ -515,7 +561,7 @@ class World:
                 return
             except MillpondError as err:
                 role.close()
-                if self.poison.stopped_on_poison(err) and not self.poison.auto:
+                if self.poison.stopped_on_poison(err) and policy == "stop":
                     try:
                         if self.poison.operator_sets_aside(err):
                             continue
@@ -663,6 +709,7 @@ class World:
     def heal(self) -> None:
         """The store is back for good; crashed roles restart; everything is published and
         consumed; the collector runs once everything is old."""
+        self.lanes.drain()
         self.outage_left = 0
         self.recorder.release_held()
         if self.coordinator is not None:
@@ -710,6 +757,9 @@ class World:
         assert not self.violations, "; ".join(self.violations)
         assert not self.recorder.fenced_writes, (
             f"a fenced consumer's write landed after the takeover: {self.recorder.fenced_writes}"
+        )
+        assert not self.recorder.stale_heads, (
+            f"an index head older than the current epoch was created: {self.recorder.stale_heads}"
         )
         assert not self.recorder.doubled, (
             f"a location twice in one manifest: {self.recorder.doubled}"
