@@ -366,37 +366,63 @@ def preflight(
     """
     if store.is_local:
         return None
-    outcome: list[StoreAccessError] = []
-    measured: list[StoreTime | None] = []
-    done = threading.Event()
-    abandoned = threading.Event()
-
-    def run() -> None:
-        try:
-            measured.append(_preflight(store, write=write, lists=lists, clock=clock))
-        except StoreAccessError as err:
-            outcome.append(err)
-            if abandoned.is_set():  # too late to fail the start: say it loudly
-                logger.error("store check at start: %s", err)  # noqa: TRY400
-        except StorageError as err:
-            logger.warning(
-                "store check at start: %s did not answer (%s); carrying on", store.url, err
-            )
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="millpond-preflight", daemon=True).start()
-    if not done.wait(timeout):
-        abandoned.set()
+    check = _Background(store, write=write, lists=lists, clock=clock)
+    threading.Thread(target=check.run, name="millpond-preflight", daemon=True).start()
+    if not check.wait(timeout):
         logger.warning(
             "store check at start: %s did not answer within %.0f s; carrying on",
             store.url,
             timeout,
         )
         return None
-    if outcome:
-        raise outcome[0]
-    return measured[0] if measured else None
+    if check.refusal is not None:
+        raise check.refusal
+    return check.measured
+
+
+class _Background:
+    """One :func:`preflight` check, run on a thread of its own so the start need not wait for a
+    store that does not answer."""
+
+    def __init__(
+        self, store: ObjectStore, *, write: bool, lists: bool, clock: Clock | None
+    ) -> None:
+        self._store = store
+        self._write = write
+        self._lists = lists
+        self._clock = clock
+        self.refusal: StoreAccessError | None = None
+        """What the store refused, once :meth:`run` has finished."""
+        self.measured: StoreTime | None = None
+        """The store's clock as the probe read it, once :meth:`run` has finished."""
+        self._done = threading.Event()
+        self._abandoned = threading.Event()
+
+    def run(self) -> None:
+        """The thread's body: check, keep what was found, log what comes too late to raise."""
+        store = self._store
+        try:
+            self.measured = _preflight(
+                store, write=self._write, lists=self._lists, clock=self._clock
+            )
+        except StoreAccessError as err:
+            self.refusal = err
+            if self._abandoned.is_set():  # too late to fail the start: say it loudly
+                logger.error("store check at start: %s", err)  # noqa: TRY400
+        except StorageError as err:
+            logger.warning(
+                "store check at start: %s did not answer (%s); carrying on", store.url, err
+            )
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the check finished within ``timeout`` seconds; if not, the caller carries
+        on without it (a refusal found later is only logged)."""
+        if self._done.wait(timeout):
+            return True
+        self._abandoned.set()
+        return False
 
 
 def _preflight(
