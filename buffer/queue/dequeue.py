@@ -233,47 +233,66 @@ class QueueConsumer:
                 continue
             if current is None:
                 raise NotFoundError(f"{cas.path}: manifest not found")
-            footer = decode_footer(current.data, name=cas.path)
-            self._check_epoch(footer.epoch)
-            if known is None:
-                self._confirmations += 1  # read in this call
-            data, removed = b"", 0
-            if through < footer.next_sequence:
-                data, removed = remove_through(current.data, through)
+            next_sequence, data, removed = self._removal(current, through, read=known is None)
             if known is not None and removed == 0:
                 # Only a write proves the known bytes current (and the epoch this
                 # consumer's): an answer without one comes from a read.
                 known = None
                 continue
-            if through >= footer.next_sequence:
+            if through >= next_sequence:
                 raise InvalidInputError(
-                    f"through: expected < next_sequence {footer.next_sequence}, found {through}"
+                    f"through: expected < next_sequence {next_sequence}, found {through}"
                 )
             if removed == 0:
                 return removed_before
+            known = None  # whatever becomes of the write, a next attempt reads
             try:
-                etag = cas.write(current, data)
+                self._write_removal(current, data)
             except (CommitStateUnknownError, ConflictError) as err:
                 # Our write may have landed (a retried request can fail its precondition on
                 # our own write); if so the re-read finds nothing left to remove.
                 removed_before = max(removed_before, removed)
-                if isinstance(err, ConflictError):
-                    # Most likely someone else's write: read and try again at once (as in
-                    # initialize, a sleeping consumer would miss a coordinator's pauses).
-                    cas.backoff(backoff, "dequeue", err, at_once=True)
-                    known = None
-                    continue
-                known = None
-                cas.backoff(backoff, "dequeue", err)
+                # A conflict is most likely someone else's write: read and try again at once
+                # (as in initialize, a sleeping consumer would miss a coordinator's pauses).
+                cas.backoff(backoff, "dequeue", err, at_once=isinstance(err, ConflictError))
                 continue
             except StorageError as err:
-                known = None
                 cas.backoff(backoff, "dequeue", err)
                 continue
-            self._fence_etag = etag
-            self._raw = RawManifest(data, etag)
-            self._confirmations += 1
             return removed
+
+    def _removal(self, current: RawManifest, through: int, *, read: bool) -> tuple[int, bytes, int]:
+        """The manifest ``current`` without its entries through ``through``, once its epoch is
+        checked (``read``: read in this call, a confirmation of the epoch).
+
+        Returns:
+            Its ``next_sequence``, the new bytes and how many entries they lack (``b""`` and 0
+            when nothing is removed, or ``through`` is not below ``next_sequence``).
+
+        Raises:
+            FencedError: another consumer initialized after this one.
+            FormatError: the manifest is corrupt.
+        """
+        footer = decode_footer(current.data, name=self._cas.path)
+        self._check_epoch(footer.epoch)
+        if read:
+            self._confirmations += 1  # read in this call
+        data, removed = b"", 0
+        if through < footer.next_sequence:
+            data, removed = remove_through(current.data, through)
+        return footer.next_sequence, data, removed
+
+    def _write_removal(self, current: RawManifest, data: bytes) -> None:
+        """Write ``data`` conditional on ``current``'s ETag; once it landed, it carries this
+        consumer's epoch and is the newest state seen.
+
+        Raises:
+            ConflictError, CommitStateUnknownError, StorageError: as ``CasLoop.write``.
+        """
+        etag = self._cas.write(current, data)
+        self._fence_etag = etag
+        self._raw = RawManifest(data, etag)
+        self._confirmations += 1
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
         snapshot = ManifestSnapshot(decode_manifest(data, name=self._cas.path), etag, len(data))
