@@ -148,7 +148,28 @@ def scan_file(
             scan.good_end = 0
             return scan
         scan.header_problem = str(err)
-    pos = max(start, FILE_HEADER_SIZE)
+    _scan_records(
+        raw, scan, name=name, start=max(start, FILE_HEADER_SIZE), after_seq=after_seq, newest=newest
+    )
+    return scan
+
+
+def _scan_records(
+    raw: bytes | mmap.mmap,
+    scan: FileScan,
+    *,
+    name: str,
+    start: int,
+    after_seq: int,
+    newest: bool,
+) -> None:
+    """Read the records from ``start`` to the end into ``scan``, with the bad regions between
+    them and the torn tail (arguments: :func:`scan_file`'s).
+
+    Raises:
+        FormatError: a record of an unknown version or type.
+    """
+    pos = start
     scan.good_end = pos
     last_seq = after_seq
     last_good: int | None = None
@@ -173,7 +194,6 @@ def scan_file(
         assert next_record is not None  # _resync verified it
         scan.bad_regions.append(BadRegion(pos, resume, last_good, next_record.seq))
         pos = resume
-    return scan
 
 
 def _torn_header(raw: bytes | mmap.mmap, file_no: int | None) -> bool:
