@@ -443,9 +443,35 @@ class AdbcSink(QuarantineLedger, ABC):
         if not spellings:
             return
         table = str(self._table)
-        p = self._param
-        keys = [table, *spellings]
-        marks = ", ".join(p(i + 1) for i in range(len(keys)))
+        queues = self._spelled_owners(cur, owner_tables, [table, *spellings])
+        for spelled in spellings:
+            self._move_spelling(cur, spelled, owner_tables)
+        if queues:
+            p = self._param
+            cur.execute(
+                f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
+                f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING",
+                (table, queues[0][1], now_ms),
+            )
+        logger.warning(
+            "table %s: progress recorded under %s (an earlier version kept the name as typed) "
+            "is now recorded under %s",
+            table,
+            ", ".join(spellings),
+            table,
+        )
+
+    def _spelled_owners(
+        self, cur: Any, owner_tables: Sequence[TableName], keys: Sequence[str]
+    ) -> list[tuple[str, str]]:
+        """The owner records of the target table under the spellings ``keys`` (its resolved
+        name first): ``(spelling, queue)`` pairs, every one of the same queue.
+
+        Raises:
+            SinkError: two spellings of the table belong to two queues (permanent).
+        """
+        table = str(self._table)
+        marks = ", ".join(self._param(i + 1) for i in range(len(keys)))
         queues = [
             (str(spelled), str(queue))
             for owners in owner_tables
@@ -465,50 +491,43 @@ class AdbcSink(QuarantineLedger, ABC):
                     f"{self._progress} and {_OWNERS}",
                     transient=False,
                 )
+        return queues
+
+    def _move_spelling(self, cur: Any, spelled: str, owner_tables: Sequence[TableName]) -> None:
+        """Move the progress and quarantine rows recorded under ``spelled`` to the target
+        table's resolved name, and drop its owner records (the caller records the owner)."""
+        table = str(self._table)
+        p = self._param
         progress, quarantine = self._progress.sql, self._quarantine.sql
-        for spelled in spellings:
-            # A sequence recorded under both: the resolved name's row stands.
-            cur.execute(
-                f"DELETE FROM {progress} WHERE target_table = {p(1)} AND sequence IN "
-                f"(SELECT sequence FROM {progress} WHERE target_table = {p(2)})",
-                (spelled, table),
-            )
-            # A location written under both: its rows are in the table twice already; the
-            # second record becomes a duplicate of the first, as the unique index requires.
-            cur.execute(
-                f"UPDATE {progress} SET duplicate = TRUE WHERE target_table = {p(1)} AND NOT "
-                f"duplicate AND location IN (SELECT location FROM {progress} WHERE "
-                f"target_table = {p(2)} AND NOT duplicate)",
-                (spelled, table),
-            )
-            cur.execute(
-                f"UPDATE {progress} SET target_table = {p(1)} WHERE target_table = {p(2)}",
-                (table, spelled),
-            )
-            cur.execute(
-                f"DELETE FROM {quarantine} WHERE target_table = {p(1)} AND sequence IN "
-                f"(SELECT sequence FROM {quarantine} WHERE target_table = {p(2)})",
-                (spelled, table),
-            )
-            cur.execute(
-                f"UPDATE {quarantine} SET target_table = {p(1)} WHERE target_table = {p(2)}",
-                (table, spelled),
-            )
-            for owners in owner_tables:
-                cur.execute(f"DELETE FROM {owners.sql} WHERE target_table = {p(1)}", (spelled,))
-        if queues:
-            cur.execute(
-                f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
-                f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING",
-                (table, queues[0][1], now_ms),
-            )
-        logger.warning(
-            "table %s: progress recorded under %s (an earlier version kept the name as typed) "
-            "is now recorded under %s",
-            table,
-            ", ".join(spellings),
-            table,
+        # A sequence recorded under both: the resolved name's row stands.
+        cur.execute(
+            f"DELETE FROM {progress} WHERE target_table = {p(1)} AND sequence IN "
+            f"(SELECT sequence FROM {progress} WHERE target_table = {p(2)})",
+            (spelled, table),
         )
+        # A location written under both: its rows are in the table twice already; the
+        # second record becomes a duplicate of the first, as the unique index requires.
+        cur.execute(
+            f"UPDATE {progress} SET duplicate = TRUE WHERE target_table = {p(1)} AND NOT "
+            f"duplicate AND location IN (SELECT location FROM {progress} WHERE "
+            f"target_table = {p(2)} AND NOT duplicate)",
+            (spelled, table),
+        )
+        cur.execute(
+            f"UPDATE {progress} SET target_table = {p(1)} WHERE target_table = {p(2)}",
+            (table, spelled),
+        )
+        cur.execute(
+            f"DELETE FROM {quarantine} WHERE target_table = {p(1)} AND sequence IN "
+            f"(SELECT sequence FROM {quarantine} WHERE target_table = {p(2)})",
+            (spelled, table),
+        )
+        cur.execute(
+            f"UPDATE {quarantine} SET target_table = {p(1)} WHERE target_table = {p(2)}",
+            (table, spelled),
+        )
+        for owners in owner_tables:
+            cur.execute(f"DELETE FROM {owners.sql} WHERE target_table = {p(1)}", (spelled,))
 
     def _write(
         self, cur: Any, batches: Sequence[ConsumedBatch], rows: Sequence[pa.Table]
