@@ -100,6 +100,41 @@ def plan_schema(
         SinkError: permanent: two batch columns are one column in the database, a column's
             Arrow type has no column type, or a type cannot be reconciled with the table's.
     """
+    _check_names(rows, name_key=name_key, table=table, database=database)
+    plan = SchemaPlan()
+    existing = {name_key(name): name for name in columns or {}}
+    if columns is None:
+        plan.create = []
+    for schema_field, values in zip(rows.schema, rows.columns, strict=True):
+        name = schema_field.name
+        incoming = _column_type(schema_field, table=table, database=database)
+        actual = existing.get(name_key(name))
+        if actual is None or columns is None:
+            _plan_new_column(plan, name, incoming)
+            continue
+        plan.targets[name] = actual
+        if incoming is None:
+            continue
+        change = _retype(actual, columns[actual], incoming, values, schema_field.type)
+        if change is not None:
+            plan.changes.append(change)
+    if plan.create == []:
+        # Every column is all-null so far: create them as text; the first batch with values
+        # retypes them (they hold nothing but NULLs).
+        plan.create = [(name, ColumnType(Kind.STRING)) for name in rows.column_names]
+        plan.targets = {name: name for name in rows.column_names}
+    return plan
+
+
+def _check_names(
+    rows: pa.Table, *, name_key: Callable[[str], str], table: str, database: str
+) -> None:
+    """Refuse batch column names the database cannot hold apart (or, on PostgreSQL, at all).
+
+    Raises:
+        SinkError: permanent: an empty name on PostgreSQL, or two batch columns that are one
+            column in the database.
+    """
     seen: dict[str, str] = {}
     for position, name in enumerate(rows.column_names):
         if not name and database == "PostgreSQL":
@@ -115,49 +150,54 @@ def plan_schema(
                 transient=False,
             )
         seen[key] = name
-    plan = SchemaPlan()
-    existing = {name_key(name): name for name in columns or {}}
-    if columns is None:
-        plan.create = []
-    for schema_field, values in zip(rows.schema, rows.columns, strict=True):
-        name = schema_field.name
-        try:
-            incoming = column_type(schema_field.type)
-        except UnsupportedTypeError as err:
-            raise SinkError(
-                f"table {table}, column {name!r}: {err}; {database} has no column type for it",
-                transient=False,
-            ) from err
-        actual = existing.get(name_key(name))
-        if actual is None or columns is None:
-            if incoming is None:
-                plan.targets[name] = None
-                continue
-            plan.targets[name] = name
-            if plan.create is not None:
-                plan.create.append((name, incoming))
-            else:
-                plan.changes.append(ColumnChange("add", name, incoming))
-            continue
-        plan.targets[name] = actual
-        if incoming is None:
-            continue
-        current = columns[actual]
-        if incoming.kind is Kind.STRING and current.length is not None:
-            incoming = ColumnType(Kind.STRING, length=_longest(values))
-        wanted = reconcile(current, incoming)
-        if wanted is None:
-            plan.changes.append(
-                ColumnChange("retype_if_empty", actual, incoming, current, schema_field.type)
-            )
-        elif wanted != current:
-            plan.changes.append(ColumnChange("retype", actual, wanted, current, schema_field.type))
-    if plan.create == []:
-        # Every column is all-null so far: create them as text; the first batch with values
-        # retypes them (they hold nothing but NULLs).
-        plan.create = [(name, ColumnType(Kind.STRING)) for name in rows.column_names]
-        plan.targets = {name: name for name in rows.column_names}
-    return plan
+
+
+def _column_type(schema_field: pa.Field, *, table: str, database: str) -> ColumnType | None:
+    """The column type of a batch column (``None``: all-null, no type yet).
+
+    Raises:
+        SinkError: permanent: its Arrow type has no column type.
+    """
+    try:
+        return column_type(schema_field.type)
+    except UnsupportedTypeError as err:
+        raise SinkError(
+            f"table {table}, column {schema_field.name!r}: {err}; {database} has no column "
+            "type for it",
+            transient=False,
+        ) from err
+
+
+def _plan_new_column(plan: SchemaPlan, name: str, incoming: ColumnType | None) -> None:
+    """Plan a batch column the table does not have: in the table to create, or added; an
+    all-null one is left out until a batch brings values."""
+    if incoming is None:
+        plan.targets[name] = None
+        return
+    plan.targets[name] = name
+    if plan.create is not None:
+        plan.create.append((name, incoming))
+    else:
+        plan.changes.append(ColumnChange("add", name, incoming))
+
+
+def _retype(
+    actual: str,
+    current: ColumnType,
+    incoming: ColumnType,
+    values: pa.ChunkedArray,
+    arrow_type: pa.DataType,
+) -> ColumnChange | None:
+    """The change table column ``actual`` of type ``current`` needs to take a batch column
+    of type ``incoming``, if any."""
+    if incoming.kind is Kind.STRING and current.length is not None:
+        incoming = ColumnType(Kind.STRING, length=_longest(values))
+    wanted = reconcile(current, incoming)
+    if wanted is None:
+        return ColumnChange("retype_if_empty", actual, incoming, current, arrow_type)
+    if wanted != current:
+        return ColumnChange("retype", actual, wanted, current, arrow_type)
+    return None
 
 
 def unreconcilable(table: str, change: ColumnChange, database: str, sql: str) -> SinkError:
