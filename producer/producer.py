@@ -55,9 +55,7 @@ from millpond.producer._state import (
 )
 from millpond.producer.config import ProducerConfig
 from millpond.producer.handle import WriteHandle
-from millpond.queue import QueueProducer
-from millpond.queue.cas import Appender
-from millpond.queue.claim import queue_identity
+from millpond.queue import Appender, QueueProducer, queue_identity
 from millpond.storage import open_store
 from millpond.storage.checks import preflight
 from millpond.wal import RecoveryReport, Wal, WalRecord

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from millpond.common.clock import Clock
 from millpond.common.retry import RetryPolicy
 from millpond.errors import InvalidInputError, ProgressBehindError
-from millpond.formats.manifest import Manifest
+from millpond.formats.manifest import Manifest, ManifestEntry
 from millpond.queue.claim import QueueClaim, open_claim
 from millpond.queue.dequeue import QueueConsumer
 from millpond.queue.epoch_mark import (
@@ -109,15 +109,28 @@ def take_over_queue(
     index = BacklogIndex(
         store, data_path_prefix=data_path_prefix, epoch=epoch, retry=retry, clock=clock
     )
-    indexed = index.claim()
+    return _first_read(queue, index, index.claim(), last_acked=last_acked, identity=identity)
+
+
+def _first_read(
+    queue: QueueConsumer,
+    index: BacklogIndex,
+    indexed: list[ManifestEntry],
+    *,
+    last_acked: int | None,
+    identity: str,
+) -> Takeover:
+    """Read the queue after the claim (the index's entries, then the manifest's) and check the
+    sink's progress against it."""
     # Without an index, the manifest as the epoch bump wrote it is as good as a read (appends
     # made since are found by the next refresh); with one, it is read after the claim.
     manifest = queue.read(reuse=not index.holds_anything).manifest
     view = queue_view(manifest, index.head, indexed)
     first = view.first_sequence if view.first_sequence is not None else view.next_sequence
     acked = _check_progress(last_acked, first, view.next_sequence, identity)
+    assert queue.epoch is not None
     return Takeover(
-        epoch=epoch,
+        epoch=queue.epoch,
         index=index,
         queue=view,
         acked=acked,

@@ -63,7 +63,7 @@ from millpond.consumer.sinks.errors import ErrorClass
 from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
 from millpond.formats.arrow import unify_tables
-from millpond.queue.claim import same_queue
+from millpond.queue import same_queue
 
 __all__ = ["LOCATION_INDEX_SUFFIX", "AdbcSink", "TableName", "quote"]
 

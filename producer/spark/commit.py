@@ -56,9 +56,7 @@ from millpond.producer.spark.commit_state import (
 )
 from millpond.producer.spark.summary import log_summary
 from millpond.producer.spark.upload import TaskCommitMessage, UploadStats
-from millpond.queue import QueueProducer
-from millpond.queue.cas import Appender
-from millpond.queue.claim import queue_identity
+from millpond.queue import Appender, QueueProducer, queue_identity
 from millpond.storage.store import ObjectStore
 
 __all__ = [
