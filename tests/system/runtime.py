@@ -298,7 +298,7 @@ class Runtime:
         try:
             from tests.system import standins
 
-            self._restore.extend(standins.patch(self))
+            standins.patch(self, self._restore)
         except BaseException:
             _ACTIVE = None
             raise

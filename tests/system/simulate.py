@@ -29,6 +29,7 @@ from tests.system.world import Event, World, schedule
 __all__ = ["Run", "simulate"]
 
 _T = TypeVar("_T")
+_MAX_STEPS = 2_000_000  # scheduling steps: seeds 0-99 take 1,900 to 11,600 (median 3,800)
 _SLOW_TRANSACTION = 5.0  # real seconds: a sink transaction waited on something it cannot see
 
 
@@ -68,7 +69,8 @@ def simulate(
     it); ``inspect`` inside the runtime after the checks.
 
     Raises:
-        AssertionError: a guarantee broke (the checks), or a sink transaction was slow.
+        AssertionError: a guarantee broke (the checks), a sink transaction was slow, or a
+            product thread ran outside the runtime.
         SimDeadlock, SimLivelock: the threads could not go on.
     """
     run = Run(seed, events if events is not None else schedule(seed))
@@ -81,6 +83,7 @@ def simulate(
         clock,
         switch=policy.choice([0.05, 0.2, 0.5]),
         request_switch=policy.choice([0.3, 0.6, 0.9]),
+        max_steps=_MAX_STEPS,
         quiet_exceptions=(SimulatedCrash,),
     )
     runtime.spawn_hooks.append(inherit_clock_readings)
@@ -98,6 +101,10 @@ def simulate(
                 world.check()
             if inspect is not None:
                 run.inspected = inspect(world)
+        # A product thread the runtime did not start (a module it could not patch) would run
+        # on real time, and a seed would not replay.
+        unscheduled = [name for name in runtime.foreign if name.startswith("millpond")]
+        assert not unscheduled, f"threads the runtime did not schedule: {unscheduled}"
     finally:
         run.steps, run.switches = runtime.steps, runtime.switches
         run.started, run.foreign = dict(runtime.started), list(runtime.foreign)

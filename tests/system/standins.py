@@ -1,9 +1,9 @@
 """What the product's modules see during a schedule: the runtime's stand-ins.
 
-:func:`patch` replaces, in the globals of every loaded module under the runtime's
+:func:`patch` replaces, in the globals of every module under the runtime's
 ``patch_prefixes`` (``millpond``; found through ``sys.modules``, so modules that move keep
-working), what the product would block or draw on with the runtime's own, and returns how to
-put it all back:
+working, and as they load when imported during the schedule), what the product would block or
+draw on with the runtime's own, and notes how to put it all back:
 
 * ``threading`` (``Thread``, ``Lock``, ``RLock``, ``Condition``, ``Event``, ``Semaphore``,
   ``current_thread``, ``main_thread``; ``local`` and ``get_ident`` stay real: the runtime's
@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import http
 import http.client
+import importlib.abc
 import os
 import random
 import secrets
@@ -66,27 +67,77 @@ __all__ = ["patch"]
 Undo = Callable[[], None]
 
 
-def patch(runtime: Runtime) -> list[Undo]:
-    """Put the stand-ins into the product's modules; what puts the originals back."""
-    undo: list[Undo] = []
+def patch(runtime: Runtime, undo: list[Undo]) -> None:
+    """Put the stand-ins into the product's modules — those loaded now, and those imported
+    during the schedule — adding to ``undo`` what puts the originals back (run last first)."""
     replacements = _replacements(runtime)
-    clock_class = _system_clock(runtime)
-    for name, module in list(sys.modules.items()):
-        if module is None or name in runtime.exclude_modules:
-            continue
-        if not any(name == p or name.startswith(p + ".") for p in runtime.patch_prefixes):
-            continue
+    replacements[id(_SYSTEM_CLOCK)] = _system_clock(runtime)
+
+    def patch_module(name: str, module: types.ModuleType) -> None:
+        if name in runtime.exclude_modules or not _wanted(runtime, name):
+            return
         namespace = module.__dict__
         for key, value in list(namespace.items()):
             new = replacements.get(id(value))
             if new is None and isinstance(value, type) and value.__name__ == "SystemClock":
-                new = clock_class
+                new = replacements[id(_SYSTEM_CLOCK)]
             if new is not None:
                 namespace[key] = new
                 undo.append(_setter(namespace, key, value))
             elif isinstance(value, type) and value.__module__ == name:
-                undo += _patch_class(runtime, value, namespace, key, replacements)
-    return undo
+                undo.extend(_patch_class(runtime, value, namespace, key, replacements))
+
+    hook = _PatchOnImport(runtime, patch_module)
+    sys.meta_path.insert(0, hook)
+    undo.append(lambda: sys.meta_path.remove(hook))  # undone last: nothing imports then
+    for name, module in list(sys.modules.items()):
+        if module is not None:
+            patch_module(name, module)
+
+
+_SYSTEM_CLOCK = object()  # the key of the SystemClock stand-in in the replacements
+
+
+def _wanted(runtime: Runtime, name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in runtime.patch_prefixes)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Gives a product module imported during the schedule the stand-ins as it loads."""
+
+    def __init__(self, runtime: Runtime, patch: Callable[[str, types.ModuleType], None]) -> None:
+        self._runtime = runtime
+        self._patch = patch
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not _wanted(self._runtime, fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        patch = self._patch
+
+        class Patching(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: types.ModuleType) -> None:
+                loader.exec_module(module)
+                patch(fullname, module)
+
+            def __getattr__(self, name: str) -> Any:  # get_data, resource readers, ...
+                return getattr(loader, name)
+
+        spec.loader = Patching()
+        return spec
 
 
 def _patch_class(

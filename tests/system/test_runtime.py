@@ -10,6 +10,7 @@ import threading
 import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,19 @@ def test_module_globals_are_patched_for_the_schedule_and_put_back() -> None:
     assert _probe.ThreadPoolExecutor is concurrent.futures.ThreadPoolExecutor
     with _patched(5):
         assert [_probe.random.random() for _ in range(3)] + [_probe.uuid.uuid4()] == first
+
+
+def test_a_module_imported_during_the_schedule_is_patched_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "millpond_runtime_lazy.py").write_text("import threading\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with Runtime(13, patch_prefixes=("millpond_runtime_lazy",)):
+        import millpond_runtime_lazy
+
+        assert millpond_runtime_lazy.threading is not threading
+    assert millpond_runtime_lazy.threading is threading
+    del sys.modules["millpond_runtime_lazy"]
 
 
 def test_futures_and_executors_run_on_registered_threads() -> None:
