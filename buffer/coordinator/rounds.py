@@ -84,6 +84,7 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_count, check_duration
 from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
+from millpond.common.tasks import BackgroundTask
 from millpond.common.ulids import parse_batch_name
 from millpond.coordinator.wire import (
     APPENDED,
@@ -389,7 +390,7 @@ class AppendCoordinator:
         self._stopping = False
         self.dead: BaseException | None = None
         """Set when the round thread died of something unexpected: nothing more is written."""
-        self._thread: threading.Thread | None = None
+        self._task = BackgroundTask("millpond-coordinator", self._rounds, on_error=self._died)
         self._way_waiters: list[threading.Event] = []  # make_way() calls waiting for a pause
         self._round: list[_Ticket] = []
         self._recent: dict[str, int] = {}
@@ -579,8 +580,7 @@ class AppendCoordinator:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="millpond-coordinator", daemon=True)
-        self._thread.start()
+        self._task.start()
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse what has not started, finish the round under way, stop."""
@@ -593,37 +593,36 @@ class AppendCoordinator:
             self._release_way_waiters()
             self._pending_entries = 0
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._task.join(timeout)
 
     # -- rounds ---------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                round_ = self._next_round()
-                if round_ is None:
-                    return
-                self._write_dequeues()
-                self._append(round_)
-        except BaseException as err:
-            # A crash: the requests of the round get no reply (their clients ask, hear
-            # "unknown", and look in the manifest themselves); what had not started is refused,
-            # and so is every later request. No thread writes for them any more.
-            with self._lock:
-                self.dead = err
-                for ticket in self._round:
-                    ticket.done.set()
-                while self._pending:
-                    ticket = self._pending.popleft()
-                    self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
-                self._refuse_dequeues("the coordinator stopped")
-                self._release_way_waiters()
-                self._pending_entries = 0
-                self._lock.notify_all()
-            # Not raised again: nothing above this thread could handle it, and the request
-            # threads report the death to every client.
-            logger.exception("coordinator of %s stopped", self.manifest_path)
+    def _rounds(self) -> None:
+        while True:
+            round_ = self._next_round()
+            if round_ is None:
+                return
+            self._write_dequeues()
+            self._append(round_)
+
+    def _died(self, err: BaseException) -> None:
+        """The rounds crashed: the requests of the round get no reply (their clients ask, hear
+        "unknown", and look in the manifest themselves); what had not started is refused, and
+        so is every later request. No thread writes for them any more."""
+        with self._lock:
+            self.dead = err
+            for ticket in self._round:
+                ticket.done.set()
+            while self._pending:
+                ticket = self._pending.popleft()
+                self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
+            self._refuse_dequeues("the coordinator stopped")
+            self._release_way_waiters()
+            self._pending_entries = 0
+            self._lock.notify_all()
+        # Not raised again: nothing above this thread could handle it, and the request
+        # threads report the death to every client.
+        logger.error("coordinator of %s stopped", self.manifest_path, exc_info=err)
 
     def _next_round(self) -> list[_Ticket] | None:
         with self._lock:

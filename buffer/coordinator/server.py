@@ -16,6 +16,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from millpond.common.tasks import BackgroundTask
 from millpond.coordinator.rounds import AppendCoordinator
 from millpond.coordinator.wire import (
     AFTER_HEADER,
@@ -258,7 +259,9 @@ class CoordinatorServer:
         self._server = server((host, port), _Handler)
         self._server.coordinator = coordinator
         self._server.token = token
-        self._thread: threading.Thread | None = None
+        self._task = BackgroundTask(  # close() and crash tests wait at most its poll_interval
+            "millpond-coordinator-http", lambda: self._server.serve_forever(poll_interval=0.02)
+        )
         self._serving = False
         """Whether a serving loop was started: only one can answer a shutdown request, which
         otherwise waits for it for ever."""
@@ -279,13 +282,7 @@ class CoordinatorServer:
         """Start the rounds and serve requests on a daemon thread; returns ``self``."""
         self.coordinator.start()
         self._serving = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.02},  # close() and crash tests wait at most this
-            name="millpond-coordinator-http",
-            daemon=True,
-        )
-        self._thread.start()
+        self._task.start()
         logger.info("coordinator of %s serving on %s", self.coordinator.queue, self.url)
         return self
 
@@ -313,8 +310,7 @@ class CoordinatorServer:
         self.coordinator.stop(timeout)
         self._stop_serving(timeout)
         self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._task.join(timeout)
 
     def _stop_serving(self, timeout: float | None) -> None:
         if not self._serving:  # never served: nothing would answer the shutdown request
