@@ -45,6 +45,7 @@ from typing import TypeVar
 
 from millpond.common.clock import Clock
 from millpond.common.retry import Backoff
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import (
     BackpressureError,
     CommitStateUnknownError,
@@ -658,24 +659,19 @@ def _in_parallel(call: Callable[[_I], _T], items: list[_I], width: int) -> list[
     lock = threading.Lock()
 
     def worker() -> None:
-        try:
-            while not errors:
-                with lock:
-                    job = next(work, None)
-                if job is None:
-                    return
-                results[job[0]] = call(job[1])
-        except BaseException as err:
-            errors.append(err)
+        while not errors:
+            with lock:
+                job = next(work, None)
+            if job is None:
+                return
+            results[job[0]] = call(job[1])
 
-    threads = [
-        threading.Thread(target=worker, name="millpond-committer-head", daemon=True)
+    workers = [
+        BackgroundTask("millpond-committer-head", worker, on_error=errors.append).start()
         for _ in range(min(width, len(items)))
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for task in workers:
+        task.join()
     if errors:
         raise errors[0]
     return [results[index] for index in range(len(items))]

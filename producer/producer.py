@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from millpond.common.exposition import MetricsCollector, flatten
 from millpond.common.forks import OwnProcess
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.tasks import BackgroundTask
 from millpond.common.ulids import UlidMinter, parse_batch_name, ulid_time_ms
 from millpond.coordinator.client import CoordinatedAppender
 from millpond.coordinator.hosted import (
@@ -178,11 +179,8 @@ class Producer:
         for i in range(config.upload_concurrency):
             uploader = Uploader(state, wal, config, self._store, self._clock, self._session)
             bodies.append((f"millpond-upload-{i}", uploader.run))
-        self._threads = [
-            threading.Thread(target=run, name=name, daemon=True) for name, run in bodies
-        ]
-        for thread in self._threads:
-            thread.start()
+        # One stop for all: _stop_threads sets it under state.cond and wakes every body.
+        self._tasks = [BackgroundTask(name, run, stop=state.stop).start() for name, run in bodies]
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -585,12 +583,11 @@ class Producer:
             state.stop.set()
             state.wake_all()
         deadline = time.monotonic() + _JOIN_GRACE
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
+        for task in self._tasks:
+            if not task.join(max(0.0, deadline - time.monotonic())):
                 # Only a store call that hangs gets here; the thread is a daemon, and whatever
                 # it was publishing stays in the WAL for the next producer.
-                logger.warning("%s did not stop within %s s", thread.name, _JOIN_GRACE)
+                logger.warning("%s did not stop within %s s", task.name, _JOIN_GRACE)
 
     def _settle_leftovers(self) -> CloseReport:
         state = self._state
