@@ -35,7 +35,8 @@ class BackgroundTask:
     ``stop`` is the event :meth:`stop` sets (default: one of the task's own; a shared one
     stops several tasks at once). ``on_error``, when given, is called on the task's thread
     with what ended the body by raising (module docstring). Its owner starts and stops it:
-    the methods are not meant for two callers at once.
+    the methods are not meant for two callers at once. A subclass's own names stay clear of
+    the task's (``_task_*``).
     """
 
     def __init__(
@@ -47,46 +48,48 @@ class BackgroundTask:
         on_error: Callable[[BaseException], object] | None = None,
     ) -> None:
         self.name = name
-        self._body = body
-        self._stop = stop if stop is not None else threading.Event()
-        self._on_error = on_error
-        self._thread: threading.Thread | None = None  # made by start(): see the module doc
+        self._task_body = body
+        self._task_stop = stop if stop is not None else threading.Event()
+        self._task_on_error = on_error
+        self._task_thread: threading.Thread | None = None  # made by start()
         self.error: BaseException | None = None
         """What ended the body by raising, once it has."""
 
     def start(self) -> Self:
         """Start the thread; a task already started is left as it is. Returns ``self``."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+        if self._task_thread is None:
+            self._task_thread = threading.Thread(
+                target=self._task_main, name=self.name, daemon=True
+            )
+            self._task_thread.start()
         return self
 
     @property
     def running(self) -> bool:
         """Whether the body is running (started and not yet ended)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._task_thread is not None and self._task_thread.is_alive()
 
     @property
     def stopping(self) -> bool:
         """Whether a stop was asked: the body finishes what it is doing and returns."""
-        return self._stop.is_set()
+        return self._task_stop.is_set()
 
     def wait(self, seconds: float | None) -> bool:
         """The body's pause: ``seconds`` (``None``: until a stop), or less when a stop is
         asked. Whether a stop was asked."""
-        return self._stop.wait(seconds)
+        return self._task_stop.wait(seconds)
 
     def stop(self, *, join: bool = True, timeout: float | None = None) -> bool:
         """Ask the body to stop; with ``join``, wait for it (at most ``timeout`` seconds).
         Whether it has ended (:meth:`join`)."""
-        self._stop.set()
+        self._task_stop.set()
         return self.join(timeout) if join else not self.running
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` seconds (``None``: as long as it takes) for the body to
         end; whether it has. A task never started has nothing to wait for; on the task's own
         thread this returns ``False`` at once (the body cannot wait for itself)."""
-        thread = self._thread
+        thread = self._task_thread
         if thread is None:
             return True
         if thread is threading.current_thread():
@@ -94,11 +97,11 @@ class BackgroundTask:
         thread.join(timeout)
         return not thread.is_alive()
 
-    def _run(self) -> None:
+    def _task_main(self) -> None:
         try:
-            self._body()
+            self._task_body()
         except BaseException as err:
             self.error = err
-            if self._on_error is None:
+            if self._task_on_error is None:
                 raise
-            self._on_error(err)
+            self._task_on_error(err)

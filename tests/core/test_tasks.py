@@ -116,3 +116,21 @@ def test_a_join_or_a_stop_on_the_tasks_own_thread_returns_at_once() -> None:
     assert task.join(30)
     assert answers == [False, False]
     assert task.error is None
+
+
+def test_a_subclass_with_names_of_its_own_keeps_the_tasks_error_handling() -> None:
+    reported: list[BaseException] = []
+
+    class Loop(BackgroundTask):
+        def __init__(self) -> None:
+            super().__init__("millpond-test-loop", self._run, on_error=reported.append)
+            self._stop = "a name of its own"
+            self._thread = "and another"
+
+        def _run(self) -> None:
+            raise KeyError(self._stop)
+
+    loop = Loop().start()
+    assert loop.join(30)
+    assert isinstance(loop.error, KeyError)
+    assert reported == [loop.error]
