@@ -9,10 +9,10 @@ ends the thread, so a fenced consumer's collector stops even before the consumer
 from __future__ import annotations
 
 import logging
-import threading
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import ConfigError, MillpondError
 from millpond.formats.manifest import Manifest
 from millpond.queue import collect_once
@@ -27,8 +27,9 @@ class _EpochMovedError(Exception):
     """The manifest's epoch is no longer the consumer's."""
 
 
-class BackgroundCollector:
-    """Runs a collection pass every ``interval`` seconds until stopped or fenced."""
+class BackgroundCollector(BackgroundTask):
+    """Runs a collection pass every ``interval`` seconds until stopped or fenced; ``stop()``
+    waits for a running pass to finish unless told not to (``join=False``)."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class BackgroundCollector:
         counters: Counters | None = None,
         latency: LatencySummary | None = None,
     ) -> None:
+        super().__init__(f"millpond-consumer-gc-{epoch}", self._run)
         self._store = store
         self._manifest_path = manifest_path
         self._prefix = data_path_prefix
@@ -50,28 +52,11 @@ class BackgroundCollector:
         self._grace = grace_period
         self._clock = clock
         self._epoch = epoch
-        self._stop = threading.Event()
         self.counters = counters or Counters(
             "gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors"
         )
         self.latency = latency or LatencySummary()
         """Seconds per completed pass."""
-        self._thread = threading.Thread(
-            target=self._run, name=f"millpond-consumer-gc-{epoch}", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, *, join: bool = True) -> None:
-        """Ask the thread to stop; with ``join``, wait for a running pass to finish."""
-        self._stop.set()
-        if join and self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
 
     def _check_epoch(self, manifest: Manifest) -> None:
         if manifest.epoch != self._epoch:
@@ -80,7 +65,7 @@ class BackgroundCollector:
     def _run(self) -> None:
         # The first pass runs at once: a consumer restarted more often than gc_interval
         # would otherwise never collect.
-        while not self._stop.is_set():
+        while not self.stopping:
             try:
                 with self.latency.time():
                     report = collect_once(
@@ -118,5 +103,5 @@ class BackgroundCollector:
                         report.listed,
                         len(report.failures),
                     )
-            if self._stop.wait(self._interval):
+            if self.wait(self._interval):
                 return

@@ -44,6 +44,7 @@ from typing import NoReturn, Self, TypeVar
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.forks import OwnProcess
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.tasks import BackgroundTask
 from millpond.consumer._background_gc import BackgroundCollector
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
@@ -157,7 +158,7 @@ class Consumer:
         self._mover = IndexMover(
             self._queue, config, self.counters, guard=self._guard, dequeued=self._dequeued_through
         )
-        self._mover_stop = threading.Event()
+        self._mover_task: BackgroundTask | None = None
 
     # -- properties ------------------------------------------------------------------------
 
@@ -713,17 +714,16 @@ class Consumer:
     def _start_mover(self) -> None:
         """A thread that keeps moving the backlog into the index while nothing is delivered
         (the sink is down, the service retrying one write): that is when the backlog grows."""
-        stop = threading.Event()
-        self._mover_stop = stop
-        threading.Thread(
-            target=self._move_periodically, args=(stop,), name="millpond-backlog-index", daemon=True
-        ).start()
+        task: BackgroundTask = BackgroundTask(
+            "millpond-backlog-index", lambda: self._move_periodically(task)
+        )
+        self._mover_task = task.start()
 
-    def _move_periodically(self, stop: threading.Event) -> None:
-        while not stop.wait(self._config.backlog_index_interval):
+    def _move_periodically(self, task: BackgroundTask) -> None:
+        while not task.wait(self._config.backlog_index_interval):
             with self._lock:
-                # Each thread has its own event: one of an earlier initialize() never runs on.
-                if stop.is_set() or self._closed or self._fenced is not None:
+                # Each initialize() starts a task of its own: an earlier one never runs on.
+                if task.stopping or self._closed or self._fenced is not None:
                     return
                 try:
                     self._refresh()  # only new entries are cached; a 304 when nothing changed
@@ -734,8 +734,9 @@ class Consumer:
                     logger.warning("backlog index: reading the manifest failed: %s", err)
 
     def _shutdown(self) -> None:
-        # Not joined: it may be waiting for the lock this runs under; it sees its event set.
-        self._mover_stop.set()
+        # Not joined: it may be waiting for the lock this runs under; it sees its stop asked.
+        if self._mover_task is not None:
+            self._mover_task.stop(join=False)
         if self._gc is not None:
             self._gc.stop()
             self._gc = None
