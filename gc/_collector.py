@@ -18,6 +18,7 @@ from typing import Self
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_duration
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import ClosedError, ConfigError, MillpondError
 from millpond.queue import GcReport, Queue, QueueLocation
 from millpond.storage import ObjectStore
@@ -67,7 +68,7 @@ class GarbageCollector:
         self._store = self._queue.store
         self._clock = config.clock or SystemClock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._task = BackgroundTask("millpond-gc", self.run_forever, stop=self._stop)
         self._closed = False
         self.counters = Counters("passes", "deleted", "failed_deletes", "errors")
         self.latency = LatencySummary()
@@ -161,18 +162,12 @@ class GarbageCollector:
         """
         if self._closed:
             raise ClosedError("garbage collector is closed")
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self.run_forever, name="millpond-gc", daemon=True)
-        self._thread.start()
+        self._task.start()
 
     def close(self) -> None:
         """Stop the background thread (waiting for a running pass). Idempotent."""
         self._closed = True
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        self._task.stop()
 
     def __enter__(self) -> Self:
         return self
