@@ -30,6 +30,7 @@ from millpond.cli.common import add_metrics_arguments
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import MillpondError, NotFoundError
 from millpond.formats.manifest import ManifestEntry, decode_manifest
 from millpond.queue import (
@@ -151,8 +152,9 @@ class TimedSink:
         self.counters.add("skipped", len(results) - written)
 
 
-class QueueSampler:
-    """Reads the manifest every ``interval`` seconds on a daemon thread, for the gauges."""
+class QueueSampler(BackgroundTask):
+    """Reads the manifest every ``interval`` seconds on a daemon thread, for the gauges, from
+    ``start()`` until ``stop()``."""
 
     def __init__(
         self,
@@ -163,6 +165,7 @@ class QueueSampler:
         interval: float = 5.0,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__("millpond-metrics-queue", self._run)
         self._store = store
         self._manifest_path = manifest_path
         self._prefix = data_path_prefix
@@ -178,8 +181,6 @@ class QueueSampler:
         self._segments: dict[str, tuple[ManifestEntry, ...]] = {}
         self._cost = 0.0  # seconds the last full sample took
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def sample_once(self) -> None:
         """One conditional read of the manifest (and, for unknown sizes, one listing of the
@@ -251,19 +252,8 @@ class QueueSampler:
             age = self._clock.monotonic() - self._sampled_at
             return waiting, waiting.bytes_from(self._sizes), age
 
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name="millpond-metrics-queue", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self.stopping:
             try:
                 self.sample_once()
             except MillpondError as err:
@@ -271,7 +261,7 @@ class QueueSampler:
                 self.errors += 1
                 logger.warning("reading the queue for its gauges failed: %s", err)
             # A long manifest is costly to read: never spend more than a tenth of the time on it.
-            self._stop.wait(max(self._interval, 9 * self._cost))
+            self.wait(max(self._interval, 9 * self._cost))
 
 
 class ConsumerMetrics:

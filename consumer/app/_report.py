@@ -27,6 +27,7 @@ from enum import StrEnum
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import FormatError, MillpondError, NotFoundError
 from millpond.queue import internal_path
 from millpond.storage.store import ObjectStore
@@ -177,8 +178,7 @@ class ServiceReporter:
             interval=self._interval,
         )
         self._rate_at = (self._clock.monotonic(), 0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._task = BackgroundTask("millpond-report", self._run)
         self._failing = False
         self._started = False
 
@@ -192,9 +192,8 @@ class ServiceReporter:
         self._started = True
         self._update(epoch=epoch, state=ServiceState.RUNNING, stopped_on=None)
         self.write()
-        if self._interval > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="millpond-report", daemon=True)
-            self._thread.start()
+        if self._interval > 0:
+            self._task.start()
 
     def progress(self, **counts: Any) -> None:
         """New totals (``rows``, ``batches``, ``skipped``, ``quarantined``, ``last_sequence``,
@@ -235,10 +234,7 @@ class ServiceReporter:
         failed its checks leaves nothing behind — a report written into a bucket named by a
         typo would create it on a store that creates buckets on the first write.
         """
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._task.stop(timeout=10)
         if not self._started:
             return
         with self._lock:
@@ -277,7 +273,7 @@ class ServiceReporter:
             self._report = replace(self._report, **changes)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._task.wait(self._interval):
             self.write()
 
 
