@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, NoReturn
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.tasks import BackgroundTask
 from millpond.errors import (
     ConflictError,
     FormatError,
@@ -367,8 +368,8 @@ def preflight(
     if store.is_local:
         return None
     check = _Background(store, write=write, lists=lists, clock=clock)
-    threading.Thread(target=check.run, name="millpond-preflight", daemon=True).start()
-    if not check.wait(timeout):
+    if not BackgroundTask("millpond-preflight", check.run).start().join(timeout):
+        check.abandoned.set()  # the start carries on without it: a refusal is only logged
         logger.warning(
             "store check at start: %s did not answer within %.0f s; carrying on",
             store.url,
@@ -395,11 +396,11 @@ class _Background:
         """What the store refused, once :meth:`run` has finished."""
         self.measured: StoreTime | None = None
         """The store's clock as the probe read it, once :meth:`run` has finished."""
-        self._done = threading.Event()
-        self._abandoned = threading.Event()
+        self.abandoned = threading.Event()
+        """Set once the start carried on without the check."""
 
     def run(self) -> None:
-        """The thread's body: check, keep what was found, log what comes too late to raise."""
+        """The task's body: check, keep what was found, log what comes too late to raise."""
         store = self._store
         try:
             self.measured = _preflight(
@@ -407,22 +408,12 @@ class _Background:
             )
         except StoreAccessError as err:
             self.refusal = err
-            if self._abandoned.is_set():  # too late to fail the start: say it loudly
+            if self.abandoned.is_set():  # too late to fail the start: say it loudly
                 logger.error("store check at start: %s", err)  # noqa: TRY400
         except StorageError as err:
             logger.warning(
                 "store check at start: %s did not answer (%s); carrying on", store.url, err
             )
-        finally:
-            self._done.set()
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the check finished within ``timeout`` seconds; if not, the caller carries
-        on without it (a refusal found later is only logged)."""
-        if self._done.wait(timeout):
-            return True
-        self._abandoned.set()
-        return False
 
 
 def _preflight(
