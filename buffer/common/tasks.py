@@ -1,23 +1,13 @@
-"""One shape for every background loop: a named daemon thread running a body once.
+"""One shape for the background loops: :class:`BackgroundTask`, a named daemon thread running
+a body once, with its stop event, its join and the error that ended it.
 
-A :class:`BackgroundTask` owns the thread, its stop event, its join and the error that ended
-it. The body stops by returning: it looks at :attr:`~BackgroundTask.stopping`, or pauses in
-:meth:`~BackgroundTask.wait` (which ends as soon as a stop is asked), and then finishes what it
-is doing (the pass or the write under way: draining) before it returns. :meth:`stop` only
-asks, and joins unless told not to; a body that waits on something else (a condition of its
-own) is woken by whoever stops it. A caller that holds a lock the body may be waiting for
-asks with ``stop(join=False)``: joining there would wait for ever.
-
-What ends a body by raising is kept in :attr:`~BackgroundTask.error` and reported once: to
-``on_error`` when one is given (it logs, and does what the failure calls for: a coordinator
-refuses what waits, a caller re-raises it), else the thread ends with it as any thread does
-(``threading.excepthook`` prints it, and a test sees it).
-
-Threads do not survive ``os.fork()``: in a forked child a task is not running and a join
-returns at once (:mod:`millpond.common.forks`). ``threading`` is used through the module
-(``threading.Thread``, ``threading.Event``), never through names imported from it, so that the
-whole-system checker's runtime (``tests/system``) schedules these threads as it does every
-other thread of millpond.
+The body stops by returning: it looks at ``stopping`` or pauses in ``wait()``, which a stop cuts
+short, and first finishes what it is doing (draining). ``stop()`` asks, then joins; a caller
+holding a lock the body may be waiting for asks with ``stop(join=False)``. What ends a body by
+raising is kept in ``error`` and reported once: to ``on_error`` when given, else the thread ends
+with it as any thread does (``threading.excepthook``; a test sees it). ``threading`` is used
+through the module, so the whole-system checker's runtime (``tests/system``) schedules these
+threads too. A forked child has none of them (:mod:`millpond.common.forks`).
 """
 
 from __future__ import annotations
@@ -30,14 +20,9 @@ __all__ = ["BackgroundTask"]
 
 
 class BackgroundTask:
-    """``body`` on a daemon thread named ``name``, started once by :meth:`start`.
-
-    ``stop`` is the event :meth:`stop` sets (default: one of the task's own; a shared one
-    stops several tasks at once). ``on_error``, when given, is called on the task's thread
-    with what ended the body by raising (module docstring). Its owner starts and stops it:
-    the methods are not meant for two callers at once. A subclass's own names stay clear of
-    the task's (``_task_*``).
-    """
+    """``body`` on a daemon thread ``name``; ``stop``: the event :meth:`stop` sets (a shared one
+    stops several tasks). Its owner starts and stops it; its own names are ``_task_*``, clear of
+    a subclass's."""
 
     def __init__(
         self,
@@ -56,7 +41,7 @@ class BackgroundTask:
         """What ended the body by raising, once it has."""
 
     def start(self) -> Self:
-        """Start the thread; a task already started is left as it is. Returns ``self``."""
+        """Start the thread, once (later calls do nothing); returns ``self``."""
         if self._task_thread is None:
             self._task_thread = threading.Thread(
                 target=self._task_main, name=self.name, daemon=True
@@ -66,29 +51,24 @@ class BackgroundTask:
 
     @property
     def running(self) -> bool:
-        """Whether the body is running (started and not yet ended)."""
         return self._task_thread is not None and self._task_thread.is_alive()
 
     @property
     def stopping(self) -> bool:
-        """Whether a stop was asked: the body finishes what it is doing and returns."""
         return self._task_stop.is_set()
 
     def wait(self, seconds: float | None) -> bool:
-        """The body's pause: ``seconds`` (``None``: until a stop), or less when a stop is
-        asked. Whether a stop was asked."""
+        """The body's pause (``None``: until a stop); whether a stop cut it short."""
         return self._task_stop.wait(seconds)
 
     def stop(self, *, join: bool = True, timeout: float | None = None) -> bool:
-        """Ask the body to stop; with ``join``, wait for it (at most ``timeout`` seconds).
-        Whether it has ended (:meth:`join`)."""
+        """Ask the body to stop and, with ``join``, :meth:`join`; whether it has ended."""
         self._task_stop.set()
         return self.join(timeout) if join else not self.running
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait at most ``timeout`` seconds (``None``: as long as it takes) for the body to
-        end; whether it has. A task never started has nothing to wait for; on the task's own
-        thread this returns ``False`` at once (the body cannot wait for itself)."""
+        """Wait at most ``timeout`` seconds for the body to end; whether it has. At once when
+        never started, and on the task's own thread (``False``: it cannot wait for itself)."""
         thread = self._task_thread
         if thread is None:
             return True
