@@ -53,7 +53,7 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.manifest import PendingEntry, decode_footer, empty_manifest, find_locations
-from millpond.producer._publisher import encode_records, fail_fatal, named_at, pause
+from millpond.producer._publisher import encode_records, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
@@ -99,25 +99,20 @@ class Committer:
         self._last_append = float("-inf")
 
     def run(self) -> None:
-        try:
-            # The queue's claim and timing contract come first: staleness is measured against
-            # them, and a queue that refuses this producer must stop it before anything moves.
-            self._session.ensure()
-            while True:
-                work = self._next_work()
-                if work is None:
-                    return
-                kind, batches = work
-                if kind == "verify":
-                    self._verify(batches)
-                elif kind == "confirm":
-                    self._confirm(batches)
-                else:
-                    self._append(batches)
-        except Interrupted:
-            pass
-        except BaseException as err:
-            fail_fatal(self._state, err, "committer")
+        # The queue's claim and timing contract come first: staleness is measured against
+        # them, and a queue that refuses this producer must stop it before anything moves.
+        self._session.ensure()
+        while True:
+            work = self._next_work()
+            if work is None:
+                return
+            kind, batches = work
+            if kind == "verify":
+                self._verify(batches)
+            elif kind == "confirm":
+                self._confirm(batches)
+            else:
+                self._append(batches)
 
     def _next_work(self) -> tuple[str, list[Batch]] | None:
         state = self._state

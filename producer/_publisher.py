@@ -23,6 +23,7 @@ ambiguous append and a long wait are recovered without ever changing it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from millpond.common.clock import Clock
 from millpond.common.retry import Backoff
@@ -77,10 +78,18 @@ def encode_records(wal: Wal, config: ProducerConfig, records: list[Staged]) -> b
     return payload
 
 
-def fail_fatal(state: State, err: BaseException, who: str) -> None:
-    logger.error("%s failed; the producer stops (staged data stays in the WAL): %s", who, err)
-    with state.cond:
-        state.set_fatal(err)
+def fail_fatal(state: State, who: str) -> Callable[[BaseException], None]:
+    """The ``on_error`` of the producer's thread ``who``: whatever ended it stops the producer,
+    but for :class:`Interrupted` (a wait that ``close()`` cut short: the thread just ends)."""
+
+    def failed(err: BaseException) -> None:
+        if isinstance(err, Interrupted):
+            return
+        logger.error("%s failed; the producer stops (staged data stays in the WAL): %s", who, err)
+        with state.cond:
+            state.set_fatal(err)
+
+    return failed
 
 
 class Sealer:
@@ -96,36 +105,31 @@ class Sealer:
         self._wal = wal
 
     def run(self) -> None:
-        try:
-            while True:
-                batch = self._next_batch()
-                if batch is None:
-                    return
-                location, minted_ms = self._binder.bind(batch)
-                # Encoded here, off the uploaders' path, so a PUT follows a PUT without a gap.
-                try:
-                    payload = encode_records(self._wal, self._config, batch.records)
-                except (StorageError, FormatError):
-                    if not batch.dropped:
-                        raise
-                    payload = None  # dropped meanwhile: its WAL file went with it
-                state = self._state
-                with state.cond:
-                    batch.location = location
-                    batch.minted_ms = minted_ms
-                    batch.payload = payload
-                    for record in batch.records:
-                        state.release_memory(record)  # the payload holds the bytes now
-                    if batch.dropped:
-                        continue
-                    batch.state = BatchState.SEALED
-                    state.upload_queue.append(batch)
-                    state.counters.add("batches_sealed")
-                    state.upload_wake.notify()
-        except Interrupted:
-            pass
-        except BaseException as err:
-            fail_fatal(self._state, err, "sealer")
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            location, minted_ms = self._binder.bind(batch)
+            # Encoded here, off the uploaders' path, so a PUT follows a PUT without a gap.
+            try:
+                payload = encode_records(self._wal, self._config, batch.records)
+            except (StorageError, FormatError):
+                if not batch.dropped:
+                    raise
+                payload = None  # dropped meanwhile: its WAL file went with it
+            state = self._state
+            with state.cond:
+                batch.location = location
+                batch.minted_ms = minted_ms
+                batch.payload = payload
+                for record in batch.records:
+                    state.release_memory(record)  # the payload holds the bytes now
+                if batch.dropped:
+                    continue
+                batch.state = BatchState.SEALED
+                state.upload_queue.append(batch)
+                state.counters.add("batches_sealed")
+                state.upload_wake.notify()
 
     def _next_batch(self) -> Batch | None:
         state = self._state
@@ -216,60 +220,55 @@ class Uploader:
 
     def run(self) -> None:
         state = self._state
-        try:
-            while True:
-                with state.cond:
-                    while not state.upload_queue:
-                        if state.stop.is_set() or state.fatal is not None:
-                            return
-                        state.upload_wake.wait()
-                    batch = state.upload_queue.popleft()
-                    batch.state = BatchState.UPLOADING
-                    location = batch.location
-                    records = list(batch.records)
-                    payload = batch.payload
-                    overwrite = batch.overwrite
-                    complete = batch.complete
-                if overwrite and not complete:
-                    # Some records this BIND counted were lost with a damaged WAL file: an
-                    # object that landed before holds them all, and is written back as it is.
-                    payload = self._existing(batch, location)
-                if payload is None:  # replayed, or dropped and re-queued: encode now
-                    try:
-                        payload = encode_records(self._wal, self._config, records)
-                    except (StorageError, FormatError):
-                        if batch.dropped:
-                            continue  # its WAL file went with it
-                        raise
-                if self._config.wal_sync != "off":
-                    # The BIND record must be durable before the PUT: a replay has to find the
-                    # same location. Usually a data sync has covered it already (a no-op).
-                    self._wal.sync()
-                times = self._put(batch, location, payload, overwrite=overwrite)
-                if times is None:
-                    continue
-                uploaded_at, landed_at = times
-                with state.cond:
+        while True:
+            with state.cond:
+                while not state.upload_queue:
+                    if state.stop.is_set() or state.fatal is not None:
+                        return
+                    state.upload_wake.wait()
+                batch = state.upload_queue.popleft()
+                batch.state = BatchState.UPLOADING
+                location = batch.location
+                records = list(batch.records)
+                payload = batch.payload
+                overwrite = batch.overwrite
+                complete = batch.complete
+            if overwrite and not complete:
+                # Some records this BIND counted were lost with a damaged WAL file: an
+                # object that landed before holds them all, and is written back as it is.
+                payload = self._existing(batch, location)
+            if payload is None:  # replayed, or dropped and re-queued: encode now
+                try:
+                    payload = encode_records(self._wal, self._config, records)
+                except (StorageError, FormatError):
                     if batch.dropped:
-                        continue
-                    batch.uploaded_at = uploaded_at
-                    batch.ready_at = landed_at
-                    if overwrite:
-                        # A collector that listed the old copy may still delete this one until
-                        # its delete window has passed: appending before then could leave the
-                        # entry pointing at nothing.
-                        batch.overwrite = False
-                        batch.settle_until = landed_at + self._session.delete_window
-                    batch.state = BatchState.UPLOADED
-                    batch.payload = None
-                    for record in records:
-                        state.release_memory(record)
-                    state.committer_wake.notify()
-                    state.sealer_wake.notify()  # one fewer batch in flight
-        except Interrupted:
-            pass
-        except BaseException as err:
-            fail_fatal(state, err, "uploader")
+                        continue  # its WAL file went with it
+                    raise
+            if self._config.wal_sync != "off":
+                # The BIND record must be durable before the PUT: a replay has to find the
+                # same location. Usually a data sync has covered it already (a no-op).
+                self._wal.sync()
+            times = self._put(batch, location, payload, overwrite=overwrite)
+            if times is None:
+                continue
+            uploaded_at, landed_at = times
+            with state.cond:
+                if batch.dropped:
+                    continue
+                batch.uploaded_at = uploaded_at
+                batch.ready_at = landed_at
+                if overwrite:
+                    # A collector that listed the old copy may still delete this one until
+                    # its delete window has passed: appending before then could leave the
+                    # entry pointing at nothing.
+                    batch.overwrite = False
+                    batch.settle_until = landed_at + self._session.delete_window
+                batch.state = BatchState.UPLOADED
+                batch.payload = None
+                for record in records:
+                    state.release_memory(record)
+                state.committer_wake.notify()
+                state.sealer_wake.notify()  # one fewer batch in flight
 
     def _put(
         self, batch: Batch, location: str, payload: bytes, *, overwrite: bool

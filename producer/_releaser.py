@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 
 from millpond.errors import StorageError
-from millpond.producer._publisher import fail_fatal
 from millpond.producer._state import State
 from millpond.wal import Wal
 
@@ -36,11 +35,8 @@ class Releaser:
         self._wal = wal
 
     def run(self) -> None:
-        try:
-            while self._owed():
-                self._release()
-        except BaseException as err:
-            fail_fatal(self._state, err, "WAL releaser")
+        while self._owed():
+            self._release()
 
     def finish(self) -> None:
         """Release what the last appends settled, once every thread has stopped (a clean

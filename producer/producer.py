@@ -40,7 +40,7 @@ from millpond.formats.batch import MAX_RECORD_BYTES
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
 from millpond.producer._metrics import producer_collector, producer_samples
-from millpond.producer._publisher import Sealer, Uploader, _Binder
+from millpond.producer._publisher import Sealer, Uploader, _Binder, fail_fatal
 from millpond.producer._recovery import fold_records
 from millpond.producer._releaser import Releaser
 from millpond.producer._session import QueueSession
@@ -169,18 +169,24 @@ class Producer:
         binder = _Binder(wal, config, UlidMinter(config.clock))
         writer = WalWriter(state, wal, config)
         committer = Committer(state, wal, config, self._store, queue, self._session, self._clock)
-        bodies: list[tuple[str, Any]] = [
-            ("millpond-wal-writer", writer.run),
-            ("millpond-wal-syncer", writer.run_syncer),
-            ("millpond-sealer", Sealer(state, wal, config, binder).run),
-            ("millpond-committer", committer.run),
-            ("millpond-wal-releaser", self._releaser.run),
+        bodies: list[tuple[str, Any, str | None]] = [
+            # The WAL writer and syncer fail the calls they hold themselves (_stager).
+            ("millpond-wal-writer", writer.run, None),
+            ("millpond-wal-syncer", writer.run_syncer, None),
+            ("millpond-sealer", Sealer(state, wal, config, binder).run, "sealer"),
+            ("millpond-committer", committer.run, "committer"),
+            ("millpond-wal-releaser", self._releaser.run, "WAL releaser"),
         ]
         for i in range(config.upload_concurrency):
             uploader = Uploader(state, wal, config, self._store, self._clock, self._session)
-            bodies.append((f"millpond-upload-{i}", uploader.run))
+            bodies.append((f"millpond-upload-{i}", uploader.run, "uploader"))
         # One stop for all: _stop_threads sets it under state.cond and wakes every body.
-        self._tasks = [BackgroundTask(name, run, stop=state.stop).start() for name, run in bodies]
+        self._tasks = [
+            BackgroundTask(
+                name, run, stop=state.stop, on_error=fail_fatal(state, who) if who else None
+            ).start()
+            for name, run, who in bodies
+        ]
 
     # -- replay ---------------------------------------------------------------------------
 

@@ -138,7 +138,7 @@ def _stopped_by_the_committer(producer: Producer, error: BaseException) -> None:
     good, called from the test's thread at a moment the test picks."""
     from millpond.producer._publisher import fail_fatal
 
-    fail_fatal(producer._state, error, "committer")
+    fail_fatal(producer._state, "committer")(error)
 
 
 @pytest.mark.parametrize("stage", ["writing", "syncing"])
