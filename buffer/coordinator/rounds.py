@@ -586,13 +586,7 @@ class AppendCoordinator:
         """Refuse what has not started, finish the round under way, stop."""
         with self._lock:
             self._stopping = True
-            while self._pending:
-                ticket = self._pending.popleft()
-                self._settle(ticket, Outcome(REFUSED, reason="the coordinator is stopping"))
-            self._refuse_dequeues("the coordinator is stopping")
-            self._release_way_waiters()
-            self._pending_entries = 0
-            self._lock.notify_all()
+            self._refuse_waiting("the coordinator is stopping")
         self._task.join(timeout)
 
     # -- rounds ---------------------------------------------------------------------------
@@ -613,13 +607,7 @@ class AppendCoordinator:
             self.dead = err
             for ticket in self._round:
                 ticket.done.set()
-            while self._pending:
-                ticket = self._pending.popleft()
-                self._settle(ticket, Outcome(REFUSED, reason="the coordinator stopped"))
-            self._refuse_dequeues("the coordinator stopped")
-            self._release_way_waiters()
-            self._pending_entries = 0
-            self._lock.notify_all()
+            self._refuse_waiting("the coordinator stopped")
         # Not raised again: nothing above this thread could handle it, and the request
         # threads report the death to every client.
         logger.error("coordinator of %s stopped", self.manifest_path, exc_info=err)
@@ -684,11 +672,17 @@ class AppendCoordinator:
         self._clock.sleep(self._pauses.made_way())
         return True
 
-    def _release_way_waiters(self) -> None:
-        """Answer every waiting :meth:`make_way` (holding the lock): nothing more is written."""
+    def _refuse_waiting(self, reason: str) -> None:
+        """Refuse every request and dequeue still waiting and answer every :meth:`make_way`
+        (holding the lock): nothing more is written."""
+        while self._pending:
+            self._settle(self._pending.popleft(), Outcome(REFUSED, reason=reason))
+        for ticket in self._dequeues:
+            ticket.answer(REFUSED, reason)
         for event in self._way_waiters:
             event.set()
-        self._way_waiters = []
+        self._dequeues, self._way_waiters, self._pending_entries = [], [], 0
+        self._lock.notify_all()
 
     def _write_dequeues(self) -> None:
         """Write the consumers' waiting dequeues, if any, in one write of their own."""
@@ -701,12 +695,6 @@ class AppendCoordinator:
         write_dequeues(self._queue, tickets, deadline=deadline)
         self.counters.add("dequeues", len(tickets))
         self._pauses.wrote(lost=self.counters.get("cas_conflicts") - conflicts)
-
-    def _refuse_dequeues(self, reason: str) -> None:
-        """Answer every waiting dequeue ``refused`` (holding the lock)."""
-        for ticket in self._dequeues:
-            ticket.answer(REFUSED, reason)
-        self._dequeues = []
 
     def _append(self, round_: list[_Ticket]) -> None:
         if not round_:
