@@ -101,3 +101,19 @@ def test_no_module_imports_itself_back(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "", f"import cycles in millpond:\n{done.stdout}"
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A package folder missing from ``[tool.setuptools] packages`` is left out of a plain
+    install (``pip install .``, what ``make lint`` and ``make typecheck`` read): the editable
+    install of the suite still finds it, so nothing else would notice (``millpond.coordinator``
+    was missing)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: name for name, folder in config["package-dir"].items()}
+    found = set()
+    for folder, name in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            if "__pycache__" not in relative.parts:
+                found.add(".".join((name, *relative.parts)))
+    assert found - set(config["packages"]) == set(), "not in [tool.setuptools] packages"
