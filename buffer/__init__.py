@@ -28,6 +28,8 @@ from millpond.errors import (
     InvalidInputError,
     MillpondError,
     NotFoundError,
+    SinkWaitError,
+    SinkWaitTimeoutError,
     StorageError,
     StoreAccessError,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "ObjectStore",
     "Producer",
     "ProducerConfig",
+    "SinkWaitError",
+    "SinkWaitTimeoutError",
     "StorageError",
     "StoreAccessError",
     "WriteHandle",

@@ -9,7 +9,9 @@
   what a consumer may set aside, unlike an error of the manifest itself;
 - fix the store's set-up: ``StoreAccessError`` (missing or rejected credentials, a missing
   bucket, no permission, conditional writes that do not work). Retrying cannot help, so
-  nothing retries it: it reaches the caller within seconds.
+  nothing retries it: it reaches the caller within seconds;
+- look at the consumer: ``SinkWaitError`` (what a producer waited for is not known to be in
+  the consumer's database: set aside, or — ``SinkWaitTimeoutError`` — not written in time).
 
 ``CommitStateUnknownError`` separates "the write did not land" from "we cannot tell whether it
 landed": only the first lets a caller throw away what it uploaded.
@@ -31,6 +33,8 @@ __all__ = [
     "InvalidInputError",
     "MillpondError",
     "NotFoundError",
+    "SinkWaitError",
+    "SinkWaitTimeoutError",
     "StorageError",
     "StoreAccessError",
 ]
@@ -189,3 +193,51 @@ class ConfigError(MillpondError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+
+
+class SinkWaitError(MillpondError):
+    """Rows a producer waited for (``WriteHandle.wait_written``, the Spark ``await_sink``
+    option) are not known to be in the consumer's database.
+
+    Raised as is when the consumer moved past them without writing them (``reason``
+    ``"set_aside"``: quarantined batches, named in ``set_aside``); as
+    :class:`SinkWaitTimeoutError` when the time ran out. The entries are in the queue either
+    way: enqueuing them again would double them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        waiting_for: int | None,
+        written_through: int | None = None,
+        stopped_on: int | None = None,
+        set_aside: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        """``set_aside``; for a timeout ``not_durable`` (not in the queue yet), ``no_consumer``
+        (none ever published what it wrote), ``not_running`` (stopped, or silent past its
+        promise), ``stopped_on_batch`` (stopped on ``stopped_on``) or ``behind``."""
+        self.waiting_for = waiting_for
+        """The highest sequence waited for (``None``: not in the queue yet)."""
+        self.written_through = written_through
+        """The highest sequence the consumer said it had written (``None``: none)."""
+        self.stopped_on = stopped_on
+        """The sequence a consumer stopped on a batch is stopped on."""
+        self.set_aside = set_aside
+        """Sequences waited for that the consumer set aside instead of writing."""
+
+    @property
+    def behind(self) -> int | None:
+        """Entries between what the consumer wrote and what was waited for."""
+        if self.waiting_for is None:
+            return None
+        return self.waiting_for - (-1 if self.written_through is None else self.written_through)
+
+
+class SinkWaitTimeoutError(SinkWaitError, TimeoutError):
+    """The consumer had not written the rows waited for when the time ran out; the message
+    names its state (not running, behind by N, stopped on sequence S and why). The entries
+    stay in the queue and are written once the consumer gets to them."""

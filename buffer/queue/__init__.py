@@ -16,7 +16,9 @@ observations. The inner modules:
 * :mod:`~millpond.queue.claim`, :mod:`~millpond.queue.epoch_mark`, :mod:`~millpond.queue.index`,
   :mod:`~millpond.queue.holds` — the queue's records beside the manifest;
 * :mod:`~millpond.queue.gc_rules`, :mod:`~millpond.queue.observe` — what GC may delete; looking at
-  a queue without changing it.
+  a queue without changing it;
+* :mod:`~millpond.queue.written`, :mod:`~millpond.queue.sink_wait` — what the consumer service
+  has written into its database, and waiting for it.
 """
 
 from __future__ import annotations
@@ -48,10 +50,19 @@ from millpond.queue.index import (
 from millpond.queue.landed import Landing, LandingStatus, resolve_landing
 from millpond.queue.location import QueueLocation
 from millpond.queue.observe import Waiting, list_sizes, referenced_bytes, waiting_after
+from millpond.queue.sink_wait import DEFAULT_POLL_INTERVAL, SinkLook, SinkWatch
 from millpond.queue.takeover import Takeover, take_over_queue
+from millpond.queue.written import (
+    SetAsideMark,
+    WrittenMark,
+    note_set_aside,
+    read_written,
+    written_path,
+)
 
 __all__ = [
     "CLOCK_PROBE",
+    "DEFAULT_POLL_INTERVAL",
     "MAX_CLOCK_SKEW",
     "Appender",
     "BacklogIndex",
@@ -67,8 +78,12 @@ __all__ = [
     "QueueConsumer",
     "QueueLocation",
     "QueueProducer",
+    "SetAsideMark",
+    "SinkLook",
+    "SinkWatch",
     "Takeover",
     "Waiting",
+    "WrittenMark",
     "collect_once",
     "decode_head",
     "encode_hold",
@@ -78,6 +93,7 @@ __all__ = [
     "is_replaced",
     "list_sizes",
     "locations_of",
+    "note_set_aside",
     "open_claim",
     "plan_collection",
     "queue_identity",
@@ -85,9 +101,11 @@ __all__ = [
     "read_epoch_mark",
     "read_indexed",
     "read_manifest",
+    "read_written",
     "referenced_bytes",
     "resolve_landing",
     "same_queue",
     "take_over_queue",
     "waiting_after",
+    "written_path",
 ]

@@ -24,6 +24,8 @@ EXPECTED_TREE: dict[str, tuple[type[BaseException], ...]] = {
     "BadBatchError": (errors.MillpondError,),
     "CorruptBatchError": (errors.FormatError, errors.BadBatchError),
     "BatchNotFoundError": (errors.NotFoundError, errors.BadBatchError),
+    "SinkWaitError": (errors.MillpondError,),
+    "SinkWaitTimeoutError": (errors.SinkWaitError, TimeoutError),
 }
 
 
@@ -77,6 +79,17 @@ def test_store_access_error_is_not_retried_as_a_storage_error() -> None:
     assert not isinstance(err, errors.NotFoundError)  # "no manifest yet" would create one
     assert (err.problem, err.hint) == ("bucket", "create it")
     assert str(err) == "s3://b: bucket b does not exist; create it"
+
+
+def test_a_sink_wait_timeout_is_a_timeout_error_and_says_how_far_behind() -> None:
+    err = errors.SinkWaitTimeoutError("behind", reason="behind", waiting_for=12, written_through=9)
+    assert isinstance(err, TimeoutError)
+    assert isinstance(err, errors.SinkWaitError)
+    assert (err.reason, err.behind, str(err)) == ("behind", 3, "behind")
+    nothing = errors.SinkWaitTimeoutError("none", reason="no_consumer", waiting_for=0)
+    assert nothing.behind == 1
+    with pytest.raises(TimeoutError):
+        raise nothing
 
 
 def test_no_error_shadows_a_builtin() -> None:
