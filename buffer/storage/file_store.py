@@ -10,13 +10,22 @@ reader sees either the old or the new object, never a mix.
 
 The ETag is a hash of the content. Two different states of a manifest never have the same
 bytes (``next_sequence`` and ``epoch`` only grow), so an ETag match means the state is the one
-that was read.
+that was read. Hashing an 82 MB manifest on every fencing check is what made a long backlog
+slow here, so each write also records the hash in an extended attribute of the file
+(``user.millpond.etag``: the hash, the size and the modification time it was written with),
+and a read takes the ETag from there, without reading the content, whenever size and time
+still match (an edit by hand changes the time: the content is hashed again). Where the file
+system keeps no user attributes the hash is computed as before: slower, the same ETag. So a
+version check (:meth:`FileStore.get_if_changed`, :meth:`FileStore.get_tail`, the comparison
+of :meth:`FileStore.put_if_match`) costs an ``fstat`` and a ``getxattr``, and a tail read
+reads only the tail.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -39,6 +48,10 @@ __all__ = ["FileStore"]
 
 # Lock and temp files start with a dot and are never listed as objects.
 _HIDDEN = "."
+# The content hash a write recorded, with the size and modification time it recorded it at.
+_ETAG_ATTR = "user.millpond.etag"
+# A file system that keeps no user attributes (or refuses them here): hash the content.
+_NO_XATTR = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENOSPC, errno.E2BIG)
 
 
 class FileStore(ObjectStore):
@@ -75,12 +88,36 @@ class FileStore(ObjectStore):
         return cls(path)
 
     def get(self, path: str) -> GetResult:
-        data = self._read(path)
-        return GetResult(data=data, etag=_etag(data))
+        with self._open(path) as fd:
+            recorded = _recorded_etag(fd)
+            data = _read_all(fd, path)
+        return GetResult(data=data, etag=recorded or _etag(data))
 
     def get_if_changed(self, path: str, etag: str | None) -> GetResult | None:
-        result = self.get(path)
-        return None if etag is not None and result.etag == etag else result
+        with self._open(path) as fd:
+            recorded = _recorded_etag(fd)
+            if etag is not None and recorded == etag:
+                return None  # unchanged, told without reading it
+            data = _read_all(fd, path)
+        current = recorded or _etag(data)
+        return None if etag is not None and current == etag else GetResult(data, current)
+
+    def get_tail(self, path: str, length: int, etag: str | None = None) -> GetResult | None:
+        """The last ``length`` bytes, read alone when the write recorded its ETag; the ETag
+        and the bytes come from one file (one version: a write renames a new file in)."""
+        with self._open(path) as fd:
+            recorded = _recorded_etag(fd)
+            if recorded is None:
+                data = _read_all(fd, path)
+                current = _etag(data)
+                if etag is not None and current == etag:
+                    return None
+                return GetResult(data=data[-length:] if length else b"", etag=current)
+            if etag is not None and recorded == etag:
+                return None
+            size = os.fstat(fd).st_size
+            start = max(0, size - length)
+            return GetResult(data=_pread_all(fd, size - start, start, path), etag=recorded)
 
     def head(self, path: str) -> ObjectInfo:
         target = self._path(path)
@@ -93,28 +130,29 @@ class FileStore(ObjectStore):
     def put(self, path: str, data: bytes) -> str | None:
         target = self._path(path)
         with self._locked(target):
-            self._replace(target, data)
-        return _etag(data)
+            return self._replace(target, data)
 
     def put_if_absent(self, path: str, data: bytes) -> str | None:
         target = self._path(path)
         with self._locked(target):
             if target.exists():
                 raise ConflictError(f"{path}: already exists")
-            self._replace(target, data)
-        return _etag(data)
+            return self._replace(target, data)
 
     def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
         target = self._path(path)
         with self._locked(target):
             try:
-                current = target.read_bytes()
+                fd = os.open(target, os.O_RDONLY)
             except FileNotFoundError as err:
                 raise ConflictError(f"{path}: vanished since ETag {etag} was read") from err
-            if _etag(current) != etag:
+            try:
+                current = _recorded_etag(fd) or _etag(_read_all(fd, path))
+            finally:
+                os.close(fd)
+            if current != etag:
                 raise ConflictError(f"{path}: changed since ETag {etag} was read")
-            self._replace(target, data)
-        return _etag(data)
+            return self._replace(target, data)
 
     def list(self, prefix: str = "", *, recursive: bool = True) -> builtins.list[ObjectInfo]:
         base = self._path(prefix) if prefix.strip("/") else self._root
@@ -136,6 +174,36 @@ class FileStore(ObjectStore):
                 )
         return found
 
+    def list_range(
+        self, prefix: str = "", *, start_after: str | None = None, end_before: str | None = None
+    ) -> Iterator[ObjectInfo]:
+        """Reads the directory's names (no ``stat``) and stats only those in range."""
+        base = self._path(prefix) if prefix.strip("/") else self._root
+        if not base.is_dir():
+            return
+        folder = base.relative_to(self._root).as_posix()
+        lead = f"{folder}/" if folder != "." else ""
+        wanted: builtins.list[str] = []
+        with os.scandir(base) as entries:
+            for entry in entries:
+                path = lead + entry.name
+                if (
+                    (start_after is None or path > start_after)
+                    and (end_before is None or path < end_before)
+                    and not entry.name.startswith(_HIDDEN)
+                    and entry.is_file()
+                ):
+                    wanted.append(entry.name)
+        wanted.sort()
+        for name in wanted:
+            try:
+                stat = os.stat(base / name)
+            except FileNotFoundError:
+                continue  # deleted while we listed
+            yield ObjectInfo(
+                path=lead + name, size=stat.st_size, last_modified=_mtime(stat.st_mtime)
+            )
+
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         failures: builtins.list[DeleteFailure] = []
         touched: set[Path] = set()
@@ -155,13 +223,20 @@ class FileStore(ObjectStore):
             _fsync_dir(directory)
         return failures
 
-    def _read(self, path: str) -> bytes:
+    @contextlib.contextmanager
+    def _open(self, path: str) -> Iterator[int]:
+        """The object's file, open for reading: whatever is renamed over it meanwhile, every
+        read through it sees this one version."""
         try:
-            return self._path(path).read_bytes()
+            fd = os.open(self._path(path), os.O_RDONLY)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
             raise NotFoundError(f"{path}: not found") from err
         except OSError as err:
             raise StorageError(f"{path}: {err}") from err
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _path(self, path: str) -> Path:
         clean = path.strip("/")
@@ -217,8 +292,11 @@ class FileStore(ObjectStore):
             os.close(fd)  # closing drops the flock
 
     @staticmethod
-    def _replace(target: Path, data: bytes) -> None:
+    def _replace(target: Path, data: bytes) -> str:
+        """Write ``data`` over ``target`` (temp file, fsync, rename, directory fsync); returns
+        its ETag, recorded on the file for cheap version checks."""
         temp = target.parent / f"{_HIDDEN}{target.name}.{uuid.uuid4().hex}.tmp"
+        etag = _etag(data)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -226,6 +304,7 @@ class FileStore(ObjectStore):
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
+                _record_etag(fd, etag)
                 # The data must be on disk before the rename publishes it.
                 os.fsync(fd)
             finally:
@@ -240,10 +319,59 @@ class FileStore(ObjectStore):
             _fsync_dir(target.parent)
         except OSError as err:
             raise CommitStateUnknownError(f"{target}: directory fsync failed: {err}") from err
+        return etag
 
 
 def _etag(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _record_etag(fd: int, etag: str) -> None:
+    """Record ``etag`` on the file written through ``fd`` with its size and modification time
+    (setting an attribute changes neither); nothing where the file system keeps none."""
+    stat = os.fstat(fd)
+    try:
+        os.setxattr(fd, _ETAG_ATTR, f"{etag} {stat.st_size} {stat.st_mtime_ns}".encode())
+    except OSError as err:
+        if err.errno not in _NO_XATTR:
+            raise
+
+
+def _recorded_etag(fd: int) -> str | None:
+    """The ETag the write of this file recorded, if its size and modification time are still
+    the ones it recorded; ``None`` otherwise (hash the content)."""
+    try:
+        recorded = os.getxattr(fd, _ETAG_ATTR).decode("ascii", "replace").split()
+    except OSError:
+        return None  # none recorded (an older write, a copy, a file system without them)
+    stat = os.fstat(fd)
+    if len(recorded) != 3 or recorded[1:] != [str(stat.st_size), str(stat.st_mtime_ns)]:
+        return None
+    return recorded[0]
+
+
+def _read_all(fd: int, path: str) -> bytes:
+    size = os.fstat(fd).st_size
+    return _pread_all(fd, size, 0, path) if size else b""
+
+
+def _pread_all(fd: int, length: int, offset: int, path: str) -> bytes:
+    """``length`` bytes at ``offset``; a file cut shorter meanwhile (never by millpond: writes
+    rename a new file in) is a storage error."""
+    chunks: list[bytes] = []
+    try:
+        while length > 0:
+            chunk = os.pread(fd, length, offset)
+            if not chunk:
+                raise StorageError(f"{path}: ended {length} bytes early while being read")
+            chunks.append(chunk)
+            length -= len(chunk)
+            offset += len(chunk)
+    except IsADirectoryError as err:
+        raise NotFoundError(f"{path}: not found") from err
+    except OSError as err:
+        raise StorageError(f"{path}: {err}") from err
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _mtime(seconds: float) -> datetime:

@@ -317,6 +317,32 @@ class ObstoreStore(ObjectStore):
         listing = self._call(prefix, lambda: obstore.list_with_delimiter(self._store, clean))
         return [self._info(meta) for meta in listing["objects"]]
 
+    def list_range(
+        self, prefix: str = "", *, start_after: str | None = None, end_before: str | None = None
+    ) -> Iterator[ObjectInfo]:
+        """One paged listing from ``start_after`` (S3's start-after; GCS, Azure and memory
+        list in path order too), stopped at ``end_before``; nested objects are skipped."""
+        clean = prefix.strip("/")
+        offset = start_after if start_after is not None and start_after > clean else None
+        stream = self._call(
+            prefix,
+            lambda: obstore.list(self._store, clean or None, offset=offset, chunk_size=1000),
+        )
+        lead = f"{clean}/" if clean else ""
+        chunks = iter(stream)
+        while True:
+            chunk = self._call(prefix, lambda: next(chunks, None))
+            if chunk is None:
+                return
+            for meta in chunk:
+                path = str(meta["path"])
+                if end_before is not None and path >= end_before:
+                    return
+                if start_after is not None and path <= start_after:
+                    continue
+                if "/" not in path[len(lead) :]:
+                    yield self._info(meta)
+
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         failures: builtins.list[DeleteFailure] = []
         for chunk in _chunks(paths, _DELETE_CHUNK):

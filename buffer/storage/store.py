@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
@@ -161,6 +161,30 @@ class ObjectStore(ABC):
         Raises:
             StorageError: the store failed.
         """
+
+    def list_range(
+        self, prefix: str = "", *, start_after: str | None = None, end_before: str | None = None
+    ) -> Iterator[ObjectInfo]:
+        """Objects directly under ``prefix`` whose path lies strictly between ``start_after``
+        and ``end_before`` (either ``None``: unbounded), in path order, as they are listed.
+
+        A store that lists in path order (S3, GCS, Azure Blob, memory) starts at
+        ``start_after`` and stops at ``end_before``, so a bounded range costs what it holds,
+        not the whole prefix; the file store reads the names of the directory and looks
+        closer only at those in range. Garbage collection lists only below the queue's floor
+        this way. This default lists the prefix (:meth:`list`, so a wrapper's ``list`` is the
+        one used) and filters.
+
+        Raises:
+            StorageError: the store failed (possibly after some objects were yielded).
+        """
+        found = [
+            info
+            for info in self.list(prefix, recursive=False)
+            if (start_after is None or info.path > start_after)
+            and (end_before is None or info.path < end_before)
+        ]
+        yield from sorted(found, key=lambda info: info.path)
 
     @abstractmethod
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:

@@ -195,6 +195,26 @@ def test_list_recursive_and_not(store: ObjectStore) -> None:
     assert store.list("absent", recursive=False) == []
 
 
+def test_list_range_lists_directly_under_the_prefix_in_name_order_between_bounds(
+    store: ObjectStore,
+) -> None:
+    """What GC lists: only names below the queue's floor, in order, nested objects left out."""
+    for path in ["q/05", "q/01", "q/03", "q/04", "q/02", "q/sub/00", "q/_millpond/x", "qq/00"]:
+        store.put(path, path.encode())
+    assert [i.path for i in store.list_range("q")] == ["q/01", "q/02", "q/03", "q/04", "q/05"]
+    assert [(i.path, i.size) for i in store.list_range("q", end_before="q/03")] == [
+        ("q/01", 4),
+        ("q/02", 4),
+    ]
+    assert [i.path for i in store.list_range("q", start_after="q/02", end_before="q/05")] == [
+        "q/03",
+        "q/04",
+    ]
+    assert list(store.list_range("q", end_before="q/")) == []
+    assert list(store.list_range("absent")) == []
+    assert [i.path for i in store.list_range("", end_before="q")] == []
+
+
 def test_delete_many_with_a_missing_object(store: ObjectStore) -> None:
     for path in ["d/1", "d/2", "d/3"]:
         store.put(path, b"x")
@@ -220,6 +240,29 @@ def test_open_store_rejects_unknown_schemes() -> None:
         open_store("ftp://user:secret@host/x")
     assert info.value.key == "store"
     assert "secret" not in str(info.value)
+
+
+def test_file_store_checks_a_version_without_reading_the_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence check on a file store: an 82 MB manifest was read and hashed for every check.
+    The write records its hash on the file; a check reads the attribute and the tail only."""
+    import millpond.storage.file_store as file_store
+
+    store = FileStore(tmp_path)
+    data = b"x" * 100_000 + b"footer"
+    etag = store.put("m", data)
+    hashed: list[int] = []
+    real = file_store._etag
+    monkeypatch.setattr(file_store, "_etag", lambda data: hashed.append(len(data)) or real(data))
+    assert store.get_tail("m", 6, etag) is None
+    assert store.get_if_changed("m", etag) is None
+    assert store.get_tail("m", 6) == GetResult(data=b"footer", etag=etag)
+    assert store.put_if_match("m", b"new", etag) == real(b"new")
+    assert hashed == [3]  # only the bytes written
+    # Changed by hand (a new time): the content is hashed again, the ETag is still its hash.
+    (tmp_path / "m").write_bytes(b"by hand")
+    assert store.get_tail("m", 4, real(b"new")) == GetResult(data=b"hand", etag=real(b"by hand"))
 
 
 def test_file_store_refuses_paths_outside_its_root(tmp_path: Path) -> None:
