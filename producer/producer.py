@@ -37,6 +37,7 @@ from millpond.coordinator.hosted import (
 )
 from millpond.errors import BackpressureError, ClosedError, InvalidInputError
 from millpond.formats.batch import MAX_RECORD_BYTES
+from millpond.formats.routing import with_table
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
 from millpond.producer._metrics import producer_collector, producer_samples
@@ -277,6 +278,8 @@ class Producer:
         entries: Iterable[bytes | bytearray | memoryview],
         metadata: bytes | bytearray | memoryview = b"",
         timeout: float | None = None,
+        *,
+        table: str | None = None,
     ) -> WriteHandle:
         """Stage ``entries`` (one metadata item in the manifest) and publish them.
 
@@ -287,19 +290,27 @@ class Producer:
             entries: opaque byte strings, at least one, each at most 2**32 - 1 bytes.
             metadata: opaque bytes stored with this call's metadata item in the manifest.
             timeout: seconds to wait for buffer room; ``None`` waits as long as it takes.
+            table: the table ``millpond consume`` writes these entries into (``[schema.]name``,
+                one of the tables it is allowed to write); ``None``: its default table. It
+                travels in the metadata item, as a ``millpond.table=`` line in front of
+                ``metadata`` (:mod:`millpond.formats.routing`).
 
         Returns:
             A handle: ``wait_staged()`` for the WAL, ``wait()`` for the manifest.
 
         Raises:
             InvalidInputError: no entries, an entry that is not bytes-like, or one over the
-                u32 limit; the call is rejected before anything is staged.
+                u32 limit; a ``table`` that is not a table name, or given with ``metadata``
+                that names one already; the call is rejected before anything is staged.
             BackpressureError: no buffer room within ``timeout``.
             ClosedError: the producer is closed or stopped after a permanent failure.
         """
         # Before any lock: one of the parent's threads may have held it at the fork, and
         # nothing in this process would ever release it.
         self._process.check()
+        if table is not None:
+            _byte_size("metadata", metadata)  # bytes-like, as _validate checks it
+            metadata = with_table(bytes(metadata), table)
         items, meta, nbytes, record_size = self._validate(entries, metadata)
         state = self._state
         handle = WriteHandle(len(items), self._handle_lock, self._process)
@@ -336,11 +347,17 @@ class Producer:
         data: pa.RecordBatch | pa.Table,
         metadata: bytes | bytearray | memoryview = b"",
         timeout: float | None = None,
+        *,
+        table: str | None = None,
     ) -> WriteHandle:
         """Produce one entry per non-empty record batch of ``data``, as Arrow IPC streams.
 
+        ``table``: the table ``millpond consume`` writes the rows into, as :meth:`produce`
+        takes it (``produce_arrow(orders, table="orders")``).
+
         Raises:
-            InvalidInputError: not a record batch or table, or no rows at all.
+            InvalidInputError: not a record batch or table, or no rows at all; a bad
+                ``table`` (see :meth:`produce`).
             BackpressureError, ClosedError: as :meth:`produce`.
         """
         from millpond.formats.arrow import encode_ipc
@@ -348,7 +365,7 @@ class Producer:
         entries = encode_ipc(data)
         if not entries:
             raise InvalidInputError("data: expected at least one row, found none")
-        return self.produce(entries, metadata, timeout)
+        return self.produce(entries, metadata, timeout, table=table)
 
     def flush(self, timeout: float | None = None) -> None:
         """Publish everything produced so far now, and wait until it is in the manifest.
