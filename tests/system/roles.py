@@ -16,6 +16,7 @@ import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 from millpond.common.retry import RetryPolicy
@@ -395,13 +396,22 @@ class ConsumerRole:
             self.store.arm(fault)
         self.after_takeover = []
 
-    def take_over(self) -> None:
-        """``initialize()`` at the sink's last sequence (a service start)."""
+    def take_over(self, read: int | EllipsisType | None = ...) -> None:
+        """``initialize()`` at the sink's last sequence (a service start); ``read``: the
+        progress as read earlier (a service that read it when it started, before an older
+        one still running wrote and dequeued more)."""
         self._open()
         assert self.consumer is not None
         consumer = self.consumer
-        take_over(consumer, lambda: self.sink.last_sequence(consumer.queue))
+        take_over(consumer, lambda: self.sink.last_sequence(consumer.queue), read=read)
         self._taken()
+
+    def progress(self) -> int | None:
+        """The sink's last sequence for this role's queue, as a starting service reads it."""
+        self._open()
+        assert self.consumer is not None
+        result: int | None = self.sink.last_sequence(self.consumer.queue)
+        return result
 
     def run_service(self, on_bad_batch: str = "stop") -> None:
         """``millpond consume --exit-when-idle [--on-bad-batch ...]``: take over and drain."""

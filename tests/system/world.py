@@ -37,6 +37,7 @@ import contextlib
 import random
 import uuid
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 from millpond.consumer.sinks import SinkError, open_sink
@@ -604,16 +605,23 @@ class World:
         """An older consumer runs — by hand, or as the service with this schedule's bad-batch
         policy — and a newer one takes over just before the older's request number ``at`` of
         ``kind`` (its takeover's requests, its fetches' fencing checks, its index mover's
-        writes, its moves past bad batches alike). The older must be fenced and write nothing
-        that lands after that; the newer goes on (without the backlog index unless ``index``:
-        nothing of its own then rewrites an index head the older left)."""
+        writes, its moves past bad batches alike). The newer read the sink's progress when the
+        event began, as a service does when it starts. The older must be fenced and write
+        nothing that lands after that; the newer goes on (without the backlog index unless
+        ``index``: nothing of its own then rewrites an index head the older left)."""
         older = self._consumer(self.queue_a)
         newer = self._consumer(self.queue_a, index=index)
         outcome: list[BaseException | None] = []
+        # The newer service reads the sink's progress as it starts, before the older one
+        # (still running: a rolling restart) writes and dequeues more.
+        try:
+            read: int | EllipsisType | None = newer.progress()
+        except (SimulatedCrash, MillpondError):
+            read = ...
 
         def take_over() -> None:
             try:
-                newer.take_over()
+                newer.take_over(read=read)
                 outcome.append(None)
             except (SimulatedCrash, MillpondError) as err:
                 outcome.append(err)
