@@ -290,28 +290,22 @@ class Producer:
             entries: opaque byte strings, at least one, each at most 2**32 - 1 bytes.
             metadata: opaque bytes stored with this call's metadata item in the manifest.
             timeout: seconds to wait for buffer room; ``None`` waits as long as it takes.
-            table: the table ``millpond consume`` writes these entries into (``[schema.]name``,
-                one of the tables it is allowed to write); ``None``: its default table. It
-                travels in the metadata item, as a ``millpond.table=`` line in front of
-                ``metadata`` (:mod:`millpond.formats.routing`).
+            table: the consumer's table for the entries (``None``: its own), carried as a
+                ``millpond.table=`` line in front of ``metadata`` (``formats.routing``).
 
         Returns:
             A handle: ``wait_staged()`` for the WAL, ``wait()`` for the manifest.
 
         Raises:
-            InvalidInputError: no entries, an entry that is not bytes-like, or one over the
-                u32 limit; a ``table`` that is not a table name, or given with ``metadata``
-                that names one already; the call is rejected before anything is staged.
+            InvalidInputError: no entries, an entry that is not bytes-like or over the u32
+                limit, a bad ``table``; the call is rejected before anything is staged.
             BackpressureError: no buffer room within ``timeout``.
             ClosedError: the producer is closed or stopped after a permanent failure.
         """
         # Before any lock: one of the parent's threads may have held it at the fork, and
         # nothing in this process would ever release it.
         self._process.check()
-        if table is not None:
-            _byte_size("metadata", metadata)  # bytes-like, as _validate checks it
-            metadata = with_table(bytes(metadata), table)
-        items, meta, nbytes, record_size = self._validate(entries, metadata)
+        items, meta, nbytes, record_size = self._validate(entries, metadata, table)
         state = self._state
         handle = WriteHandle(len(items), self._handle_lock, self._process)
         ingestion_time_ms = state.clock.now_ms()
@@ -336,11 +330,14 @@ class Producer:
                 Input(ordinal, items, meta, ingestion_time_ms, nbytes, record_size, handle)
             )
             state.writer_wake.notify()
-        counters = state.counters
-        counters.add("produce_calls")
-        counters.add("entries_produced", len(items))
-        counters.add("bytes_produced", nbytes)
+        self._count_call(len(items), nbytes)
         return handle
+
+    def _count_call(self, entries: int, nbytes: int) -> None:
+        counters = self._state.counters
+        counters.add("produce_calls")
+        counters.add("entries_produced", entries)
+        counters.add("bytes_produced", nbytes)
 
     def produce_arrow(
         self,
@@ -564,6 +561,7 @@ class Producer:
         self,
         entries: Iterable[bytes | bytearray | memoryview],
         metadata: bytes | bytearray | memoryview,
+        table: str | None = None,
     ) -> tuple[list[bytes], bytes, int, int]:
         if isinstance(entries, (bytes, bytearray, memoryview, str)):
             raise InvalidInputError(
@@ -589,6 +587,9 @@ class Producer:
         else:
             sizes = [_byte_size(f"entries[{i}]", item) for i, item in enumerate(items)]
         meta_size = _byte_size("metadata", metadata)
+        if table is not None:  # a millpond.table line in front of the application's metadata
+            metadata = with_table(bytes(metadata), table)
+            meta_size = len(metadata)
         record_size = data_record_size(meta_size, sizes)
         if record_size > self._record_limit:
             raise InvalidInputError(
