@@ -25,6 +25,7 @@ from millpond.consumer._config import ConsumerConfig
 from millpond.consumer._consumer import Consumer
 from millpond.consumer.app import _metrics
 from millpond.consumer.app._report import ServiceReporter
+from millpond.consumer.app._table_options import add_table_arguments, sink_tables
 from millpond.consumer.app.quarantine import quarantine_command
 from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.app.service import logger as service_logger
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start an empty queue when there is none at STORE_URL (else refuse: a typo)",
     )
     _add_sink_arguments(parser)
+    add_table_arguments(parser)
     _add_consumer_arguments(parser)
     _add_loop_arguments(parser)
     _add_gc_arguments(parser)
@@ -205,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             entry_format=args.entry_format,
             sequence_column=args.sequence_column or None,
             progress_table=args.progress_table,
+            tables=sink_tables(args),
         ) as sink,
     ):
         require_queue_unless_create(args)  # every option is checked first: a typo is usage

@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from millpond.cli.common import add_store_arguments, emit
+from millpond.consumer.app._table_options import add_table_arguments, sink_tables
 from millpond.consumer.app.quarantine import (
     add_sink_arguments,
     config_from_args,
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="_millpond_sequence",
         help="as given to millpond consume ('' for none)",
     )
+    add_table_arguments(parser)  # as given to millpond consume
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         progress_table=args.progress_table,
         entry_format=args.entry_format,
         sequence_column=args.sequence_column or None,
+        tables=sink_tables(args),
     ) as sink:
         if args.all:
             store = open_store(config.store, config.store_options)

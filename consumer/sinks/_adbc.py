@@ -30,6 +30,16 @@ the name as typed; the first transaction that claims the table on a connection m
 recorded under another spelling of it to the resolved name (:meth:`AdbcSink._merge_spellings`)
 and refuses a table two spellings gave to two queues.
 
+Many tables, one progress (issue 46). Batches may name the table their rows go to
+(:mod:`millpond.formats.routing`); the sink writes only the tables it is allowed to
+(:class:`~millpond.consumer.sinks._tables.SinkTables`, resolved by
+:class:`~millpond.consumer.sinks._targets.Router`) and refuses a batch naming any other, for
+good. Whichever tables a batch's rows go to, its progress row is recorded under the sink's own
+table, in the same transaction as the rows: a queue has one sequence across its tables. Every
+table it writes is recorded as the queue's in ``millpond_owners`` next to that table, so no
+other queue's consumer writes into it (nor this one into another queue's). A table is appended
+to or upserted by key (:mod:`millpond.consumer.sinks._table_writer`).
+
 Nothing is set up before it is needed: the progress, quarantine and owners tables are created in
 the first transaction on a connection, together with its work, so a start refused there (another
 queue's table) or a probe rolled back (``millpond doctor``) leaves nothing behind.
@@ -47,7 +57,6 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -56,13 +65,14 @@ from millpond.common.metrics import Counters
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX, QuarantineLedger
 from millpond.consumer.sinks._names import TableName, quote, same_table, spellings_sql
-from millpond.consumer.sinks._rows import batch_rows
-from millpond.consumer.sinks._schema import SchemaPlan, plan_schema, unreconcilable
+from millpond.consumer.sinks._rows import RoutedRows, batch_parts
+from millpond.consumer.sinks._table_writer import TableWriter
+from millpond.consumer.sinks._tables import SinkTables
+from millpond.consumer.sinks._targets import Router, Target
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass
 from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
-from millpond.formats.arrow import unify_tables
 from millpond.queue import same_queue
 
 __all__ = ["LOCATION_INDEX_SUFFIX", "AdbcSink", "TableName", "quote"]
@@ -81,15 +91,12 @@ class _RolledBack(Exception):
     """Ends a probe transaction: it must roll back."""
 
 
-class AdbcSink(QuarantineLedger, ABC):
+class AdbcSink(QuarantineLedger, TableWriter, ABC):
     """A sink over an ADBC DB-API connection; subclasses supply the dialect.
 
-    Quarantined batches (set aside, replayed) are recorded by :class:`QuarantineLedger`.
+    Quarantined batches (set aside, replayed) are recorded by :class:`QuarantineLedger`;
+    rows go into each table through :class:`TableWriter`.
     """
-
-    _INSERT_SLICE_ROWS: int | None = None
-    """Rows conformed at a time while the slice before is inserted (:meth:`_insert_rows`);
-    ``None``: every row at once."""
 
     def __init__(
         self,
@@ -100,7 +107,11 @@ class AdbcSink(QuarantineLedger, ABC):
         sequence_column: str | None,
         progress_table: str,
         secrets: Sequence[str] = (),
+        tables: SinkTables | None = None,
     ) -> None:
+        if tables is not None and not isinstance(tables, SinkTables):
+            raise ConfigError("tables", f"expected SinkTables, found {type(tables).__name__}")
+        self._tables = tables or SinkTables()
         self._description = description
         # Credentials the driver may quote in its messages (a URL it could not parse).
         self._secrets = tuple(secrets)
@@ -113,11 +124,15 @@ class AdbcSink(QuarantineLedger, ABC):
         # Next to the target table and whatever the progress table is called: a consumer of
         # another queue configured with another progress table still meets the owner record.
         self._owners = TableName(name=_OWNERS, schema=self._table.schema)
-        # Per connection: the resolved target and owners tables, whether the set-up DDL and
-        # the merge of other spellings' rows have committed on it.
-        self._identity: tuple[TableName, TableName] | None = None
+        # Per connection: the sink's own table (resolved), which tables batches may name,
+        # every table written (by resolved name) and the spellings batches named them by;
+        # whether the set-up DDL has committed on it.
+        self._home: Target | None = None
+        self._router: Router | None = None
+        self._targets: dict[TableName, Target] = {}
+        self._routes: dict[str, Target] = {}
         self._set_up = False
-        self._merged: str | None = None
+        self._writing: TableName | None = None  # the table being written, for messages
         # Run once the current transaction commits; dropped when it fails.
         self._after_commit: list[Callable[[], None]] = []
         self._entry_format = EntryFormat.parse(entry_format)
@@ -125,9 +140,6 @@ class AdbcSink(QuarantineLedger, ABC):
             raise ConfigError("sequence_column", "expected a column name or None, found ''")
         self._sequence_column = sequence_column
         self._conn: Any = None
-        # The target table's columns as the database reports them, or None when unknown.
-        # Cleared on every failed transaction: DDL that rolled back must not stay cached.
-        self._columns: dict[str, ColumnType] | None = None
         self.counters = Counters("batches_written", "batches_skipped", "rows_written")
 
     # -- Sink ------------------------------------------------------------------------------
@@ -149,18 +161,22 @@ class AdbcSink(QuarantineLedger, ABC):
         the takeover), and a start that fails leaves nothing behind. The table becomes
         ``queue``'s with the first batch written (or :meth:`claim`); the checks a claim makes
         run here too — in a transaction rolled back — so a table of another queue is refused
-        before anything is taken over or dequeued.
+        before anything is taken over or dequeued. So is every table the sink may write that
+        is named exactly (:class:`SinkTables`): one of another queue, or an upsert's table
+        that exists without a unique index on its key.
 
         Args:
             queue: the consumer's queue identity (``Consumer.queue``).
 
         Raises:
-            SinkError: the table belongs to another queue (permanent, naming both), or the
-                database failed.
+            SinkError: the table, or a table the sink may write, belongs to another queue
+                (permanent, naming both); an upsert's table has no unique index on its key
+                (permanent, naming the index to create); or the database failed.
         """
 
         def work(cur: Any) -> int | None:
             self._own(cur, queue)
+            self._check_tables(cur, queue)
             rows = self._fetch(
                 cur,
                 f"SELECT max(sequence) FROM {self._progress.sql} WHERE target_table = "
@@ -213,21 +229,21 @@ class AdbcSink(QuarantineLedger, ABC):
         """
         if not batches:
             return []
-        rows = [
-            batch_rows(batch, self._entry_format, sequence_column=self._sequence_column)
+        parts = [
+            batch_parts(batch, self._entry_format, sequence_column=self._sequence_column)
             for batch in batches
         ]
         try:
-            written = self._transaction(lambda cur: self._write(cur, batches, rows))
+            written = self._transaction(lambda cur: self._write(cur, batches, parts))
         except SinkError as err:
             if err.transient:
                 raise
             # Permanent: the service stops here, so the message names the batch to look at.
             raise SinkError(f"{_describe(batches)}: {err}", transient=False) from err
-        for batch, table, ok in zip(batches, rows, written, strict=True):
+        for batch, routed, ok in zip(batches, parts, written, strict=True):
             if ok:
                 self.counters.add("batches_written")
-                self.counters.add("rows_written", table.num_rows)
+                self.counters.add("rows_written", sum(part.rows.num_rows for part in routed))
             else:
                 self.counters.add("batches_skipped")
                 logger.info(
@@ -309,12 +325,26 @@ class AdbcSink(QuarantineLedger, ABC):
         """Whether ``table`` exists."""
 
     @abstractmethod
-    def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
-        """The target table's columns in order, or ``None`` when it does not exist."""
+    def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None:
+        """``table``'s columns in order, or ``None`` when it does not exist."""
 
     @abstractmethod
-    def _lock_schema(self, cur: Any) -> None:
-        """Serialize DDL on the target table with other writers until the transaction ends."""
+    def _lock_schema(self, cur: Any, table: TableName) -> None:
+        """Serialize DDL on ``table`` with other writers until the transaction ends."""
+
+    @abstractmethod
+    def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
+        """The column sets (as :meth:`_name_key` gives names) of ``table``'s unique indexes
+        and constraints that ``ON CONFLICT`` can use: not partial, not on expressions, not
+        deferred."""
+
+    @abstractmethod
+    def _stage(self, cur: Any, table: TableName, names: Sequence[str], name: str) -> TableName:
+        """A new temporary table ``name`` with ``table``'s columns ``names`` (the same
+        types), dropped when the transaction ends or by :meth:`_unstage`."""
+
+    def _unstage(self, cur: Any, stage: TableName) -> None:
+        """Drop a temporary table of :meth:`_stage` (none needed where it drops itself)."""
 
     def _lock_setup(self, cur: Any) -> None:
         """Serialize the creation of the progress, owners and quarantine tables with other
@@ -322,20 +352,29 @@ class AdbcSink(QuarantineLedger, ABC):
         itself already does)."""
 
     @abstractmethod
-    def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
+    def _retype(
+        self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
+    ) -> None:
         """Change a column's type (``empty``: it holds only NULLs, nothing to convert)."""
 
     @abstractmethod
-    def _conform(self, rows: pa.Table, columns: dict[str, ColumnType]) -> pa.Table:
-        """The rows (already named as the table's columns) in what the columns take."""
+    def _conform(
+        self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
+    ) -> pa.Table:
+        """The rows (already named as ``table``'s columns) in what the columns take."""
 
     @abstractmethod
     def _classify(self, err: Exception) -> ErrorClass:
         """A driver error's class: transient (retry) or permanent (stop)."""
 
-    def _ingest(self, cur: Any, rows: pa.Table) -> None:
-        """Bulk-insert conformed rows into the target table."""
-        cur.adbc_ingest(self._table.name, rows, mode="append", db_schema_name=self._table.schema)
+    def _ingest(
+        self, cur: Any, rows: pa.Table, table: TableName, *, temporary: bool = False
+    ) -> None:
+        """Bulk-insert conformed rows into ``table`` (``temporary``: one of :meth:`_stage`)."""
+        if temporary:
+            cur.adbc_ingest(table.name, rows, mode="append", temporary=True)
+        else:
+            cur.adbc_ingest(table.name, rows, mode="append", db_schema_name=table.schema)
 
     @abstractmethod
     def _driver_errors(self) -> tuple[type[Exception], ...]:
@@ -343,21 +382,24 @@ class AdbcSink(QuarantineLedger, ABC):
 
     # -- the transaction -------------------------------------------------------------------
 
-    def _own(self, cur: Any, queue: str) -> None:
-        """Make the target table ``queue``'s if it is nobody's; refuse it if it is another's.
+    def _own(self, cur: Any, queue: str, target: Target | None = None) -> None:
+        """Make ``target`` (default: the sink's own table) ``queue``'s if it is nobody's;
+        refuse it if it is another's.
 
         Keyed by the table as the database resolves it; rows an earlier version recorded
         under another spelling of it are moved to that key first, in this transaction.
         """
+        target = target or self._own_target()
         now_ms = time.time_ns() // 1_000_000
-        table = str(self._table)
-        if self._merged != table:
-            self._merge_spellings(cur, now_ms)
-            self._after_commit.append(lambda: setattr(self, "_merged", table))
+        table = str(target.table)
+        self._owners_table(cur, target)
+        if not target.merged:
+            self._merge_spellings(cur, now_ms, target)
+            self._after_commit.append(lambda: setattr(target, "merged", True))
         p = self._param
         claimed = self._fetch(
             cur,
-            f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
+            f"INSERT INTO {target.owners.sql} (target_table, queue, claimed_at_ms) "
             f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING RETURNING queue",
             (table, queue, now_ms),
         )
@@ -373,12 +415,12 @@ class AdbcSink(QuarantineLedger, ABC):
                     f"{self._description}: table {table} has {int(legacy[0][0])} progress rows "
                     f"in {self._progress} but no record of the queue they belong to; this "
                     f"consumer reads {queue}. If they are that queue's, record it: INSERT INTO "
-                    f"{self._owners} VALUES ('{table}', '{queue}', 0)",
+                    f"{target.owners} VALUES ('{table}', '{queue}', 0)",
                     transient=False,
                 )
             return
         owner = self._fetch(
-            cur, f"SELECT queue FROM {self._owners.sql} WHERE target_table = {p(1)}", (table,)
+            cur, f"SELECT queue FROM {target.owners.sql} WHERE target_table = {p(1)}", (table,)
         )
         found = str(owner[0][0]) if owner else None
         if found is None or not same_queue(found, queue):
@@ -390,16 +432,110 @@ class AdbcSink(QuarantineLedger, ABC):
                 transient=False,
             )
 
-    def _identify(self, cur: Any) -> None:
-        """Resolve the target table, and the owners table next to it, once per connection."""
-        if self._identity is None:
-            table = self._resolve(cur, self._given)
-            self._identity = (table, self._resolve(cur, TableName(_OWNERS, table.schema)))
-        self._table, self._owners = self._identity
+    def _own_target(self) -> Target:
+        assert self._home is not None, "resolved by _identify in every transaction"
+        return self._home
 
-    def _spellings(self, cur: Any, owner_tables: Sequence[TableName]) -> list[str]:
-        """The other spellings of the target table that progress, quarantine or owner rows
-        are recorded under (by versions that kept the name as typed)."""
+    def _owners_table(self, cur: Any, target: Target) -> None:
+        """Create the owners table next to ``target`` where it is missing (the sink's own
+        table's is made with the progress table)."""
+        if target.owners_ready or target.owners == self._owners:
+            return
+        if not self._exists(cur, target.owners):
+            self._lock_setup(cur)
+            self._create_owners(cur, target.owners)
+        self._after_commit.append(lambda: setattr(target, "owners_ready", True))
+
+    @staticmethod
+    def _create_owners(cur: Any, owners: TableName) -> None:
+        cur.execute(
+            f"CREATE TABLE IF NOT EXISTS {owners.sql} ("
+            "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
+            "claimed_at_ms BIGINT NOT NULL)"
+        )
+
+    def _identify(self, cur: Any) -> None:
+        """Resolve the sink's own table, the owners table next to it and the tables it may
+        write, once per connection."""
+        if self._home is None:
+            table = self._resolve(cur, self._given)
+            owners = self._resolve(cur, TableName(_OWNERS, table.schema))
+            router = Router(
+                self._tables,
+                home=table,
+                resolve=lambda spelled: self._resolve(cur, spelled),
+                name_key=self._name_key,
+                reserved=[
+                    self._name_key(name)
+                    for name in (self._progress.name, self._quarantine.name, _OWNERS)
+                ],
+            )
+            settings = router.settings(table, lambda spelled: self._resolve(cur, spelled))
+            assert settings is not None  # the sink's own table is always allowed
+            self._home = Target(table, owners, settings, owners_ready=True)
+            self._router, self._targets, self._routes = router, {table: self._home}, {}
+        assert self._home is not None
+        self._table, self._owners = self._home.table, self._home.owners
+
+    def _target(self, cur: Any, table: TableName) -> Target | None:
+        """The target for ``table`` (resolved), or ``None`` when no batch may write it."""
+        known = self._targets.get(table)
+        if known is not None:
+            return known
+        assert self._router is not None
+        settings = self._router.settings(table, lambda spelled: self._resolve(cur, spelled))
+        if settings is None:
+            return None
+        owners = self._resolve(cur, TableName(_OWNERS, table.schema))
+        target = self._targets[table] = Target(table, owners, settings)
+        return target
+
+    def _route(self, cur: Any, spelled: str | None) -> Target:
+        """The table a batch part names (``None``: the sink's own).
+
+        Raises:
+            SinkError: it names a table this sink may not write (permanent).
+        """
+        if spelled is None:
+            return self._own_target()
+        target = self._routes.get(spelled)
+        if target is not None:
+            return target
+        try:
+            table = self._resolve(cur, TableName.parse("table", spelled))
+        except ConfigError as err:
+            raise SinkError(f"the batch names table {spelled!r}: {err}", transient=False) from err
+        found = self._target(cur, table)
+        if found is None:
+            assert self._router is not None
+            raise SinkError(
+                f"the batch names table {spelled} ({table}), which this consumer may not write; "
+                f"it writes {self._router.describe()}. Allow the table with --tables or a "
+                "[tables.NAME] section of --config, or set the batch aside",
+                transient=False,
+            )
+        self._routes[spelled] = found
+        return found
+
+    def _check_tables(self, cur: Any, queue: str) -> None:
+        """Check every table named exactly that the sink may write: nobody's or ``queue``'s,
+        and for an upsert, a unique index on its key where it exists.
+
+        Raises:
+            SinkError: as :meth:`_own` and :meth:`TableWriter._check_key`.
+        """
+        assert self._router is not None
+        for table, _ in self._router.exact():
+            target = self._target(cur, table)
+            assert target is not None
+            if target is not self._home:
+                self._own(cur, queue, target)
+            if target.settings.upsert and self._reflect(cur, table) is not None:
+                self._check_key(cur, target)
+
+    def _spellings(self, cur: Any, owner_tables: Sequence[TableName], target: Target) -> list[str]:
+        """The other spellings of ``target`` that progress, quarantine or owner rows are
+        recorded under (by versions that kept the name as typed)."""
         recorded: list[Any] = []
         for kept in (self._progress, self._quarantine):
             recorded += [row[0] for row in self._fetch(cur, spellings_sql(kept), ())]
@@ -409,23 +545,23 @@ class AdbcSink(QuarantineLedger, ABC):
             ]
         return same_table(
             recorded,
-            self._table,
+            target.table,
             resolve=lambda spelled: self._resolve(cur, spelled),
             name_key=self._name_key,
         )
 
-    def _owner_tables(self, cur: Any) -> list[TableName]:
-        """Where owner records of the target table can be: next to it, and where an
-        unqualified ``millpond_owners`` resolves (an unqualified name was kept there)."""
-        found = [self._owners]
+    def _owner_tables(self, cur: Any, target: Target) -> list[TableName]:
+        """Where owner records of ``target`` can be: next to it, and where an unqualified
+        ``millpond_owners`` resolves (an unqualified name was kept there)."""
+        found = [target.owners]
         unqualified = self._resolve(cur, TableName(_OWNERS))
-        if unqualified != self._owners and self._exists(cur, unqualified):
+        if unqualified != target.owners and self._exists(cur, unqualified):
             found.append(unqualified)
         return found
 
-    def _merge_spellings(self, cur: Any, now_ms: int) -> None:
-        """Move what is recorded under other spellings of the target table to its resolved
-        name, in the caller's transaction.
+    def _merge_spellings(self, cur: Any, now_ms: int, target: Target) -> None:
+        """Move what is recorded under other spellings of ``target`` to its resolved name, in
+        the caller's transaction.
 
         A sequence recorded under two spellings (a consumer restarted under another one wrote
         it again) keeps the resolved name's row; a location written under both becomes a
@@ -434,22 +570,22 @@ class AdbcSink(QuarantineLedger, ABC):
         Raises:
             SinkError: two spellings of the table belong to two queues (permanent).
         """
-        owner_tables = self._owner_tables(cur)
-        if not self._spellings(cur, owner_tables):
+        owner_tables = self._owner_tables(cur, target)
+        if not self._spellings(cur, owner_tables, target):
             return
         # Two sinks merging at once take turns; the second finds nothing left to move.
-        self._lock_schema(cur)
-        spellings = self._spellings(cur, owner_tables)
+        self._lock_schema(cur, target.table)
+        spellings = self._spellings(cur, owner_tables, target)
         if not spellings:
             return
-        table = str(self._table)
-        queues = self._spelled_owners(cur, owner_tables, [table, *spellings])
+        table = str(target.table)
+        queues = self._spelled_owners(cur, owner_tables, [table, *spellings], target)
         for spelled in spellings:
-            self._move_spelling(cur, spelled, owner_tables)
+            self._move_spelling(cur, spelled, owner_tables, target)
         if queues:
             p = self._param
             cur.execute(
-                f"INSERT INTO {self._owners.sql} (target_table, queue, claimed_at_ms) "
+                f"INSERT INTO {target.owners.sql} (target_table, queue, claimed_at_ms) "
                 f"VALUES ({p(1)}, {p(2)}, {p(3)}) ON CONFLICT DO NOTHING",
                 (table, queues[0][1], now_ms),
             )
@@ -462,15 +598,15 @@ class AdbcSink(QuarantineLedger, ABC):
         )
 
     def _spelled_owners(
-        self, cur: Any, owner_tables: Sequence[TableName], keys: Sequence[str]
+        self, cur: Any, owner_tables: Sequence[TableName], keys: Sequence[str], target: Target
     ) -> list[tuple[str, str]]:
-        """The owner records of the target table under the spellings ``keys`` (its resolved
-        name first): ``(spelling, queue)`` pairs, every one of the same queue.
+        """The owner records of ``target`` under the spellings ``keys`` (its resolved name
+        first): ``(spelling, queue)`` pairs, every one of the same queue.
 
         Raises:
             SinkError: two spellings of the table belong to two queues (permanent).
         """
-        table = str(self._table)
+        table = str(target.table)
         marks = ", ".join(self._param(i + 1) for i in range(len(keys)))
         queues = [
             (str(spelled), str(queue))
@@ -493,10 +629,12 @@ class AdbcSink(QuarantineLedger, ABC):
                 )
         return queues
 
-    def _move_spelling(self, cur: Any, spelled: str, owner_tables: Sequence[TableName]) -> None:
-        """Move the progress and quarantine rows recorded under ``spelled`` to the target
-        table's resolved name, and drop its owner records (the caller records the owner)."""
-        table = str(self._table)
+    def _move_spelling(
+        self, cur: Any, spelled: str, owner_tables: Sequence[TableName], target: Target
+    ) -> None:
+        """Move the progress and quarantine rows recorded under ``spelled`` to ``target``'s
+        resolved name, and drop its owner records (the caller records the owner)."""
+        table = str(target.table)
         p = self._param
         progress, quarantine = self._progress.sql, self._quarantine.sql
         # A sequence recorded under both: the resolved name's row stands.
@@ -530,10 +668,14 @@ class AdbcSink(QuarantineLedger, ABC):
             cur.execute(f"DELETE FROM {owners.sql} WHERE target_table = {p(1)}", (spelled,))
 
     def _write(
-        self, cur: Any, batches: Sequence[ConsumedBatch], rows: Sequence[pa.Table]
+        self,
+        cur: Any,
+        batches: Sequence[ConsumedBatch],
+        parts: Sequence[Sequence[RoutedRows]],
     ) -> list[bool]:
         now_ms = time.time_ns() // 1_000_000
-        for queue in sorted({batch.queue for batch in batches}):
+        queues = sorted({batch.queue for batch in batches})
+        for queue in queues:
             self._own(cur, queue)
         # A location repeated inside the group is a duplicate of its first occurrence.
         seen: set[str] = set()
@@ -543,7 +685,8 @@ class AdbcSink(QuarantineLedger, ABC):
                 candidates.append(batch)
             seen.add(batch.location)
         counts = {
-            batch.sequence: table.num_rows for batch, table in zip(batches, rows, strict=True)
+            batch.sequence: sum(part.rows.num_rows for part in routed)
+            for batch, routed in zip(batches, parts, strict=True)
         }
         claimed = {
             int(row[0])
@@ -554,15 +697,36 @@ class AdbcSink(QuarantineLedger, ABC):
             # Record skips under their own sequence too (unless the sequence itself is what
             # is recorded), so last_sequence() moves past them.
             self._insert_progress(cur, skipped, counts, now_ms, duplicate=True)
-        tables = [
-            table
-            for batch, table in zip(batches, rows, strict=True)
-            if batch.sequence in claimed and table.num_rows
+        written = [
+            part
+            for batch, routed in zip(batches, parts, strict=True)
+            if batch.sequence in claimed
+            for part in routed
         ]
-        if tables:
-            combined = tables[0] if len(tables) == 1 else unify_tables(tables)
-            self._insert_rows(cur, combined)
+        self._write_parts(cur, queues, written)
         return [batch.sequence in claimed for batch in batches]
+
+    def _write_parts(self, cur: Any, queues: Sequence[str], parts: Sequence[RoutedRows]) -> None:
+        """Write ``parts`` (in queue order) into the tables they name, each table's rows in
+        queue order; every table written becomes ``queues``' (the sink's own already is).
+
+        Raises:
+            SinkError: a part names a table this sink may not write, or one of another queue
+                (permanent); as :meth:`TableWriter._write_rows`.
+        """
+        routed: dict[Target, list[pa.Table]] = {}
+        for part in parts:
+            target = self._route(cur, part.table)
+            rows = routed.setdefault(target, [])
+            if part.rows.num_rows:
+                rows.append(part.rows)
+        for target, tables in routed.items():
+            self._writing = target.table  # what a driver error names
+            if target is not self._home:
+                for queue in queues:
+                    self._own(cur, queue, target)
+            if tables:
+                self._write_rows(cur, target, tables)
 
     def _insert_progress(
         self,
@@ -596,126 +760,6 @@ class AdbcSink(QuarantineLedger, ABC):
             tuple(params),
         )
 
-    def _insert_rows(self, cur: Any, rows: pa.Table) -> None:
-        """Create or evolve the target table for ``rows``, then bulk-insert them into it.
-
-        With :attr:`_INSERT_SLICE_ROWS` set, the rows are conformed a slice at a time, the
-        next slice on a thread while the database takes the last: the driver lets go of the
-        GIL while it copies, and conforming (JSON text above all) is most of the Python work
-        of a write.
-
-        Raises:
-            SinkError: as :meth:`_prepare_table` and :meth:`_conform`; the driver's errors.
-        """
-        rows, columns = self._prepare_table(cur, rows)
-        size = self._INSERT_SLICE_ROWS
-        if size is None or rows.num_rows <= size:
-            self._ingest(cur, self._conform(rows, columns))
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="millpond-conform") as pool:
-            ahead = pool.submit(self._conform, rows.slice(0, size), columns)
-            for start in range(size, rows.num_rows, size):
-                conformed = self._conformed(ahead, rows, columns)
-                ahead = pool.submit(self._conform, rows.slice(start, size), columns)
-                self._ingest(cur, conformed)
-            self._ingest(cur, self._conformed(ahead, rows, columns))
-
-    def _conformed(
-        self, ahead: Future[pa.Table], rows: pa.Table, columns: dict[str, ColumnType]
-    ) -> pa.Table:
-        try:
-            return ahead.result()
-        except SinkError:
-            # Say it as conforming every row at once says it (row positions in the group,
-            # not in a slice): the same error, or, should that pass, the slice's.
-            self._conform(rows, columns)
-            raise
-
-    def _prepare_table(self, cur: Any, rows: pa.Table) -> tuple[pa.Table, dict[str, ColumnType]]:
-        """Create or evolve the target table for ``rows``; return them named as its columns,
-        and the columns (:meth:`_conform` makes the values what the columns take).
-
-        Raises:
-            SinkError: permanent when the rows cannot go into the table (see
-                :func:`plan_schema`); the driver's errors otherwise.
-        """
-        columns = self._columns if self._columns is not None else self._reflect(cur)
-        plan = self._plan(rows, columns)
-        if plan.has_ddl:
-            # Another consumer may be changing the same table (or did, and our cached columns
-            # are stale): take the schema lock, then decide again on what the table is now.
-            self._lock_schema(cur)
-            columns = self._reflect(cur)
-            plan = self._plan(rows, columns)
-            if plan.has_ddl:
-                self._apply(cur, plan)
-                columns = self._reflect(cur)
-                # The database may have stored a name other than the one asked for
-                # (PostgreSQL cuts names at 63 bytes): map the rows onto what it made.
-                plan = self._plan(rows, columns)
-                if plan.has_ddl:
-                    raise SinkError(
-                        f"table {self._table}: still needs {plan.changes or 'creating'} after "
-                        "its schema was changed; refusing to change it again",
-                        transient=False,
-                    )
-        if columns is None:
-            raise SinkError(f"table {self._table} is missing after it was created", transient=True)
-        self._columns = columns
-        kept = [name for name in rows.column_names if plan.targets.get(name) is not None]
-        rows = rows.select(kept).rename_columns([str(plan.targets[name]) for name in kept])
-        return rows, columns
-
-    def _plan(self, rows: pa.Table, columns: dict[str, ColumnType] | None) -> SchemaPlan:
-        return plan_schema(
-            rows,
-            columns,
-            name_key=self._name_key,
-            table=str(self._table),
-            database=self._dialect.name,
-        )
-
-    def _apply(self, cur: Any, plan: SchemaPlan) -> None:
-        dialect = self._dialect
-        if plan.create is not None:
-            definitions = ", ".join(
-                f"{quote(name)} {dialect.sql_type(column)}" for name, column in plan.create
-            )
-            cur.execute(f"CREATE TABLE IF NOT EXISTS {self._table.sql} ({definitions})")
-            logger.info("created table %s with %s columns", self._table, len(plan.create))
-        for change in plan.changes:
-            if change.action == "add":
-                # Drifted schema: a new column, nullable so older rows read as NULL.
-                cur.execute(
-                    f"ALTER TABLE {self._table.sql} ADD COLUMN {quote(change.column)} "
-                    f"{dialect.sql_type(change.new)}"
-                )
-                logger.info("added column %s %s to %s", change.column, change.new, self._table)
-                continue
-            empty = change.action == "retype_if_empty"
-            if empty and not self._holds_only_nulls(cur, change.column):
-                assert change.existing is not None
-                raise unreconcilable(
-                    str(self._table), change, dialect.name, dialect.sql_type(change.existing)
-                )
-            self._retype(cur, change.column, change.new, empty=empty)
-            logger.info(
-                "changed column %s of %s from %s to %s%s",
-                change.column,
-                self._table,
-                change.existing,
-                change.new,
-                " (it held only NULLs)" if empty else "",
-            )
-
-    def _holds_only_nulls(self, cur: Any, column: str) -> bool:
-        rows = self._fetch(
-            cur,
-            f"SELECT 1 FROM {self._table.sql} WHERE {quote(column)} IS NOT NULL LIMIT 1",
-            (),
-        )
-        return not rows
-
     def _transaction(self, work: Callable[[Any], _T]) -> _T:
         # A few quick retries absorb the races of two consumers creating the same table and
         # a connection that dropped between writes; a database that stays down is the
@@ -740,6 +784,7 @@ class AdbcSink(QuarantineLedger, ABC):
         try:
             self._begin(conn, cur)
             self._after_commit = []
+            self._writing = None
             if not self._set_up:
                 # In this transaction: work refused here (another queue's table) or rolled
                 # back (a probe) takes the set-up with it, leaving nothing behind.
@@ -752,7 +797,8 @@ class AdbcSink(QuarantineLedger, ABC):
                 done()
             return result
         except BaseException as err:
-            self._columns = None
+            for target in self._targets.values():
+                target.columns = None  # DDL that rolled back must not stay cached
             self._after_commit = []
             try:
                 self._rollback(conn, cur)
@@ -780,7 +826,8 @@ class AdbcSink(QuarantineLedger, ABC):
             if len(secret) >= _SECRET_ANYWHERE:
                 first = first.replace(secret, "***")
         return SinkError(
-            f"{self._description} table {self._table}: {type(err).__name__}: {first} "
+            f"{self._description} table {self._writing or self._table}: "
+            f"{type(err).__name__}: {first} "
             f"[{error_class}]",
             transient=error_class.transient,
         )
@@ -813,19 +860,16 @@ class AdbcSink(QuarantineLedger, ABC):
             f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(index.name)} "
             f"ON {self._progress.sql} (target_table, location) WHERE NOT duplicate"
         )
-        cur.execute(
-            f"CREATE TABLE IF NOT EXISTS {self._owners.sql} ("
-            "target_table TEXT NOT NULL PRIMARY KEY, queue TEXT NOT NULL, "
-            "claimed_at_ms BIGINT NOT NULL)"
-        )
+        self._create_owners(cur, self._owners)
         self._create_quarantine_table(cur)
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
-        self._columns = None
-        self._identity = None
+        self._home = None
+        self._router = None
+        self._targets = {}
+        self._routes = {}
         self._set_up = False
-        self._merged = None
         if conn is not None:
             _close_quietly(conn)
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from millpond.consumer.sinks._rows import batch_rows
+from millpond.consumer.sinks._rows import RoutedRows, batch_parts
 from millpond.consumer.sinks.base import SinkError
 
 if TYPE_CHECKING:
-    import pyarrow as pa
+    from collections.abc import Sequence
 
     from millpond.common.metrics import Counters
     from millpond.consumer._batch import ConsumedBatch
@@ -86,7 +86,9 @@ class QuarantineLedger:
         def _transaction(self, work: Callable[[Any], _T]) -> _T: ...
         def _own(self, cur: Any, queue: str) -> None: ...
         def _param(self, index: int) -> str: ...
-        def _insert_rows(self, cur: Any, rows: pa.Table) -> None: ...
+        def _write_parts(
+            self, cur: Any, queues: Sequence[str], parts: Sequence[RoutedRows]
+        ) -> None: ...
         @staticmethod
         def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
 
@@ -226,8 +228,8 @@ class QuarantineLedger:
                 location (permanent); the table belongs to another queue; the database
                 refused the rows (permanent: it stays quarantined) or failed.
         """
-        rows = batch_rows(batch, self._entry_format, sequence_column=self._sequence_column)
-        count = int(rows.num_rows)
+        parts = batch_parts(batch, self._entry_format, sequence_column=self._sequence_column)
+        count = sum(int(part.rows.num_rows) for part in parts)
         now_ms = time.time_ns() // 1_000_000
 
         def work(cur: Any) -> int | None:
@@ -251,8 +253,7 @@ class QuarantineLedger:
                     )
                 self._check_location(row, batch.location)
                 return None
-            if count:
-                self._insert_rows(cur, rows)
+            self._write_parts(cur, [batch.queue], parts)
             cur.execute(
                 f"UPDATE {self._progress.sql} SET row_count = {p(1)} WHERE target_table = "
                 f"{p(2)} AND sequence = {p(3)}",

@@ -1,16 +1,21 @@
-"""From a consumed batch to one Arrow table of rows. Pure: no database, no IO."""
+"""From a consumed batch to Arrow tables of rows, by the table each part names. Pure: no
+database, no IO."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer.sinks.base import EntryFormat
 from millpond.errors import FormatError
+from millpond.formats.manifest import Metadata
+from millpond.formats.routing import split_table
 
-__all__ = ["OPAQUE_SCHEMA", "batch_rows", "detect_format"]
+__all__ = ["OPAQUE_SCHEMA", "RoutedRows", "batch_parts", "batch_rows", "detect_format"]
 
 # Every Arrow IPC stream message starts with the continuation marker (format >= 0.15).
 _IPC_MARKER = b"\xff\xff\xff\xff"
@@ -57,12 +62,85 @@ def batch_rows(
     Raises:
         FormatError: an entry is not what ``entry_format`` says, or Arrow schemas clash.
     """
+    return _rows(batch, entry_format, sequence_column=sequence_column, offset=0)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRows:
+    """The rows of consecutive entries of a batch whose metadata items name one table."""
+
+    table: str | None
+    """The table as the items name it (``millpond.table=``), or ``None``: the sink's own."""
+    rows: pa.Table
+
+
+def batch_parts(
+    batch: ConsumedBatch, entry_format: EntryFormat, *, sequence_column: str | None
+) -> list[RoutedRows]:
+    """The rows a batch becomes, by the table its metadata items name, in entry order.
+
+    A batch whose items name no table is one part of :func:`batch_rows`. Otherwise each run
+    of consecutive items naming one table is a part: its entries' rows (the entry format
+    decided per part), and for opaque entries the items' payloads without their
+    ``millpond.table`` line.
+
+    Raises:
+        FormatError: an item's ``millpond.table`` line is bad (:func:`split_table`), items
+            out of order, or as :func:`batch_rows`.
+    """
+    where = f"{batch.location} (sequence {batch.sequence})"
+    named = [split_table(item.payload, name=f"{where} metadata") for item in batch.metadata]
+    if all(table is None for table, _ in named):
+        rows = batch_rows(batch, entry_format, sequence_column=sequence_column)
+        return [RoutedRows(None, rows)]
+    count = len(batch.entries)
+    bounds = _bounds(batch)
+    parts: list[RoutedRows] = []
+    if bounds[0] > 0:  # entries before the first item (no writer makes them): the sink's own
+        parts.append(_part(batch, None, 0, bounds[0], (), entry_format, sequence_column))
+    runs = itertools.groupby(range(len(named)), key=lambda i: named[i][0])
+    for table, members in runs:
+        items = list(members)
+        start, end = bounds[items[0]], bounds[items[-1] + 1]
+        if start == end:
+            continue
+        metadata = tuple(
+            Metadata(
+                min(batch.metadata[i].start_index, count) - start,
+                batch.metadata[i].ingestion_time_ms,
+                named[i][1],
+            )
+            for i in items
+        )
+        parts.append(_part(batch, table, start, end, metadata, entry_format, sequence_column))
+    return parts
+
+
+def _part(
+    batch: ConsumedBatch,
+    table: str | None,
+    start: int,
+    end: int,
+    metadata: tuple[Metadata, ...],
+    entry_format: EntryFormat,
+    sequence_column: str | None,
+) -> RoutedRows:
+    part = dataclasses.replace(batch, entries=batch.entries[start:end], metadata=metadata)
+    return RoutedRows(
+        table, _rows(part, entry_format, sequence_column=sequence_column, offset=start)
+    )
+
+
+def _rows(
+    batch: ConsumedBatch, entry_format: EntryFormat, *, sequence_column: str | None, offset: int
+) -> pa.Table:
+    """As :func:`batch_rows`; opaque rows' ``entry_index`` counts from ``offset``."""
     if not batch.entries:
         return OPAQUE_SCHEMA.empty_table()
     if entry_format is EntryFormat.AUTO:
         entry_format = detect_format(batch)
     if entry_format is EntryFormat.OPAQUE:
-        return _opaque_rows(batch)
+        return _opaque_rows(batch, offset)
     table = batch.to_arrow()
     if sequence_column is not None:
         if sequence_column in table.column_names:
@@ -78,12 +156,14 @@ def batch_rows(
     return table
 
 
-def _opaque_rows(batch: ConsumedBatch) -> pa.Table:
+def _bounds(batch: ConsumedBatch) -> list[int]:
+    """Where each metadata item's entries start, and the end: item i covers entries
+    ``[bounds[i], bounds[i + 1])``.
+
+    Raises:
+        FormatError: the items' ``start_index`` values are not in order.
+    """
     count = len(batch.entries)
-    times: list[pa.Array] = []
-    payloads: list[pa.Array] = []
-    # Metadata item i covers entries [start_i, start_{i+1}); entries before the first item,
-    # if a producer ever wrote such a batch, get nulls.
     bounds = [min(item.start_index, count) for item in batch.metadata] + [count]
     if any(later < earlier for earlier, later in itertools.pairwise(bounds)):
         raise FormatError(
@@ -91,6 +171,16 @@ def _opaque_rows(batch: ConsumedBatch) -> pa.Table:
             f"{[item.start_index for item in batch.metadata]} are not in order",
             field="start_index",
         )
+    return bounds
+
+
+def _opaque_rows(batch: ConsumedBatch, offset: int = 0) -> pa.Table:
+    count = len(batch.entries)
+    times: list[pa.Array] = []
+    payloads: list[pa.Array] = []
+    # Metadata item i covers entries [start_i, start_{i+1}); entries before the first item,
+    # if a producer ever wrote such a batch, get nulls.
+    bounds = _bounds(batch)
     if not batch.metadata or bounds[0] > 0:
         head = bounds[0] if batch.metadata else count
         times.append(pa.nulls(head, pa.int64()))
@@ -101,7 +191,7 @@ def _opaque_rows(batch: ConsumedBatch) -> pa.Table:
     return pa.Table.from_arrays(
         [
             pa.repeat(pa.scalar(batch.sequence, pa.int64()), count),
-            pa.array(range(count), pa.int32()),
+            pa.array(range(offset, offset + count), pa.int32()),
             pa.array(batch.entries, pa.binary()),
             pa.concat_arrays(times),
             pa.concat_arrays(payloads),

@@ -12,7 +12,7 @@ error classes: :mod:`millpond.consumer.sinks.errors`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -21,6 +21,7 @@ from millpond.consumer.sinks._adbc import LOCATION_INDEX_SUFFIX, AdbcSink, quote
 from millpond.consumer.sinks._dead_letter import QUARANTINE_SUFFIX
 from millpond.consumer.sinks._names import TableName
 from millpond.consumer.sinks._schema import postgres_identifier
+from millpond.consumer.sinks._tables import SinkTables
 from millpond.consumer.sinks._url import postgres_url, redact, secrets
 from millpond.consumer.sinks._values import for_postgres
 from millpond.consumer.sinks.base import EntryFormat, SinkError
@@ -48,8 +49,12 @@ class PostgresSink(AdbcSink):
         entry_format: EntryFormat | str = EntryFormat.AUTO,
         sequence_column: str | None = "_millpond_sequence",
         progress_table: str = "millpond_progress",
+        tables: SinkTables | None = None,
     ) -> None:
         """Open (lazily) the database at ``url`` (``postgresql://user@host:port/db``).
+
+        ``tables``: the tables besides ``table`` that batches may name, and how each (and
+        ``table``) takes its rows (:class:`SinkTables`); default: ``table`` alone, appended.
 
         Raises:
             ConfigError: a bad URL, table name or entry format, or the driver is missing.
@@ -69,6 +74,7 @@ class PostgresSink(AdbcSink):
             entry_format=entry_format,
             sequence_column=sequence_column,
             progress_table=progress_table,
+            tables=tables,
         )
         # PostgreSQL cuts a longer name without a word: two spellings of one table would key
         # its progress apart (a batch written twice), and a progress table's quarantine
@@ -112,7 +118,7 @@ class PostgresSink(AdbcSink):
     def _name_key(self, name: str) -> str:
         return postgres_identifier(name)
 
-    def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
+    def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None:
         # The catalog's own spelling of each type (format_type) keeps what ADBC's Arrow
         # schema loses: numeric precision and scale, varchar lengths, json vs text.
         rows = self._fetch(
@@ -120,12 +126,36 @@ class PostgresSink(AdbcSink):
             "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
             "WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped "
             "ORDER BY a.attnum",
-            (self._table.sql,),
+            (table.sql,),
         )
         if not rows:
-            exists = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (self._table.sql,))
+            exists = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (table.sql,))
             return {} if exists and exists[0][0] else None
         return {str(name): POSTGRES.parse(str(sql)) for name, sql in rows}
+
+    def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
+        rows = self._fetch(
+            cur,
+            "SELECT i.indexrelid, a.attname FROM pg_index i JOIN pg_attribute a "
+            "ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indimmediate "
+            "AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL",
+            (table.sql,),
+        )
+        found: dict[Any, set[str]] = {}
+        for index, column in rows:
+            found.setdefault(index, set()).add(self._name_key(str(column)))
+        return [frozenset(columns) for columns in found.values()]
+
+    def _stage(self, cur: Any, table: TableName, names: Sequence[str], name: str) -> TableName:
+        # Typed by the catalog itself (numeric(p,s), varchar(n), json): binary COPY takes
+        # what the target's columns take. Dropped at commit (or with a rollback).
+        columns = ", ".join(quote(column) for column in names)
+        cur.execute(
+            f"CREATE TEMP TABLE {quote(name)} ON COMMIT DROP AS SELECT {columns} "
+            f"FROM {table.sql} WITH NO DATA"
+        )
+        return TableName(name, "pg_temp")
 
     def _resolve(self, cur: Any, table: TableName) -> TableName:
         return resolve_postgres_table(lambda sql, params: self._fetch(cur, sql, params), table)
@@ -134,10 +164,10 @@ class PostgresSink(AdbcSink):
         found = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (table.sql,))
         return bool(found and found[0][0])
 
-    def _lock_schema(self, cur: Any) -> None:
+    def _lock_schema(self, cur: Any, table: TableName) -> None:
         # A transaction-scoped advisory lock per table: two consumers creating or altering
         # the same table take turns instead of failing on each other's DDL.
-        self._fetch(cur, "SELECT pg_advisory_xact_lock(hashtext($1))", (f"millpond:{self._table}",))
+        self._fetch(cur, "SELECT pg_advisory_xact_lock(hashtext($1))", (f"millpond:{table}",))
 
     def _lock_setup(self, cur: Any) -> None:
         # CREATE ... IF NOT EXISTS is not safe against a concurrent CREATE of the same name:
@@ -146,14 +176,18 @@ class PostgresSink(AdbcSink):
         # so one lock serves every sink of the database.
         self._fetch(cur, "SELECT pg_advisory_xact_lock(hashtext($1))", ("millpond:setup",))
 
-    def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
+    def _retype(
+        self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
+    ) -> None:
         sql = POSTGRES.sql_type(new)
         cur.execute(
-            f"ALTER TABLE {self._table.sql} ALTER COLUMN {quote(column)} TYPE {sql} "
+            f"ALTER TABLE {table.sql} ALTER COLUMN {quote(column)} TYPE {sql} "
             f"USING {'NULL' if empty else quote(column)}::{sql}"
         )
 
-    def _conform(self, rows: pa.Table, columns: dict[str, ColumnType]) -> pa.Table:
+    def _conform(
+        self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
+    ) -> pa.Table:
         arrays: list[pa.ChunkedArray] = []
         for name, values in zip(rows.column_names, rows.columns, strict=True):
             column = columns[name]
@@ -161,7 +195,7 @@ class PostgresSink(AdbcSink):
                 arrays.append(for_postgres(values, column))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
                 raise SinkError(
-                    f"table {self._table}, column {name!r}: cannot store {values.type} values "
+                    f"table {table}, column {name!r}: cannot store {values.type} values "
                     f"in the table's {POSTGRES.sql_type(column)} column ({err})",
                     transient=False,
                 ) from err

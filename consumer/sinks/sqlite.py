@@ -10,6 +10,7 @@ durable before the consumer acks it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pyarrow.compute as pc
 from millpond.consumer.sinks._adbc import AdbcSink, quote
 from millpond.consumer.sinks._names import TableName, sqlite_table
 from millpond.consumer.sinks._schema import ascii_casefold
+from millpond.consumer.sinks._tables import SinkTables
 from millpond.consumer.sinks._url import DEFAULT_BUSY_TIMEOUT_MS, sqlite_database_path
 from millpond.consumer.sinks._values import for_sqlite
 from millpond.consumer.sinks.base import EntryFormat, SinkError
@@ -45,12 +47,15 @@ class SQLiteSink(AdbcSink):
         sequence_column: str | None = "_millpond_sequence",
         progress_table: str = "millpond_progress",
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        tables: SinkTables | None = None,
     ) -> None:
         """Open (lazily) the database at ``path``; it is created on first use, its directory
         never (a missing one is a typo).
 
         ``busy_timeout_ms`` is how long a write waits for another process's lock before it
-        fails with ``SQLITE_BUSY`` (transient: the service retries with backoff).
+        fails with ``SQLITE_BUSY`` (transient: the service retries with backoff). ``tables``:
+        the tables besides ``table`` that batches may name, and how each (and ``table``)
+        takes its rows (:class:`SinkTables`); default: ``table`` alone, appended.
 
         Raises:
             ConfigError: a bad table name or entry format, a path whose directory does not
@@ -70,6 +75,7 @@ class SQLiteSink(AdbcSink):
             entry_format=entry_format,
             sequence_column=sequence_column,
             progress_table=progress_table,
+            tables=tables,
         )
 
     @property
@@ -118,13 +124,43 @@ class SQLiteSink(AdbcSink):
     def _name_key(self, name: str) -> str:
         return ascii_casefold(name)
 
-    def _reflect(self, cur: Any) -> dict[str, ColumnType] | None:
-        schema = f"{quote(self._table.schema)}." if self._table.schema else ""
-        cur.execute(f"PRAGMA {schema}table_info({quote(self._table.name)})")
-        rows = cur.fetchall()
+    def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None:
+        rows = self._pragma(cur, table, "table_info", table.name)
         if not rows:
             return None
         return {str(row[1]): SQLITE.parse(str(row[2] or "")) for row in rows}
+
+    def _pragma(self, cur: Any, table: TableName, pragma: str, name: str) -> list[Any]:
+        schema = f"{quote(table.schema)}." if table.schema else ""
+        return self._fetch(cur, f"PRAGMA {schema}{pragma}({quote(name)})", ())
+
+    def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
+        found: list[frozenset[str]] = []
+        # An INTEGER PRIMARY KEY is the rowid: no index of its own, only table_info says.
+        primary = [row for row in self._pragma(cur, table, "table_info", table.name) if row[5]]
+        if primary:
+            found.append(frozenset(self._name_key(str(row[1])) for row in primary))
+        for _, index, unique, _origin, partial in self._pragma(
+            cur, table, "index_list", table.name
+        ):
+            if not unique or partial:
+                continue
+            columns = [row[2] for row in self._pragma(cur, table, "index_info", str(index))]
+            if columns and all(column is not None for column in columns):
+                found.append(frozenset(self._name_key(str(column)) for column in columns))
+        return found
+
+    def _stage(self, cur: Any, table: TableName, names: Sequence[str], name: str) -> TableName:
+        # The target's declared types, so its values take the same affinity.
+        columns = self._reflect(cur, table) or {}
+        definitions = ", ".join(
+            f"{quote(column)} {SQLITE.sql_type(columns[column])}" for column in names
+        )
+        cur.execute(f"CREATE TEMP TABLE {quote(name)} ({definitions})")
+        return TableName(name, "temp")
+
+    def _unstage(self, cur: Any, stage: TableName) -> None:
+        cur.execute(f"DROP TABLE {stage.sql}")
 
     def _resolve(self, cur: Any, table: TableName) -> TableName:
         return sqlite_table(table)
@@ -139,14 +175,16 @@ class SQLiteSink(AdbcSink):
         )
         return bool(found)
 
-    def _lock_schema(self, cur: Any) -> None:
+    def _lock_schema(self, cur: Any, table: TableName) -> None:
         pass  # BEGIN IMMEDIATE already holds the database's write lock
 
-    def _retype(self, cur: Any, column: str, new: ColumnType, *, empty: bool) -> None:
+    def _retype(
+        self, cur: Any, target: TableName, column: str, new: ColumnType, *, empty: bool
+    ) -> None:
         # SQLite cannot change a column's type: add a column of the new type, copy the values
         # over (the new column's affinity converts them), drop the old one. The column moves
         # to the end of the table.
-        table = self._table.sql
+        table = target.sql
         old = f"{column}__millpond_old"
         cur.execute(f"ALTER TABLE {table} RENAME COLUMN {quote(column)} TO {quote(old)}")
         cur.execute(f"ALTER TABLE {table} ADD COLUMN {quote(column)} {SQLITE.sql_type(new)}")
@@ -154,20 +192,24 @@ class SQLiteSink(AdbcSink):
             cur.execute(f"UPDATE {table} SET {quote(column)} = {quote(old)}")
         cur.execute(f"ALTER TABLE {table} DROP COLUMN {quote(old)}")
 
-    def _conform(self, rows: pa.Table, columns: dict[str, ColumnType]) -> pa.Table:
+    def _conform(
+        self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
+    ) -> pa.Table:
         arrays: list[pa.ChunkedArray] = []
         for name, values in zip(rows.column_names, rows.columns, strict=True):
             try:
                 arrays.append(for_sqlite(values, columns[name])[0])
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as err:
                 raise SinkError(
-                    f"table {self._table}, column {name!r}: cannot store {values.type} values "
+                    f"table {table}, column {name!r}: cannot store {values.type} values "
                     f"in SQLite ({err})",
                     transient=False,
                 ) from err
         return pa.Table.from_arrays(arrays, names=rows.column_names)
 
-    def _ingest(self, cur: Any, rows: pa.Table) -> None:
+    def _ingest(
+        self, cur: Any, rows: pa.Table, target: TableName, *, temporary: bool = False
+    ) -> None:
         nans = {
             name: pc.indices_nonzero(pc.fill_null(pc.is_nan(values), False)).to_pylist()
             for name, values in zip(rows.column_names, rows.columns, strict=True)
@@ -175,17 +217,17 @@ class SQLiteSink(AdbcSink):
         }
         nans = {name: positions for name, positions in nans.items() if positions}
         if not nans:
-            super()._ingest(cur, rows)
+            super()._ingest(cur, rows, target, temporary=temporary)
             return
         # SQLite stores a NaN real as NULL: the rows go in as they are, then their NaN
         # cells become the text 'NaN'. Appended rows take rowids above the largest one.
-        table = self._table.sql
+        table = target.sql
         base = self._fetch(cur, f"SELECT coalesce(max(rowid), 0) FROM {table}", ())[0][0]
-        super()._ingest(cur, rows)
+        super()._ingest(cur, rows, target, temporary=temporary)
         added = self._fetch(cur, f"SELECT count(*) FROM {table} WHERE rowid > ?", (base,))
         if added[0][0] != rows.num_rows:
             raise SinkError(
-                f"table {self._table}: cannot place NaN values: expected {rows.num_rows} new "
+                f"table {target}: cannot place NaN values: expected {rows.num_rows} new "
                 f"rows after rowid {base}, found {added[0][0]}",
                 transient=False,
             )

@@ -117,7 +117,7 @@ def test_a_failed_transaction_leaves_nothing(
     with database.sink() as sink:
         sink.write(arrow_batch(0, pa.table({"n": [1]})))
 
-        def explode(cur: Any, rows: pa.Table) -> pa.Table:
+        def explode(*args: Any) -> pa.Table:
             raise RuntimeError("crash between the progress row and the rows")
 
         monkeypatch.setattr(sink, "_prepare_table", explode)

@@ -1,0 +1,295 @@
+"""Rows into one table, inside the sink's transaction: create or evolve the table, then append
+the rows or merge them by key (a mixin of :class:`~millpond.consumer.sinks.AdbcSink`).
+
+Append: the rows go in with ``adbc_ingest`` (binary COPY on PostgreSQL).
+
+Upsert (:mod:`millpond.consumer.sinks._merge`): per run of batches with the same columns, the
+keys some row deletes are copied into a temporary table and deleted with one statement
+(``DELETE ... USING`` on PostgreSQL), then the last row of each key is copied into another
+temporary table and merged with one ``INSERT ... SELECT ... ON CONFLICT (key) DO UPDATE``. The
+temporary tables are the target's own columns (``CREATE TEMP TABLE ... AS SELECT ... WITH NO
+DATA`` on PostgreSQL, the same declared types on SQLite), so the copy needs no cast. A table
+the sink creates for an upsert gets ``PRIMARY KEY (key)``; an existing table must have a unique
+index on exactly the key columns, or the write is refused naming the index to create.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from millpond.consumer.sinks._merge import (
+    delete_sql,
+    index_hint,
+    key_columns,
+    last_per_key,
+    runs,
+    split_marker,
+    upsert_sql,
+)
+from millpond.consumer.sinks._names import TableName, quote
+from millpond.consumer.sinks._schema import SchemaPlan, plan_schema, unreconcilable
+from millpond.consumer.sinks.base import SinkError
+from millpond.formats.arrow import unify_tables
+
+if TYPE_CHECKING:
+    from millpond.consumer.sinks._targets import Target
+    from millpond.consumer.sinks.types import ColumnType, Dialect
+
+__all__ = ["TableWriter"]
+
+logger = logging.getLogger(__name__)
+
+_stages = itertools.count()
+
+
+class TableWriter:
+    """Create, evolve and fill one table in the caller's transaction."""
+
+    _INSERT_SLICE_ROWS: int | None = None
+    """Rows conformed at a time while the slice before is inserted (:meth:`_copy`);
+    ``None``: every row at once."""
+
+    if TYPE_CHECKING:
+        _after_commit: list[Callable[[], None]]
+
+        @property
+        def _dialect(self) -> Dialect: ...
+        def _name_key(self, name: str) -> str: ...
+        def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None: ...
+        def _lock_schema(self, cur: Any, table: TableName) -> None: ...
+        def _retype(
+            self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
+        ) -> None: ...
+        def _conform(
+            self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
+        ) -> pa.Table: ...
+        def _ingest(
+            self, cur: Any, rows: pa.Table, table: TableName, *, temporary: bool = False
+        ) -> None: ...
+        def _stage(
+            self, cur: Any, table: TableName, names: Sequence[str], name: str
+        ) -> TableName: ...
+        def _unstage(self, cur: Any, stage: TableName) -> None: ...
+        def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]: ...
+        @staticmethod
+        def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
+
+    def _write_rows(self, cur: Any, target: Target, tables: Sequence[pa.Table]) -> None:
+        """Write ``tables`` (in queue order) into ``target`` as its settings say.
+
+        Raises:
+            FormatError: the tables' schemas clash.
+            SinkError: as :meth:`_prepare_table` and :meth:`_upsert`; the driver's errors.
+        """
+        if not target.settings.upsert:
+            combined = tables[0] if len(tables) == 1 else unify_tables(tables)
+            rows, columns = self._prepare_table(cur, target, combined)
+            self._copy(cur, rows, columns, target.table)
+            return
+        for run in runs(tables, self._name_key):
+            self._upsert(cur, target, run)
+
+    def _upsert(self, cur: Any, target: Target, rows: pa.Table) -> None:
+        """Merge one run of rows into ``target`` by its key (module docstring).
+
+        Raises:
+            SinkError: a key column missing or null, a delete marker that is not boolean, no
+                unique index on the key (permanent, naming the index to create).
+        """
+        settings, table = target.settings, str(target.table)
+        rows, marks = split_marker(rows, settings.delete_column, self._name_key, table)
+        key_columns(rows, settings.key, self._name_key, table)
+        rows, columns = self._prepare_table(cur, target, rows)
+        self._check_key(cur, target)
+        key = key_columns(rows, settings.key, self._name_key, table)
+        merge = last_per_key(rows, key, marks)
+        sqlite = self._dialect.name == "SQLite"
+        for what, part in (("delete", merge.deletes), ("upsert", merge.upserts)):
+            if not part.num_rows:
+                continue
+            name = f"millpond_{what}_{next(_stages)}"
+            stage = self._stage(cur, target.table, part.column_names, name)
+            self._copy(cur, part, columns, target.table, into=stage)
+            if what == "delete":
+                cur.execute(delete_sql(target.table, stage, key, sqlite=sqlite))
+            else:
+                cur.execute(upsert_sql(target.table, stage, part.column_names, key, sqlite=sqlite))
+            self._unstage(cur, stage)
+
+    def _check_key(self, cur: Any, target: Target) -> None:
+        """Refuse ``target`` unless a unique index covers exactly its key columns.
+
+        Raises:
+            SinkError: none does (permanent, naming the statement that makes one).
+        """
+        if target.key_checked:
+            return
+        key = target.settings.key
+        wanted = frozenset(self._name_key(column) for column in key)
+        if wanted not in self._unique_keys(cur, target.table):
+            raise SinkError(
+                f"table {target.table}: an upsert by ({', '.join(key)}) needs a unique index on "
+                "exactly those columns (ON CONFLICT finds rows by it), and the table has none; "
+                f"create one: {index_hint(target.table, key)}",
+                transient=False,
+            )
+        self._after_commit.append(lambda: setattr(target, "key_checked", True))
+
+    def _copy(
+        self,
+        cur: Any,
+        rows: pa.Table,
+        columns: dict[str, ColumnType],
+        table: TableName,
+        *,
+        into: TableName | None = None,
+    ) -> None:
+        """Bulk-insert ``rows`` (named as ``table``'s columns) into ``table``, or into the
+        temporary table ``into`` shaped like it.
+
+        With :attr:`_INSERT_SLICE_ROWS` set, the rows are conformed a slice at a time, the
+        next slice on a thread while the database takes the last: the driver lets go of the
+        GIL while it copies, and conforming (JSON text above all) is most of the Python work
+        of a write.
+
+        Raises:
+            SinkError: as :meth:`_conform`; the driver's errors.
+        """
+        destination, temporary = (table, False) if into is None else (into, True)
+
+        def ingest(conformed: pa.Table) -> None:
+            self._ingest(cur, conformed, destination, temporary=temporary)
+
+        size = self._INSERT_SLICE_ROWS
+        if size is None or rows.num_rows <= size:
+            ingest(self._conform(rows, columns, table))
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="millpond-conform") as pool:
+            ahead = pool.submit(self._conform, rows.slice(0, size), columns, table)
+            for start in range(size, rows.num_rows, size):
+                conformed = self._conformed(ahead, rows, columns, table)
+                ahead = pool.submit(self._conform, rows.slice(start, size), columns, table)
+                ingest(conformed)
+            ingest(self._conformed(ahead, rows, columns, table))
+
+    def _conformed(
+        self,
+        ahead: Future[pa.Table],
+        rows: pa.Table,
+        columns: dict[str, ColumnType],
+        table: TableName,
+    ) -> pa.Table:
+        try:
+            return ahead.result()
+        except SinkError:
+            # Say it as conforming every row at once says it (row positions in the group,
+            # not in a slice): the same error, or, should that pass, the slice's.
+            self._conform(rows, columns, table)
+            raise
+
+    def _prepare_table(
+        self, cur: Any, target: Target, rows: pa.Table
+    ) -> tuple[pa.Table, dict[str, ColumnType]]:
+        """Create or evolve ``target`` for ``rows``; return them named as its columns, and
+        the columns (:meth:`_conform` makes the values what the columns take).
+
+        Raises:
+            SinkError: permanent when the rows cannot go into the table (see
+                :func:`plan_schema`); the driver's errors otherwise.
+        """
+        table = target.table
+        columns = target.columns if target.columns is not None else self._reflect(cur, table)
+        plan = self._plan(rows, columns, table)
+        if plan.has_ddl:
+            # Another consumer may be changing the same table (or did, and our cached columns
+            # are stale): take the schema lock, then decide again on what the table is now.
+            self._lock_schema(cur, table)
+            columns = self._reflect(cur, table)
+            plan = self._plan(rows, columns, table)
+            if plan.has_ddl:
+                self._apply(cur, target, plan)
+                columns = self._reflect(cur, table)
+                # The database may have stored a name other than the one asked for
+                # (PostgreSQL cuts names at 63 bytes): map the rows onto what it made.
+                plan = self._plan(rows, columns, table)
+                if plan.has_ddl:
+                    raise SinkError(
+                        f"table {table}: still needs {plan.changes or 'creating'} after "
+                        "its schema was changed; refusing to change it again",
+                        transient=False,
+                    )
+        if columns is None:
+            raise SinkError(f"table {table} is missing after it was created", transient=True)
+        target.columns = columns
+        kept = [name for name in rows.column_names if plan.targets.get(name) is not None]
+        rows = rows.select(kept).rename_columns([str(plan.targets[name]) for name in kept])
+        return rows, columns
+
+    def _plan(
+        self, rows: pa.Table, columns: dict[str, ColumnType] | None, table: TableName
+    ) -> SchemaPlan:
+        return plan_schema(
+            rows, columns, name_key=self._name_key, table=str(table), database=self._dialect.name
+        )
+
+    def _apply(self, cur: Any, target: Target, plan: SchemaPlan) -> None:
+        dialect, table = self._dialect, target.table
+        if plan.create is not None:
+            self._create(cur, target, plan.create)
+        for change in plan.changes:
+            if change.action == "add":
+                # Drifted schema: a new column, nullable so older rows read as NULL.
+                cur.execute(
+                    f"ALTER TABLE {table.sql} ADD COLUMN {quote(change.column)} "
+                    f"{dialect.sql_type(change.new)}"
+                )
+                logger.info("added column %s %s to %s", change.column, change.new, table)
+                continue
+            empty = change.action == "retype_if_empty"
+            if empty and not self._holds_only_nulls(cur, table, change.column):
+                assert change.existing is not None
+                raise unreconcilable(
+                    str(table), change, dialect.name, dialect.sql_type(change.existing)
+                )
+            self._retype(cur, table, change.column, change.new, empty=empty)
+            logger.info(
+                "changed column %s of %s from %s to %s%s",
+                change.column,
+                table,
+                change.existing,
+                change.new,
+                " (it held only NULLs)" if empty else "",
+            )
+
+    def _create(self, cur: Any, target: Target, create: list[tuple[str, ColumnType]]) -> None:
+        """``CREATE TABLE`` for ``create``; an upsert's key columns ``NOT NULL`` and its
+        primary key."""
+        dialect, table = self._dialect, target.table
+        key = {self._name_key(column) for column in target.settings.key}
+        primary = [name for name, _ in create if self._name_key(name) in key]
+        definitions = [
+            f"{quote(name)} {dialect.sql_type(column)}"
+            + (" NOT NULL" if self._name_key(name) in key else "")
+            for name, column in create
+        ]
+        if primary:
+            definitions.append(f"PRIMARY KEY ({', '.join(quote(name) for name in primary)})")
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {table.sql} ({', '.join(definitions)})")
+        logger.info(
+            "created table %s with %s columns (%s)",
+            table,
+            len(create),
+            target.settings.describe(),
+        )
+
+    def _holds_only_nulls(self, cur: Any, table: TableName, column: str) -> bool:
+        rows = self._fetch(
+            cur, f"SELECT 1 FROM {table.sql} WHERE {quote(column)} IS NOT NULL LIMIT 1", ()
+        )
+        return not rows
