@@ -25,6 +25,8 @@ from pyspark.sql.datasource import (
 
 from millpond.common.metrics import Counters
 from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
+from millpond.formats.manifest import PendingEntry
+from millpond.formats.routing import with_table
 from millpond.producer.spark.commit import (
     JobReceipt,
     commit_job,
@@ -37,7 +39,12 @@ from millpond.producer.spark.executor import (
 from millpond.producer.spark.options import SparkWriteSettings
 from millpond.producer.spark.schema import refuse_unwritable
 from millpond.producer.spark.summary import ensure_summary_output, log_summary
-from millpond.producer.spark.upload import BatchUploader, TaskCommitMessage, UploadStats
+from millpond.producer.spark.upload import (
+    BatchUploader,
+    TaskCommitMessage,
+    UploadedBatch,
+    UploadStats,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -299,7 +306,25 @@ def _write_task(
     except BaseException:
         uploader.close()
         raise
+    if settings.table is not None:
+        uploads = tuple(_TableUpload.of(upload, settings.table) for upload in uploads)
     return TaskCommitMessage(partition, attempt, uploads, stats)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TableUpload(UploadedBatch):
+    """An upload whose manifest entry names the ``table`` option's table (the driver's commit
+    builds every entry, batch job and micro-batch alike, from :meth:`pending_entry`)."""
+
+    table: str = ""
+
+    @classmethod
+    def of(cls, upload: UploadedBatch, table: str) -> _TableUpload:
+        fields = {f.name: getattr(upload, f.name) for f in dataclasses.fields(upload)}
+        return cls(**fields, table=table)
+
+    def pending_entry(self, payload: bytes) -> PendingEntry:
+        return UploadedBatch.pending_entry(self, with_table(payload, self.table))
 
 
 def _write_through_producer(
@@ -315,7 +340,9 @@ def _write_through_producer(
         handles = []
         for batch in batches:
             if batch.num_rows:
-                handles.append(producer.produce_arrow(batch, metadata=metadata))
+                handles.append(
+                    producer.produce_arrow(batch, metadata=metadata, table=settings.table)
+                )
                 rows += batch.num_rows
                 entries += 1
     for handle in handles:

@@ -130,7 +130,7 @@ def write_arrow_partitions(
         ConfigError: a bad option (checked here, on the driver).
     """
     checked = dict(options)
-    SparkWriteSettings.from_options(checked)
+    table = SparkWriteSettings.from_options(checked).table
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -144,7 +144,7 @@ def write_arrow_partitions(
             handles = []
             for batch in batches:
                 if batch.num_rows:
-                    handles.append(producer.produce_arrow(batch, metadata=payload))
+                    handles.append(producer.produce_arrow(batch, metadata=payload, table=table))
                     rows += batch.num_rows
                     calls += 1
         for handle in handles:

@@ -18,6 +18,9 @@ what is not given), or one of the few keys only the Spark integration has:
                     so an unreachable store or a corrupt manifest fails the job before any task
 ``receipt_path``    a path in the store where the driver writes a JSON summary of each commit
 ``metadata``        a string added to every entry's metadata payload (as ``"tag"``)
+``table``           the table ``millpond consume`` writes the rows into (``[schema.]name``,
+                    one it is allowed to write; default: its ``--table``), named in every
+                    entry's metadata (a ``millpond.table=`` line, ``millpond.formats.routing``)
 ``write_id``        batch jobs: a name for this write. A second job with the same write id
                     enqueues nothing if the first one's append landed (reruns are safe)
 ``coordinator``     (a ``ProducerConfig`` key) ``http://host:port`` of ``millpond
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from millpond.common.retry import RetryPolicy
-from millpond.errors import ConfigError, NotFoundError, StorageError
+from millpond.errors import ConfigError, InvalidInputError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
 from millpond.queue import QueueLocation, open_claim
@@ -69,6 +72,7 @@ SPARK_ONLY_KEYS = frozenset(
         "receipt_path",
         "metadata",
         "write_id",
+        "table",
     }
 )
 """Option keys the Spark integration reads itself instead of passing to ``ProducerConfig``."""
@@ -114,6 +118,8 @@ class SparkWriteSettings(QueueLocation):
     """The ``metadata`` option: added to every entry's metadata payload."""
     write_id: str | None = None
     """The ``write_id`` option: reruns of the same write enqueue nothing twice."""
+    table: str | None = None
+    """The ``table`` option: the consumer's table for these rows (``None``: its own)."""
     coordinator: tuple[str, ...] = ()
     """The ``coordinator`` option: coordinators the driver's commit appends through."""
     host_coordinator: bool | None = None
@@ -165,6 +171,7 @@ class SparkWriteSettings(QueueLocation):
             receipt_path=receipt_path.strip("/") if receipt_path else None,
             tag=spark.get("metadata"),
             write_id=spark.get("write_id"),
+            table=_table(spark.get("table")),
             coordinator=tuple(config.coordinator or ()),
             host_coordinator=config.host_coordinator,
         )
@@ -308,6 +315,19 @@ def _seconds(key: str, value: str | None, default: float) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(key, f"expected seconds >= 0, found {value!r}")
     return seconds
+
+
+def _table(value: str | None) -> str | None:
+    """The ``table`` option, checked as the metadata line that carries it checks it."""
+    if value is None:
+        return None
+    from millpond.formats.routing import with_table
+
+    try:
+        with_table(b"", value)
+    except InvalidInputError as err:
+        raise ConfigError("table", str(err).removeprefix("table: ")) from None
+    return value
 
 
 def _boolean(key: str, value: str | None, *, default: bool) -> bool:
