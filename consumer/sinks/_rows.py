@@ -77,12 +77,14 @@ class RoutedRows:
 def batch_parts(
     batch: ConsumedBatch, entry_format: EntryFormat, *, sequence_column: str | None
 ) -> list[RoutedRows]:
-    """The rows a batch becomes, by the table its metadata items name, in entry order.
+    """The rows a batch becomes, one part per metadata item, each naming its table.
 
-    A batch whose items name no table is one part of :func:`batch_rows`. Otherwise each run
-    of consecutive items naming one table is a part: its entries' rows (the entry format
-    decided per part), and for opaque entries the items' payloads without their
-    ``millpond.table`` line.
+    A metadata item is one ``produce()`` call: its rows are one write, whatever other calls
+    share its batch (an upsert's columns are per write). A batch of opaque entries, or of one
+    item, naming no table is one part of :func:`batch_rows`. Otherwise every item with entries
+    is a part: its entries' rows (the entry format decided for the whole batch when no item
+    names a table, per part when some do), and for opaque entries the item's payload without
+    its ``millpond.table`` line.
 
     Raises:
         FormatError: an item's ``millpond.table`` line is bad (:func:`split_table`), items
@@ -91,28 +93,22 @@ def batch_parts(
     where = f"{batch.location} (sequence {batch.sequence})"
     named = [split_table(item.payload, name=f"{where} metadata") for item in batch.metadata]
     if all(table is None for table, _ in named):
-        rows = batch_rows(batch, entry_format, sequence_column=sequence_column)
-        return [RoutedRows(None, rows)]
-    count = len(batch.entries)
+        if entry_format is EntryFormat.AUTO and batch.entries:
+            entry_format = detect_format(batch)  # one kind for the whole batch, as before
+        if entry_format is not EntryFormat.ARROW or len(batch.metadata) < 2:
+            return [
+                RoutedRows(None, batch_rows(batch, entry_format, sequence_column=sequence_column))
+            ]
     bounds = _bounds(batch)
     parts: list[RoutedRows] = []
     if bounds[0] > 0:  # entries before the first item (no writer makes them): the sink's own
-        parts.append(_part(batch, None, 0, bounds[0], (), entry_format, sequence_column))
-    runs = itertools.groupby(range(len(named)), key=lambda i: named[i][0])
-    for table, members in runs:
-        items = list(members)
-        start, end = bounds[items[0]], bounds[items[-1] + 1]
-        if start == end:
-            continue
-        metadata = tuple(
-            Metadata(
-                min(batch.metadata[i].start_index, count) - start,
-                batch.metadata[i].ingestion_time_ms,
-                named[i][1],
-            )
-            for i in items
-        )
-        parts.append(_part(batch, table, start, end, metadata, entry_format, sequence_column))
+        parts.append(_part(batch, None, 0, bounds[0], None, entry_format, sequence_column))
+    for (table, rest), item, start, end in zip(
+        named, batch.metadata, bounds, bounds[1:], strict=False
+    ):
+        if start < end:
+            own = Metadata(0, item.ingestion_time_ms, rest)
+            parts.append(_part(batch, table, start, end, own, entry_format, sequence_column))
     return parts
 
 
@@ -121,10 +117,12 @@ def _part(
     table: str | None,
     start: int,
     end: int,
-    metadata: tuple[Metadata, ...],
+    item: Metadata | None,
     entry_format: EntryFormat,
     sequence_column: str | None,
 ) -> RoutedRows:
+    """Entries ``start:end`` of ``batch`` under the one metadata ``item`` (or none)."""
+    metadata = () if item is None else (item,)
     part = dataclasses.replace(batch, entries=batch.entries[start:end], metadata=metadata)
     return RoutedRows(
         table, _rows(part, entry_format, sequence_column=sequence_column, offset=start)

@@ -25,6 +25,7 @@ from test_table_identity import Consume, _dequeues_held, _queued, _wait_for
 from millpond.consumer import ConsumedBatch
 from millpond.consumer.sinks import SinkError, SinkTables, TableSettings
 from millpond.formats.arrow import encode_ipc
+from millpond.formats.manifest import Metadata
 from millpond.storage import open_store
 
 Row = dict[str, Any]
@@ -135,6 +136,25 @@ def test_what_a_group_leaves_does_not_depend_on_its_grouping(database: Database)
     expected = [(1, "c", "n1"), (2, "d", None), (3, "e", "n3")]
     assert _state(grouped, grouped.table, "id, v, note") == expected
     assert _state(single, single.table, "id, v, note") == expected
+
+
+def test_a_produce_call_is_one_write_whatever_batch_it_shares(database: Database) -> None:
+    """Two calls in one batch object (a producer batches its calls) leave what they leave as
+    two batches: the second call, without ``note``, leaves the first one's note alone."""
+    calls = [
+        pa.table({"id": [1], "v": ["a"], "note": ["kept"]}),
+        pa.table({"id": [1], "v": ["b"]}),
+    ]
+    entries = [entry for call in calls for entry in encode_ipc(call)]
+    items = (Metadata(0, 1, b""), Metadata(1, 2, b""))
+    shared = ConsumedBatch(tuple(entries), 0, "ingest/0.batch", items, queue="q")
+    one, apart = Database(database.kind, database.url), Database(database.kind, database.url)
+    with one.sink(**_upsert(["id"])) as sink:
+        assert sink.write(shared)
+    with apart.sink(**_upsert(["id"])) as sink:
+        assert sink.write_many([_batch(0, calls[0]), _batch(1, calls[1])]) == [True, True]
+    assert _state(one, one.table, "id, v, note") == [(1, "b", "kept")]
+    assert _state(apart, apart.table, "id, v, note") == [(1, "b", "kept")]
 
 
 def test_a_group_written_again_leaves_the_same_state(database: Database) -> None:
