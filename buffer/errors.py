@@ -104,11 +104,14 @@ class StoreAccessError(MillpondError):
     ``problem`` says which part: ``"credentials"`` (none found, or rejected),
     ``"bucket"`` (the bucket or container does not exist), ``"permission"`` (the credentials
     may not do this), ``"conditional_writes"`` (the store does not reject a stale
-    conditional write). ``hint`` says how to fix it. Neither ever holds a secret.
+    conditional write). ``message`` says what is wrong and ``hint`` how to fix it (``str()`` of
+    the error is both, joined by ``; ``: print one or the other beside it, never both). Neither
+    ever holds a secret.
     """
 
     def __init__(self, message: str, *, problem: str, hint: str = "") -> None:
         super().__init__(f"{message}; {hint}" if hint else message)
+        self.message = message
         self.problem = problem
         self.hint = hint
 

@@ -7,7 +7,12 @@ the adapter needs before it builds an obstore store:
   the configured endpoint is ``http://``, as for a local emulator);
 * where the credentials come from, named without their values (``millpond doctor`` prints it;
   a failure message names it);
-* what to tell someone whose credentials are missing.
+* what to tell someone whose credentials are missing;
+* for S3, where each part of an access key comes from (the id, the secret, a session token),
+  so a refusal can name the part the store rejected and where it was set.
+
+:func:`check_bucket_name` refuses a bucket or container name the backend's naming rules never
+allow, before any request (a request for ``my_bucket!`` is answered with a signature error).
 
 Keys are accepted in obstore's forms: prefixed (``aws_access_key_id``,
 ``azure_storage_account_key``, ``google_service_account``) or bare (``access_key_id``), any
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +32,15 @@ from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError
 
-__all__ = ["BACKENDS", "BackendOptions", "backend_of", "prepare"]
+__all__ = [
+    "BACKENDS",
+    "BackendOptions",
+    "backend_of",
+    "bucket_name_problem",
+    "check_bucket_name",
+    "prepare",
+    "rejection",
+]
 
 BACKENDS = {"s3": "s3", "s3a": "s3", "az": "azure", "gs": "gcs"}
 """URL scheme -> backend."""
@@ -111,6 +125,39 @@ _HINTS = {
 }
 
 
+# The parts of an S3 access key: (what it is, its bare option key, the variable obstore reads).
+_S3_KEY_PARTS = (
+    ("access key id", "access_key_id", "AWS_ACCESS_KEY_ID"),
+    ("secret key", "secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ("session token", "session_token", "AWS_SESSION_TOKEN"),
+)
+# Bucket and container names: (the noun, the characters no name of this backend can hold, the
+# characters a new name may hold, and that rule in words). S3 served buckets named with
+# capitals and '_' before 2018 (us-east-1), so only what no S3 bucket ever held is refused.
+_NAME_RULES = {
+    "s3": (
+        "bucket",
+        re.compile(r"[^A-Za-z0-9._-]"),
+        re.compile(r"[^a-z0-9.-]"),
+        "S3 bucket names hold only lowercase letters, digits, '.' and '-'",
+    ),
+    "gcs": (
+        "bucket",
+        re.compile(r"[^a-z0-9._-]"),
+        re.compile(r"[^a-z0-9._-]"),
+        "GCS bucket names hold only lowercase letters, digits, '.', '-' and '_'",
+    ),
+    "azure": (
+        "container",
+        re.compile(r"[^a-z0-9-]"),
+        re.compile(r"[^a-z0-9-]"),
+        "Azure container names hold only lowercase letters, digits and '-'",
+    ),
+}
+# Azure's special containers ($root, $web, $logs) start with a '$'.
+_AZURE_SPECIAL = frozenset({"$root", "$web", "$logs"})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendOptions:
     """What the adapter passes to obstore, and what it says about credentials."""
@@ -125,6 +172,10 @@ class BackendOptions:
     """Where the credentials come from, named without their values."""
     credential_hint: str
     """How to provide credentials."""
+    credential_parts: dict[str, str] = field(default_factory=dict)
+    """S3: where each part of the access key comes from, by part (``access key id``,
+    ``secret key``, ``session token``): ``AWS_SECRET_ACCESS_KEY from the environment`` or
+    ``store option aws_secret_access_key``. Names only, never values."""
 
 
 def backend_of(url: str) -> str | None:
@@ -174,6 +225,7 @@ def prepare(
         client=client,
         credential_source=_credential_source(backend, bare, from_env, env),
         credential_hint=_HINTS[backend],
+        credential_parts=_s3_key_parts(config, from_env) if backend == "s3" else {},
     )
 
 
@@ -282,8 +334,8 @@ def _credential_source(
 ) -> str:
     for key, variables, what in _CREDENTIALS[backend]:
         if key in bare and (key != "skip_signature" or _truthy(bare[key])):
-            if backend == "s3" and any(_bare(backend, k) == key for k in from_env):
-                return f"{what} from the environment (AWS_ACCESS_KEY_ID)"
+            if backend == "s3" and key == "access_key_id":
+                return _s3_key_source(what, bare, from_env)
             return f"{what} from store_options ({key})"
         for variable in variables:
             value = env.get(variable)
@@ -294,3 +346,108 @@ def _credential_source(
         if adc.is_file():
             return f"application default credentials from {adc}"
     return _FALLBACK[backend]
+
+
+def _s3_key_source(what: str, bare: Mapping[str, Any], from_env: Mapping[str, str]) -> str:
+    """An access key's source; both of its parts when they come from different places (the
+    id from ``AWS_ACCESS_KEY_ID``, the secret from an option, as a Spark job may give it)."""
+    id_from_env = any(_bare("s3", k) == "access_key_id" for k in from_env)
+    secret_from_env = any(_bare("s3", k) == "secret_access_key" for k in from_env)
+    source = (
+        f"{what} from the environment (AWS_ACCESS_KEY_ID)"
+        if id_from_env
+        else f"{what} from store_options (access_key_id)"
+    )
+    if "secret_access_key" in bare and secret_from_env != id_from_env:
+        secret = (
+            "the environment (AWS_SECRET_ACCESS_KEY)"
+            if secret_from_env
+            else "store_options (secret_access_key)"
+        )
+        source += f" with its secret from {secret}"
+    return source
+
+
+def _s3_key_parts(config: Mapping[str, Any], from_env: Mapping[str, str]) -> dict[str, str]:
+    parts: dict[str, str] = {}
+    for part, bare_key, variable in _S3_KEY_PARTS:
+        for key in config:
+            if _bare("s3", key) == bare_key:
+                parts[part] = (
+                    f"{variable} from the environment" if key in from_env else f"store option {key}"
+                )
+    return parts
+
+
+def _setting(source: str) -> str:
+    """``AWS_X from the environment`` -> ``AWS_X``; ``store option k`` -> ``the store option k``."""
+    if source.endswith(" from the environment"):
+        return source.removesuffix(" from the environment")
+    return f"the {source}"
+
+
+def rejection(code: str, parts: Mapping[str, str]) -> tuple[str, str] | None:
+    """What an S3 store's refusal of an access key means, and its fix, naming where each part
+    came from; ``None`` when the code (or what is known of the key) says nothing more precise.
+
+    Args:
+        code: the store's error code (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``, ...).
+        parts: :attr:`BackendOptions.credential_parts`.
+
+    Returns:
+        ``(what is wrong, how to fix it)``.
+    """
+    key_id, secret, token = (parts.get(p) for p, _, _ in _S3_KEY_PARTS)
+    if code == "SignatureDoesNotMatch" and key_id and secret:
+        return (
+            f"the store rejected the secret key ({secret}): the request's signature does not "
+            f"match, so it is not the secret of the access key id ({key_id})",
+            f"set {_setting(secret)} to the secret of the access key id in {_setting(key_id)}",
+        )
+    if code == "InvalidAccessKeyId" and key_id:
+        pair = f" (and {_setting(secret)} to its secret)" if secret else ""
+        return (
+            f"the store does not know the access key id ({key_id})",
+            f"set {_setting(key_id)} to an access key id of this store{pair}",
+        )
+    if code in ("ExpiredToken", "InvalidToken", "TokenRefreshRequired") and token:
+        return (
+            f"the store rejected the session token ({token}): expired or not valid",
+            f"get fresh temporary credentials and set {_setting(token)} (and the key) to them",
+        )
+    return None
+
+
+def bucket_name_problem(url: str, *, strict: bool) -> str | None:
+    """What is wrong with the bucket or container a store URL names, or ``None``.
+
+    Args:
+        url: ``s3://``, ``gs://`` or ``az://`` URL (any other: ``None``).
+        strict: judge by the rules for a new bucket (S3: no capitals, no ``_``), not only by
+            what no bucket of the backend can hold.
+    """
+    backend = backend_of(url)
+    if backend is None:
+        return None
+    name = urlsplit(url).netloc
+    noun, never, new_name, rule = _NAME_RULES[backend]
+    if not name:
+        return f"no {noun} named: expected {url.partition('://')[0]}://{noun}[/root]"
+    if backend == "azure" and name in _AZURE_SPECIAL:
+        return None
+    if not (new_name if strict else never).search(name):
+        return None
+    bad = list(dict.fromkeys(new_name.findall(name)))
+    listed = " and ".join(", ".join(repr(c) for c in bad).rsplit(", ", 1))
+    return f"{noun} name {name!r} holds {listed}: {rule}"
+
+
+def check_bucket_name(url: str) -> None:
+    """Refuse a store URL whose bucket or container name no store of its backend could have.
+
+    Raises:
+        ConfigError: naming the bucket, the characters and the rule.
+    """
+    problem = bucket_name_problem(url, strict=False)
+    if problem is not None:
+        raise ConfigError("store", f"{url}: {problem}; fix the store URL")

@@ -143,7 +143,7 @@ def _guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
     try:
         return check()
     except StoreAccessError as err:
-        return _result(name, False, str(err), err.hint)
+        return _result(name, False, err.message, err.hint)
     except StorageError as err:
         return _result(name, False, f"the store failed: {err}", "check the endpoint and network")
 
@@ -158,15 +158,15 @@ def _access_checks(store: ObjectStore) -> list[CheckResult]:
         if err.problem == "bucket":
             return [
                 _result("credentials", True, f"{source}; accepted"),
-                _result("bucket", False, str(err), err.hint),
+                _result("bucket", False, err.message, err.hint),
             ]
         if err.problem == "permission":
             return [
                 _result("credentials", True, f"{source}; accepted"),
-                _result("bucket", False, f"cannot list {bucket}: {err}", err.hint),
+                _result("bucket", False, f"cannot list {bucket}: {err.message}", err.hint),
             ]
         return [
-            _result("credentials", False, f"{source}: {err}", err.hint),
+            _result("credentials", False, err.message, err.hint),
             _skip("bucket", "credentials failed"),
         ]
     except StorageError as err:
@@ -196,11 +196,11 @@ def _permissions(store: ObjectStore, path: str) -> CheckResult:
         try:
             outcome = step()
         except (StoreAccessError, StorageError) as err:
-            hint = err.hint if isinstance(err, StoreAccessError) else ""
+            said, hint = (err.message, err.hint) if isinstance(err, StoreAccessError) else (err, "")
             return _result(
                 "permissions",
                 False,
-                f"{name} refused under {store.url}: {err}",
+                f"{name} refused under {store.url}: {said}",
                 hint or f"allow list, get, put and delete under {store.url}",
             )
         if name == "get" and getattr(outcome, "data", None) != b"millpond doctor":

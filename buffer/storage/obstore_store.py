@@ -37,7 +37,7 @@ from millpond.errors import (
     StorageError,
     StoreAccessError,
 )
-from millpond.storage._backends import backend_of, prepare
+from millpond.storage._backends import backend_of, bucket_name_problem, prepare, rejection
 from millpond.storage.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
 
 __all__ = ["ObstoreStore"]
@@ -81,6 +81,10 @@ _NO_CREDENTIALS = re.compile(
     r"credential|Missing (SecretAccessKey|AccessKeyId)|OAuth|token provider",
     re.IGNORECASE,
 )
+# A store's XML error body, and the HTTP status obstore reports.
+_XML_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_STATUS = re.compile(r"status code: (\d{3})")
 # Signed URLs in error text must not reach a log: drop their signature and credential.
 _SECRET_PARAMS = re.compile(
     r"(?i)\b(sig|x-amz-signature|x-amz-credential|x-goog-signature)=[^&\s]+"
@@ -98,12 +102,14 @@ class ObstoreStore(ObjectStore):
         backend: str = "",
         credential_source: str = "",
         credential_hint: str = "",
+        credential_parts: Mapping[str, str] | None = None,
     ) -> None:
         self._store = store
         self.url = url
         self._backend = backend
         self._credential_source = credential_source or "whatever the store object was built with"
         self._hint = credential_hint
+        self._parts = dict(credential_parts or {})
         # GCS's conditional update is on the object generation, not the ETag: there the
         # "ETag" millpond hands out is the generation.
         self._generations = backend == "gcs"
@@ -142,6 +148,7 @@ class ObstoreStore(ObjectStore):
             backend=backend,
             credential_source=prepared.credential_source,
             credential_hint=prepared.credential_hint,
+            credential_parts=prepared.credential_parts,
         )
 
     @classmethod
@@ -379,7 +386,14 @@ class ObstoreStore(ObjectStore):
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild,
-            (self._store, self.url, self._backend, self._credential_source, self._hint),
+            (
+                self._store,
+                self.url,
+                self._backend,
+                self._credential_source,
+                self._hint,
+                self._parts,
+            ),
         )
 
     # -- tokens and errors -----------------------------------------------------------------
@@ -436,22 +450,19 @@ class ObstoreStore(ObjectStore):
         bucket = urlsplit(self.url).netloc or self.url
         noun = "container" if self._backend == "azure" else "bucket"
         if any(code in text for code in _MISSING_BUCKET):
+            naming = bucket_name_problem(self.url, strict=True)
             raise StoreAccessError(
                 f"{self.url}: {noun} {bucket!r} does not exist",
                 problem="bucket",
-                hint=f"create the {noun}, or fix the store URL",
+                hint=f"create the {noun}, or fix the store URL"
+                + (f" ({naming})" if naming else ""),
             ) from err
         if isinstance(err, (obx.NotFoundError, FileNotFoundError)):
             return
         if isinstance(err, obx.UnauthenticatedError) or any(
             code in text for code in _BAD_CREDENTIALS
         ):
-            raise StoreAccessError(
-                f"{where}: the store rejected the credentials ({self._credential_source}): "
-                f"{_first_line(err)}",
-                problem="credentials",
-                hint=self._hint or "check the store's credentials",
-            ) from err
+            self._rejected(where, err)
         if isinstance(err, obx.PermissionDeniedError):
             raise StoreAccessError(
                 f"{where}: permission denied for the credentials ({self._credential_source}): "
@@ -467,10 +478,44 @@ class ObstoreStore(ObjectStore):
                 hint=self._hint,
             ) from err
 
+    def _rejected(self, where: str, err: BaseException) -> NoReturn:
+        """The store refused the credentials: which part, where it was set, and its fix.
 
-def _rebuild(store: Any, url: str, backend: str, credential_source: str, hint: str) -> ObstoreStore:
+        Raises:
+            StoreAccessError: always, ``problem="credentials"``.
+        """
+        status, code = _answer(err)
+        answered = f"the store answered {status} {code}".rstrip() if status or code else ""
+        precise = rejection(code, self._parts) if self._backend == "s3" else None
+        if precise is not None:
+            what, hint = precise
+            message = f"{where}: {what} ({answered})" if answered else f"{where}: {what}"
+        else:
+            what = f"the store rejected the credentials ({self._credential_source})"
+            message = f"{where}: {what}: {answered or _first_line(err)}"
+            hint = f"check them ({self._hint})" if self._hint else "check the store's credentials"
+        raise StoreAccessError(message, problem="credentials", hint=hint) from err
+
+
+def _answer(err: BaseException) -> tuple[str, str]:
+    """The store's status and error code in an obstore error (``("403",
+    "SignatureDoesNotMatch")``), empty where the text has none."""
+    text = str(err)
+    status = _STATUS.search(text)
+    code = _XML_CODE.search(text)
+    return (status.group(1) if status else "", code.group(1) if code else "")
+
+
+def _rebuild(
+    store: Any, url: str, backend: str, credential_source: str, hint: str, parts: dict[str, str]
+) -> ObstoreStore:
     return ObstoreStore(
-        store, url, backend=backend, credential_source=credential_source, credential_hint=hint
+        store,
+        url,
+        backend=backend,
+        credential_source=credential_source,
+        credential_hint=hint,
+        credential_parts=parts,
     )
 
 
@@ -500,6 +545,14 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
+    """The first line of an obstore error; a store's XML error body that starts on it is
+    given as its code and message (``403 Forbidden: SignatureDoesNotMatch: The request …``)."""
+    whole = str(err).strip()
+    text = whole.splitlines()
     line = text[0] if text else type(err).__name__
+    prolog = line.rfind("<?xml")
+    if prolog >= 0:
+        code, message = _XML_CODE.search(whole), _XML_MESSAGE.search(whole)
+        said = ": ".join(m.group(1).strip() for m in (code, message) if m is not None)
+        line = line[:prolog].rstrip(" :") + (f": {said}" if said else "")
     return _SECRET_PARAMS.sub(lambda m: f"{m.group(1)}=REDACTED", line)

@@ -19,7 +19,7 @@ from datetime import datetime
 from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError
-from millpond.storage._backends import AWS_ENV, BACKENDS
+from millpond.storage._backends import AWS_ENV, BACKENDS, check_bucket_name
 
 __all__ = [
     "NETWORK_SCHEMES",
@@ -306,8 +306,13 @@ def check_store_url(url: str) -> None:
     A ``?`` or ``#`` would end the root there (``s3://b/q?x`` and ``s3://b/q#y`` are both the
     queue at ``s3://b/q``): two queues meant to be apart would silently be one.
 
+    A bucket or container name no store of the backend could have (``s3://my_bucket!/q``) is
+    refused before any request, naming the rule (the store would answer with a signature
+    error, which reads as wrong credentials).
+
     Raises:
-        ConfigError: an unsupported scheme, or a query or fragment.
+        ConfigError: an unsupported scheme, a query or fragment, or a bucket name no store
+            could have.
     """
     scheme = urlsplit(url).scheme
     if scheme not in STORE_URL_SCHEMES or "://" not in url:
@@ -319,6 +324,7 @@ def check_store_url(url: str) -> None:
             "write one that belongs to the root as %3F or %23, and give options as store "
             "options (--store-option KEY=VALUE)",
         )
+    check_bucket_name(_redact(url))
 
 
 def _redact(url: str) -> str:

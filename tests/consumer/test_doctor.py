@@ -97,6 +97,7 @@ def test_doctor_without_credentials_fails_fast_with_a_hint(moto_s3: S3Endpoint) 
     assert "FAIL  credentials" in result.stdout
     assert "instance metadata service" in result.stdout
     assert "fix: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in result.stdout
+    assert result.stdout.count("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") == 1
     assert result.stdout.splitlines()[-1] == "1 of 8 checks failed"
 
 
@@ -107,6 +108,26 @@ def test_doctor_names_a_missing_bucket(seaweedfs_s3: S3Endpoint) -> None:
     assert "FAIL  bucket" in result.stdout
     assert f"bucket '{bucket}' does not exist" in result.stdout
     assert "fix: create the bucket, or fix the store URL" in result.stdout
+
+
+def test_doctor_prints_each_fix_once(seaweedfs_s3: S3Endpoint) -> None:
+    """The fix was printed twice: at the end of the failed check's line (the error's text)
+    and again on its ``fix:`` line; in JSON, in ``detail`` and in ``hint``."""
+    bucket = f"no-such-{unique_root()}"
+    result, _ = _doctor(f"s3://{bucket}/q", *_options(seaweedfs_s3))
+    lines = result.stdout.splitlines()
+    failed = next(i for i, line in enumerate(lines) if line.startswith("FAIL"))
+    assert lines[failed].split(None, 2) == [
+        "FAIL",
+        "bucket",
+        f"s3://{bucket}/q: bucket '{bucket}' does not exist",
+    ]
+    assert lines[failed + 1].strip() == "fix: create the bucket, or fix the store URL"
+    assert result.stdout.count("create the bucket") == 1
+    result, _ = _doctor(f"s3://{bucket}/q", *_options(seaweedfs_s3), "--output", "json")
+    check = next(c for c in json.loads(result.stdout)["checks"] if c["status"] == "fail")
+    assert check["detail"] == f"s3://{bucket}/q: bucket '{bucket}' does not exist"
+    assert check["hint"] == "create the bucket, or fix the store URL"
 
 
 def test_doctor_fails_on_an_unreachable_database(moto_s3: S3Endpoint) -> None:
