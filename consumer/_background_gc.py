@@ -14,7 +14,7 @@ from millpond.common.clock import Clock
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.tasks import BackgroundTask
 from millpond.errors import ConfigError, MillpondError
-from millpond.formats.manifest import Manifest
+from millpond.formats.manifest import Footer
 from millpond.queue import collect_once
 from millpond.storage.store import ObjectStore
 
@@ -58,9 +58,9 @@ class BackgroundCollector(BackgroundTask):
         self.latency = latency or LatencySummary()
         """Seconds per completed pass."""
 
-    def _check_epoch(self, manifest: Manifest) -> None:
-        if manifest.epoch != self._epoch:
-            raise _EpochMovedError(manifest.epoch)
+    def _check_epoch(self, footer: Footer) -> None:
+        if footer.epoch != self._epoch:
+            raise _EpochMovedError(footer.epoch)
 
     def _run(self) -> None:
         # The first pass runs at once: a consumer restarted more often than gc_interval

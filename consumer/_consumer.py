@@ -9,11 +9,14 @@ keeps every batch that is not yet safely in the database, which is also what kee
 from it. Each dequeue rewrites what is left of the manifest, so dequeuing in proportion to the
 backlog keeps draining N entries at O(N) bytes written (a fixed step would be O(N^2)).
 
-Reading. The manifest is read once at ``initialize()`` and again only when every cached entry
-has been delivered, with a conditional GET (an unchanged manifest costs a 304). Batch objects
-are fetched and decoded on a thread pool, starting in ``initialize()``, while batches are
-handed out strictly in sequence order; how many are fetched ahead grows with the store's
-latency, within a memory budget (:mod:`millpond.consumer._read_ahead`).
+Reading. The manifest is read once at ``initialize()`` and again only when every entry known
+has been delivered, with a conditional GET (an unchanged manifest costs a 304). The entries
+are read a few at a time, in order (:class:`~millpond.queue.QueueCursor`): from the backlog
+index one segment at a time, then from the manifest's bytes, each decoded when it is next,
+so a day-long backlog costs what its next few entries cost. Batch objects are fetched and
+decoded on a thread pool, starting in ``initialize()``, while batches are handed out strictly
+in sequence order; how many are fetched ahead grows with the store's latency, within a memory
+budget (:mod:`millpond.consumer._read_ahead`).
 
 Fencing. Every ``next_batch()``/``next_batches()`` and every ``ack()``/``ack_through()``
 checks, inside the call and before it delivers or records anything, that the manifest still
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -59,8 +63,8 @@ from millpond.errors import (
     MillpondError,
     StorageError,
 )
-from millpond.formats.manifest import Manifest, ManifestEntry
-from millpond.queue import BacklogIndex, Queue, Takeover
+from millpond.formats.manifest import ManifestEntry
+from millpond.queue import BacklogIndex, Queue, Takeover, batch_time_ms
 from millpond.storage import ObjectStore
 from millpond.storage.checks import preflight
 
@@ -137,7 +141,7 @@ class Consumer:
             "Open a Consumer in this process after the fork (its initialize() fences the parent's)",
         )
         self._gc: BackgroundCollector | None = None
-        # Entries read from the manifest and not yet delivered, fetched ahead.
+        # The queue from the next entry on, read a little at a time and fetched ahead.
         self._ahead = ReadAhead(
             self._store,
             config,
@@ -148,7 +152,9 @@ class Consumer:
         self._next = 0
         self._acked = -1
         self._dequeued = -1
-        self._known = -1  # the highest sequence ever put in the cache
+        # Delivered and not acknowledged yet: (sequence, when its oldest record was produced).
+        # The caller holds these batches; their times tell the lag without any IO.
+        self._delivered: deque[tuple[int, int | None]] = deque()
         # Monotonic time of the first ack not yet dequeued (None when none is waiting).
         self._ack_waiting_since: float | None = None
         self._initialized = False
@@ -158,6 +164,7 @@ class Consumer:
         self._mover = IndexMover(
             self._queue, config, self.counters, guard=self._guard, dequeued=self._dequeued_through
         )
+        self._mover.moved = self._ahead.cursor.index_changed
         self._mover_task: BackgroundTask | None = None
 
     # -- properties ------------------------------------------------------------------------
@@ -273,7 +280,10 @@ class Consumer:
         self._acked = taken.acked
         self._dequeued = taken.first - 1
         self._next = taken.acked + 1
-        self._cache_new(taken.queue, after=taken.acked)
+        cursor = self._ahead.cursor
+        cursor.reset(taken.acked)
+        cursor.index_changed(taken.index.head)
+        cursor.manifest_read(taken.manifest)
         self._ahead.start()
         self._initialized = True
         if taken.unfinished_move:
@@ -368,6 +378,10 @@ class Consumer:
             batches = ahead.deliver(limit)
             if batches:
                 self._next = batches[-1].sequence + 1
+                self._delivered.extend(
+                    (batch.sequence, batch_time_ms(batch.metadata, batch.location))
+                    for batch in batches
+                )
             return batches
 
     def pass_over(self, sequence: int) -> None:
@@ -487,6 +501,9 @@ class Consumer:
             return
         self.counters.add("acks", sequence - self._acked)
         self._acked = sequence
+        delivered = self._delivered
+        while delivered and delivered[0][0] <= sequence:
+            delivered.popleft()
         if self._ack_waiting_since is None:
             self._ack_waiting_since = self._clock.monotonic()
 
@@ -495,7 +512,7 @@ class Consumer:
         waiting = self._acked - self._dequeued
         if waiting <= 0:
             return False
-        behind = self._known - self._acked  # queued after them, as last read
+        behind = self._ahead.known - self._acked  # queued after them, as last read
         return waiting >= self._config.dequeue_step(behind) or self._dequeue_overdue()
 
     def _dequeue_overdue(self) -> bool:
@@ -587,6 +604,28 @@ class Consumer:
             )
             return Backlog(entries=len(self._ahead), oldest_ingestion_ms=oldest)
 
+    def oldest_unacked_ms(self) -> int | None:
+        """When the oldest record of the first entry not acknowledged yet was produced (a
+        batch delivered and not acked, else the next one read ahead), or ``None`` when none is
+        known. Takes no lock and does no IO: a metrics scrape calls it while the consumer
+        works."""
+        try:
+            return self._delivered[0][1]
+        except IndexError:
+            pass
+        try:
+            head = self._ahead.head()
+        except IndexError:  # emptied while looked at
+            return None
+        return batch_time_ms(head.metadata, head.location) if head is not None else None
+
+    def held_entries(self) -> int:
+        """Entries this consumer holds decoded or noted: read ahead (in flight, or read from
+        the queue and not yet submitted) and delivered without an ack. Bounded by the
+        read-ahead window and what the caller has not acked, whatever the backlog."""
+        with self._lock:
+            return self._ahead.held() + len(self._delivered)
+
     def __enter__(self) -> Self:
         return self
 
@@ -637,17 +676,13 @@ class Consumer:
             logger.warning("consumer fenced: %s", err)
             raise
 
-    def _first_available(self, manifest: Manifest) -> int:
-        first = manifest.first_sequence
-        return first if first is not None else manifest.next_sequence
-
     def _refresh(self) -> None:
-        snapshot = self._guard(self._queue.read_if_changed)
+        manifest = self._guard(self._queue.read_view_if_changed)
         self.counters.add("manifest_refreshes")
-        if snapshot is None:
+        if manifest is None:
             return
-        manifest = snapshot.manifest
-        first = self._first_available(manifest)
+        first = manifest.first_sequence
+        first = first if first is not None else manifest.next_sequence
         moved = self._index.end if self._index is not None else -1
         if first > max(self._next, moved + 1):
             # Only this consumer dequeues (or moves entries into its index), and never past
@@ -656,14 +691,8 @@ class Consumer:
                 f"{self._config.manifest_path}: entries {self._next}..{first - 1} were removed "
                 f"before this consumer (epoch {self._queue.epoch}) read them"
             )
-        self._cache_new(manifest, after=max(self._known, self._next - 1))
-
-    def _cache_new(self, manifest: Manifest, *, after: int) -> None:
-        """Cache the manifest's entries past ``after`` that were never cached before."""
-        fresh = [e for e in manifest.entries if e.sequence > after]
-        self._ahead.add(fresh)
-        if fresh:
-            self._known = fresh[-1].sequence
+        # Entries past what it knew are new; it reads them from these bytes as it goes.
+        self._ahead.cursor.manifest_read(manifest)
 
     def _dequeue(self, through: int | None = None) -> None:
         """Remove the acked entries (through ``through``, default the last acked): through the
@@ -694,7 +723,7 @@ class Consumer:
         """Move what the manifest holds into the backlog index once it holds too much."""
         if self._index is not None:
             self._mover.maybe_move(
-                self._index, acked=self._acked, dequeued=self._dequeued, known=self._known
+                self._index, acked=self._acked, dequeued=self._dequeued, known=self._ahead.known
             )
 
     def _dequeued_through(self, sequence: int) -> None:
@@ -705,7 +734,7 @@ class Consumer:
     def _reset(self) -> None:
         self._shutdown()
         self._ahead.reset()
-        self._known = -1
+        self._delivered.clear()
         self._ack_waiting_since = None
         self._mover.unfinished = False
         self._initialized = False

@@ -13,6 +13,7 @@ that fails leaves the entries queued in the manifest and says so.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from millpond.common.metrics import Counters
 from millpond.consumer._config import ConsumerConfig
 from millpond.errors import FencedError, MillpondError
-from millpond.queue import BacklogIndex, QueueConsumer
+from millpond.queue import BacklogIndex, IndexHead, QueueConsumer
 
 __all__ = ["IndexMover"]
 
@@ -54,6 +55,9 @@ class IndexMover:
         self._counters = counters
         self._guard = guard
         self._dequeued = dequeued
+        self.moved: Callable[[IndexHead | None], None] = lambda _head: None
+        """Told the index head once a move wrote it (the read-ahead reads the moved entries
+        from the index from then on)."""
         self.unfinished = False
         """Entries were moved into the index and are not out of the manifest yet."""
 
@@ -84,17 +88,37 @@ class IndexMover:
     def _move(
         self, index: BacklogIndex, start: int, end: int, *, acked: int, dequeued: int
     ) -> None:
-        snapshot = self._guard(self._queue.read)
-        entries = [e for e in snapshot.manifest.entries if start <= e.sequence <= end]
-        to_index = [e for e in entries if e.sequence > acked]
-        if not to_index:
+        manifest = self._guard(self._queue.read_view)
+        first = max(start, acked + 1)
+        if manifest.first_sequence is None or end < first:
             return
+        # Read from the manifest's bytes one entry at a time, written a segment at a time:
+        # a long manifest (a consumer started on a day's backlog) is never held decoded.
+        to_index = itertools.takewhile(
+            lambda entry: entry.sequence <= end, manifest.entries_from(first)
+        )
         # The index first, the manifest after (module doc).
-        self._guard(lambda: index.add(to_index, dequeued_through=acked))
+        self._guard(
+            lambda: index.add(
+                to_index,
+                dequeued_through=acked,
+                segment_entries=segment_size(end - first + 1, self._config),
+            )
+        )
+        self.moved(index.head)
         if acked > dequeued:
             self._dequeued(acked)
         self.unfinished = True
         self._guard(lambda: self._queue.dequeue(end))
         self.unfinished = False
         self._counters.add("index_moves")
-        logger.info("moved entries %s..%s into the backlog index", to_index[0].sequence, end)
+        logger.info("moved entries %s..%s into the backlog index", first, end)
+
+
+def segment_size(entries: int, config: ConsumerConfig) -> int:
+    """Entries per segment when ``entries`` move at once: as even as can be, each between
+    ``backlog_index_threshold`` and twice that (one segment when fewer move): the consumer
+    holds one segment's bytes at a time."""
+    threshold = config.backlog_index_threshold
+    segments = max(1, entries // threshold)
+    return -(-entries // segments)

@@ -40,6 +40,7 @@ from millpond.errors import (
 )
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import ManifestEntry
+from millpond.queue import QueueCursor
 from millpond.storage.store import ObjectStore
 
 __all__ = ["ReadAhead", "ReadAheadWindow"]
@@ -99,9 +100,10 @@ class ReadAheadWindow:
 
 
 class ReadAhead:
-    """The entries read from the manifest and not yet delivered, in sequence order: those
-    waiting to be fetched, and the fetches in flight ahead of delivery (at most the window's
-    size), on a thread pool.
+    """The entries not yet delivered, in sequence order: those still to be fetched, read from
+    the queue a few at a time (:class:`~millpond.queue.QueueCursor`: an index segment or the
+    manifest's bytes, never the whole backlog decoded), and the fetches in flight ahead of
+    delivery (at most the window's size), on a thread pool.
 
     Not thread-safe: the consumer calls it under its lock.
     """
@@ -122,8 +124,8 @@ class ReadAhead:
         self._counters = counters
         self._fetch_latency = fetch_latency
         self._pool: ThreadPoolExecutor | None = None
-        # Entries read from the manifest, not yet submitted for fetching.
-        self._waiting: deque[ManifestEntry] = deque()
+        # The entries not yet submitted for fetching: the queue from the next one on.
+        self._cursor = QueueCursor(store)
         # Submitted fetches, in sequence order; the head is delivered next.
         self._inflight: deque[tuple[ManifestEntry, Future[ConsumedBatch]]] = deque()
         self._window = self._new_window()
@@ -136,35 +138,61 @@ class ReadAhead:
         self._window = self._new_window()
         self._pool = ThreadPoolExecutor(self._window.most, thread_name_prefix="millpond-read")
 
-    def add(self, entries: list[ManifestEntry]) -> None:
-        """Entries newly read from the manifest, after every one held already."""
-        self._waiting.extend(entries)
+    @property
+    def cursor(self) -> QueueCursor:
+        """Where the entries still to fetch come from: told of index moves and manifest
+        reads."""
+        return self._cursor
+
+    @property
+    def known(self) -> int:
+        """The last sequence known to be in the queue."""
+        return self._cursor.known
 
     @property
     def empty(self) -> bool:
         """Nothing is waiting or in flight."""
-        return not self._waiting and not self._inflight
+        return not self._cursor and not self._inflight
 
     @property
     def waiting(self) -> int:
         """Entries not yet submitted for fetching."""
-        return len(self._waiting)
+        return len(self._cursor)
 
     def __len__(self) -> int:
-        return len(self._inflight) + len(self._waiting)
+        return len(self._inflight) + len(self._cursor)
+
+    def held(self) -> int:
+        """Entries held decoded: in flight, and read from the queue but not yet submitted
+        (bounded by the window, whatever the backlog)."""
+        return len(self._inflight) + self._cursor.decoded()
 
     def head(self) -> ManifestEntry | None:
-        """The entry delivered next, or ``None``."""
+        """The entry delivered next if it is read already, else ``None`` (no IO)."""
         if self._inflight:
             return self._inflight[0][0]
-        return self._waiting[0] if self._waiting else None
+        return self._cursor.peek()
 
     def top_up(self) -> None:
-        """Submit waiting entries until the window is full."""
+        """Read the next entries from the queue (an index segment when they are there) and
+        submit them until the window is full.
+
+        Raises:
+            NotFoundError, FormatError, StorageError, MillpondError: reading the queue failed
+                (:meth:`QueueCursor.fill`); nothing delivered or submitted is lost.
+        """
+        self._cursor.fill(max(0, self._window.size - len(self._inflight)))
+        self._submit()
+
+    def _submit(self) -> None:
+        """Submit entries already read until the window is full (no IO)."""
         pool = self._pool
         assert pool is not None
-        while self._waiting and len(self._inflight) < self._window.size:
-            entry = self._waiting.popleft()
+        while len(self._inflight) < self._window.size:
+            taken = self._cursor.take(1)
+            if not taken:
+                return
+            entry = taken[0]
             problem = self._location_problem(entry.location)
             if problem is None:
                 future = pool.submit(self._fetch, entry)
@@ -207,7 +235,7 @@ class ReadAhead:
             self._counters.add("batches")
             self._counters.add("entries", len(batch.entries))
             self._window.delivered(sum(map(len, batch.entries)))
-            self.top_up()
+            self._submit()  # what is read already: no IO between two deliveries
             batches.append(batch)
         if len(batches) < limit and self._inflight and not _ready(self._inflight[0][1]):
             # The caller wanted more than was fetched: fetch further ahead.
@@ -222,8 +250,8 @@ class ReadAhead:
             entry, future = self._inflight.popleft()
             future.cancel()
         else:
-            entry = self._waiting.popleft()
-        self.top_up()
+            entry = self._cursor.take(1)[0]
+        self._submit()
         return entry
 
     def has_ready(self) -> bool:
@@ -233,10 +261,10 @@ class ReadAhead:
         future = self._inflight[0][1]
         return future.done() and not future.cancelled() and future.exception() is None
 
-    def reset(self) -> None:
-        """Forget every entry and stop the fetch threads."""
+    def reset(self, after: int = -1) -> None:
+        """Forget every entry and stop the fetch threads; the next entry is ``after + 1``."""
         self.close()
-        self._waiting.clear()
+        self._cursor.reset(after)
         self._ahead_at_return = 0
 
     def close(self) -> None:
@@ -256,9 +284,9 @@ class ReadAhead:
 
     def _rewind(self) -> None:
         """Put every submitted entry back in front of the waiting ones, to be fetched again."""
-        for entry, future in reversed(self._inflight):
+        for _entry, future in self._inflight:
             future.cancel()
-            self._waiting.appendleft(entry)
+        self._cursor.put_back(entry for entry, _future in self._inflight)
         self._inflight.clear()
         self._ahead_at_return = 0
 

@@ -14,7 +14,14 @@ from ulid import ULID
 
 from millpond.common.clock import Clock, SystemClock
 
-__all__ = ["BATCH_SUFFIX", "UlidMinter", "batch_location", "parse_batch_name", "ulid_time_ms"]
+__all__ = [
+    "BATCH_SUFFIX",
+    "UlidMinter",
+    "batch_location",
+    "parse_batch_name",
+    "ulid_time_ms",
+    "ulid_time_prefix",
+]
 
 BATCH_SUFFIX = ".batch"
 _BATCH_NAME = re.compile(r"^([0-7][0-9A-HJKMNP-TV-Z]{25})\.batch$")
@@ -55,3 +62,17 @@ def parse_batch_name(name: str) -> str | None:
 def ulid_time_ms(ulid: str) -> int:
     """The millisecond timestamp in a ULID."""
     return int(ULID.from_str(ulid).milliseconds)
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def ulid_time_prefix(time_ms: int) -> str:
+    """The first ten characters of every ULID of ``time_ms`` (its time in Crockford base32):
+    the ULIDs of earlier times sort below it, those of that time and later at or above it
+    (fixed width, in an alphabet in ASCII order). ``""`` for a time before the epoch: no
+    ULID sorts below it."""
+    if time_ms < 0:
+        return ""
+    time_ms = min(time_ms, (1 << 48) - 1)
+    return "".join(_CROCKFORD[(time_ms >> shift) & 31] for shift in range(45, -5, -5))

@@ -14,6 +14,7 @@ and writes a new footer; existing entries are never decoded on that path.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ __all__ = [
     "Footer",
     "Manifest",
     "ManifestEntry",
+    "ManifestView",
     "Metadata",
     "PendingEntry",
     "Resume",
@@ -36,9 +38,11 @@ __all__ = [
     "encode_entry",
     "find_locations",
     "first_sequence",
+    "iter_locations",
     "locations_from",
     "remove_through",
     "resume_after",
+    "view_manifest",
     "with_epoch",
 ]
 
@@ -506,3 +510,114 @@ def _decode_entry(
 def _check_range(field: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidInputError(f"{field}: expected {low}..{high}, found {value}")
+
+
+class ManifestView:
+    """A manifest whose framing and sequences are checked, its entries decoded only when asked.
+
+    A backlog of a million entries is 82 MB of manifest but about half a gigabyte as
+    :class:`ManifestEntry` objects: a reader that goes through it in order (the consumer's
+    read-ahead, a move into the backlog index, a collector's floor) decodes one entry at a
+    time from the bytes instead. Each entry's fields (its UTF-8, its metadata) are checked
+    when it is decoded; :func:`view_manifest` checks everything else up front, as
+    :func:`decode_manifest` does.
+    """
+
+    __slots__ = ("_offsets", "footer", "name", "raw")
+
+    def __init__(self, raw: bytes, footer: Footer, offsets: array[int], name: str) -> None:
+        self.raw = raw
+        self.footer = footer
+        self.name = name
+        self._offsets = offsets  # where each entry starts, then where the body ends
+
+    @property
+    def epoch(self) -> int:
+        return self.footer.epoch
+
+    @property
+    def next_sequence(self) -> int:
+        return self.footer.next_sequence
+
+    @property
+    def first_sequence(self) -> int | None:
+        """Sequence of the oldest entry, or ``None`` when the queue is empty."""
+        return self.footer.next_sequence - len(self) if len(self) else None
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def entries_from(self, sequence: int) -> Iterator[ManifestEntry]:
+        """The entries at ``sequence`` and after, in order, each decoded as it is taken.
+
+        Raises:
+            FormatError: an entry's fields do not decode (while iterating).
+        """
+        first = self.first_sequence
+        if first is None:
+            return
+        view = memoryview(self.raw)
+        for i in range(max(0, sequence - first), len(self)):
+            start, end = self._offsets[i], self._offsets[i + 1]
+            yield _decode_entry(view, start, end, first + i, self.name)
+
+    def entry(self, sequence: int) -> ManifestEntry | None:
+        """The entry ``sequence``, or ``None`` when the manifest does not hold it.
+
+        Raises:
+            FormatError: its fields do not decode.
+        """
+        first = self.first_sequence
+        if first is None or not first <= sequence < self.footer.next_sequence:
+            return None
+        return next(self.entries_from(sequence))
+
+    def decode(self) -> Manifest:
+        """Every entry, decoded (:func:`decode_manifest`).
+
+        Raises:
+            FormatError: an entry's fields do not decode.
+        """
+        return Manifest(footer=self.footer, entries=tuple(self.entries_from(0)))
+
+
+def view_manifest(raw: bytes, *, name: str = "manifest") -> ManifestView:
+    """Check a manifest's footer, framing and sequences (as :func:`decode_manifest` does, but
+    each entry's fields) and return a :class:`ManifestView` of it; no entry is decoded.
+
+    Raises:
+        FormatError: naming the field and byte offset of the first inconsistency.
+    """
+    footer = decode_footer(raw, name=name)
+    offsets = array("Q")
+    previous: int | None = None
+    for start, _end, sequence in _entry_spans(raw, footer, name=name):
+        if previous is not None and sequence != previous + 1:
+            raise FormatError(
+                f"{name}: sequence at byte {start + 4}: expected {previous + 1} "
+                f"(contiguous), found {sequence}",
+                field="sequence",
+                offset=start + 4,
+            )
+        previous = sequence
+        offsets.append(start)
+    if previous is not None and previous + 1 != footer.next_sequence:
+        offset = len(raw) - FOOTER_SIZE + 4
+        raise FormatError(
+            f"{name}: next_sequence at byte {offset}: expected {previous + 1} "
+            f"(one past the last entry), found {footer.next_sequence}",
+            field="next_sequence",
+            offset=offset,
+        )
+    offsets.append(len(raw) - FOOTER_SIZE)
+    return ManifestView(raw, footer, offsets, name)
+
+
+def iter_locations(raw: bytes, from_sequence: int = 0) -> Iterator[tuple[int, str]]:
+    """``(sequence, location)`` of each entry at ``sequence >= from_sequence``, one at a time
+    (only the location field is decoded; nothing is kept).
+
+    Raises:
+        FormatError: the footer or the entry framing is invalid (while iterating).
+    """
+    return _locations(raw, from_sequence)

@@ -34,6 +34,7 @@ from millpond.queue.claim import (
     queue_identity,
     same_queue,
 )
+from millpond.queue.cursor import QueueCursor
 from millpond.queue.dequeue import QueueConsumer
 from millpond.queue.epoch_mark import is_replaced, read_epoch_mark
 from millpond.queue.front_door import Queue
@@ -49,7 +50,16 @@ from millpond.queue.index import (
 )
 from millpond.queue.landed import Landing, LandingStatus, resolve_landing
 from millpond.queue.location import QueueLocation
-from millpond.queue.observe import Waiting, list_sizes, referenced_bytes, waiting_after
+from millpond.queue.observe import (
+    EntryReader,
+    QueueLook,
+    batch_time_ms,
+    bytes_from,
+    entry_time_ms,
+    look_at_queue,
+    look_with_entry,
+    referenced_bytes,
+)
 from millpond.queue.sink_wait import DEFAULT_POLL_INTERVAL, SinkLook, SinkWatch
 from millpond.queue.takeover import Takeover, take_over_queue
 from millpond.queue.written import (
@@ -66,6 +76,7 @@ __all__ = [
     "MAX_CLOCK_SKEW",
     "Appender",
     "BacklogIndex",
+    "EntryReader",
     "GcPlan",
     "GcReport",
     "IndexHead",
@@ -76,23 +87,28 @@ __all__ = [
     "Queue",
     "QueueClaim",
     "QueueConsumer",
+    "QueueCursor",
     "QueueLocation",
+    "QueueLook",
     "QueueProducer",
     "SetAsideMark",
     "SinkLook",
     "SinkWatch",
     "Takeover",
-    "Waiting",
     "WrittenMark",
+    "batch_time_ms",
+    "bytes_from",
     "collect_once",
     "decode_head",
     "encode_hold",
+    "entry_time_ms",
     "head_path",
     "hold_path",
     "internal_path",
     "is_replaced",
-    "list_sizes",
     "locations_of",
+    "look_at_queue",
+    "look_with_entry",
     "note_set_aside",
     "open_claim",
     "plan_collection",
@@ -106,6 +122,5 @@ __all__ = [
     "resolve_landing",
     "same_queue",
     "take_over_queue",
-    "waiting_after",
     "written_path",
 ]

@@ -18,11 +18,12 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import (
     FOOTER_SIZE,
+    ManifestView,
     decode_footer,
-    decode_manifest,
     decode_tail,
     empty_manifest,
     remove_through,
+    view_manifest,
     with_epoch,
 )
 from millpond.queue.cas import CasLoop, ManifestSnapshot, RawManifest
@@ -48,7 +49,7 @@ class QueueConsumer:
     ) -> None:
         self._cas = CasLoop(store, manifest_path, retry=retry, clock=clock, counters=counters)
         self._epoch: int | None = None
-        self._last: ManifestSnapshot | None = None
+        self._last_etag: str | None = None  # of the last read, for a conditional one
         # The ETag of the newest manifest state seen to carry this consumer's epoch: a
         # conditional request against it answers "still ours" with a 304.
         self._fence_etag: str | None = None
@@ -88,8 +89,11 @@ class QueueConsumer:
         self._raw = current
         if current is None:
             return 0, 0
-        # Decoded whole: a corrupt manifest is refused before its epoch is bumped.
-        manifest = decode_manifest(current.data, name=self._cas.path)
+        # Checked whole, one entry at a time: a corrupt manifest is refused before its epoch is
+        # bumped, and a long one is never held decoded.
+        manifest = view_manifest(current.data, name=self._cas.path)
+        for _entry in manifest.entries_from(0):
+            pass
         return manifest.next_sequence, manifest.epoch
 
     def initialize(self) -> int:
@@ -137,7 +141,7 @@ class QueueConsumer:
                 cas.backoff(backoff, "epoch bump", err)
                 continue
             self._epoch = epoch
-            self._last = None
+            self._last_etag = None
             self._fence_etag = etag
             self._raw = RawManifest(data, etag)
             logger.info("consumer holds epoch %s of %s", epoch, cas.path)
@@ -167,10 +171,20 @@ class QueueConsumer:
         self._confirmations += 1
 
     def read(self, *, reuse: bool = False) -> ManifestSnapshot:
-        """Read and decode the manifest, checking the epoch.
+        """Read and decode the manifest, checking the epoch (:meth:`read_view`, every entry
+        decoded).
+
+        Raises:
+            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read_view`.
+        """
+        return self._snapshot(self.read_view(reuse=reuse))
+
+    def read_view(self, *, reuse: bool = False) -> ManifestView:
+        """Read the manifest and check it and its epoch; its entries are decoded as they are
+        taken (a long backlog is never held decoded).
 
         Args:
-            reuse: decode the bytes this consumer last read or wrote (its epoch bump, a
+            reuse: use the bytes this consumer last read or wrote (its epoch bump, a
                 dequeue) instead of reading, when nothing newer was seen since: a state of
                 the manifest that carried this consumer's epoch, possibly missing appends
                 made since (the next :meth:`read_if_changed` finds them). It proves nothing
@@ -192,14 +206,23 @@ class QueueConsumer:
     def read_if_changed(self) -> ManifestSnapshot | None:
         """Like :meth:`read`, but ``None`` when the manifest is unchanged since the last read.
 
+        Raises:
+            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read`.
+        """
+        view = self.read_view_if_changed()
+        return None if view is None else self._snapshot(view)
+
+    def read_view_if_changed(self) -> ManifestView | None:
+        """Like :meth:`read_view`, but ``None`` when the manifest is unchanged since the last
+        read.
+
         An unchanged manifest carries the epoch that was checked when it was read, so the
         conditional GET keeps the fencing guarantee.
 
         Raises:
-            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read`.
+            FencedError, FormatError, NotFoundError, StorageError: as :meth:`read_view`.
         """
-        etag = self._last.etag if self._last is not None else None
-        got = self._cas.store.get_if_changed(self._cas.path, etag)
+        got = self._cas.store.get_if_changed(self._cas.path, self._last_etag)
         self._cas.counters.add("manifest_reads")
         if got is None:
             return None
@@ -294,14 +317,17 @@ class QueueConsumer:
         self._raw = RawManifest(data, etag)
         self._confirmations += 1
 
-    def _accept(self, data: bytes, etag: str | None) -> ManifestSnapshot:
-        snapshot = ManifestSnapshot(decode_manifest(data, name=self._cas.path), etag, len(data))
-        self._check_epoch(snapshot.manifest.epoch)
-        self._last = snapshot
+    def _accept(self, data: bytes, etag: str | None) -> ManifestView:
+        view = view_manifest(data, name=self._cas.path)
+        self._check_epoch(view.epoch)
+        self._last_etag = etag
         self._fence_etag = etag
         self._raw = RawManifest(data, etag)
         self._confirmations += 1
-        return snapshot
+        return view
+
+    def _snapshot(self, view: ManifestView) -> ManifestSnapshot:
+        return ManifestSnapshot(view.decode(), self._last_etag, len(view.raw))
 
     def _check_epoch(self, found: int) -> None:
         if self._epoch is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
-from millpond.formats.manifest import Manifest
+from millpond.formats.manifest import Footer
 from millpond.queue.append import QueueProducer
 from millpond.queue.claim import queue_identity
 from millpond.queue.dequeue import QueueConsumer
@@ -118,7 +118,7 @@ class Queue:
         grace_period: float,
         clock: Clock | None = None,
         dry_run: bool = False,
-        check_manifest: Callable[[Manifest], None] | None = None,
+        check_manifest: Callable[[Footer], None] | None = None,
     ) -> GcReport:
         """One garbage collection pass (:func:`~millpond.queue.gc_rules.collect_once`).
 

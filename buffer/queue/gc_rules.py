@@ -37,22 +37,31 @@ its own guarantees need nothing from a peer:
 Order of a pass: store clock probe, listing, holds, manifest, backlog index. Everything read
 later can only make a pass keep more; the index comes after the manifest because the consumer
 writes an entry into the index before removing it from the manifest.
+
+Whatever the backlog, a pass lists only what could go: names sort as ULID times, so the
+listing (in name order) stops at the first name at the queue's floor as a read of the
+manifest and the index just before it found it; the floor the plan applies is read after
+the listing, as above (a lower one keeps more of what was listed, a higher one only leaves
+some for the next pass). No entry is decoded, no set of every location built: every entry's
+batch time is at or past the floor, so nothing listed below it is referenced; the manifest
+gives its floor from its locations alone, and each index segment carries its own in the
+head. A pass lists at most 100,000 objects; the next goes on where its deletes left off.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from millpond.common.clock import Clock
-from millpond.common.ulids import parse_batch_name, ulid_time_ms
-from millpond.errors import NotFoundError
-from millpond.formats.manifest import Manifest
-from millpond.queue.cas import read_manifest
+from millpond.common.ulids import parse_batch_name, ulid_time_ms, ulid_time_prefix
+from millpond.errors import NotFoundError, StorageError
+from millpond.formats.manifest import Footer, Manifest, iter_locations, view_manifest
 from millpond.queue.claim import (
     CLOCK_PROBE,
     QueueClaim,
@@ -62,7 +71,7 @@ from millpond.queue.claim import (
 )
 from millpond.queue.epoch_mark import check_not_replaced, read_epoch_mark
 from millpond.queue.holds import held_locations
-from millpond.queue.index import read_indexed
+from millpond.queue.index import oldest_batch_ms, read_head, segment_oldest_ms
 from millpond.storage.store import DeleteFailure, ObjectInfo, ObjectStore
 from millpond.storage.store_time import probe_store_time, to_ms
 
@@ -76,9 +85,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The queue floor when no entry has a ULID name: no object can be older than it.
-_NOTHING_IS_OLDER = -(1 << 63)
 _DELETE_CHUNK = 1000
+_MOST_LISTED = 100_000
+"""Objects one pass lists at most (they are held until the plan): the next pass goes on."""
+_INDEX_READS = 5
 
 
 class KeepReason(StrEnum):
@@ -136,6 +146,9 @@ class GcReport:
     store_clock_offset_ms: float | None = None
     """Store clock minus this collector's clock, as the probe measured it (``None`` when the
     pass did not probe: a dry run)."""
+    queue_floor_ms: int | None = None
+    """The oldest batch time among the queue's entries (manifest and backlog index; ``None``:
+    the queue is empty). Objects named at or past it were not listed: nothing there can go."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -149,6 +162,7 @@ class GcReport:
             "dry_run": self.dry_run,
             "manifest_epoch": self.manifest_epoch,
             "store_clock_offset_ms": self.store_clock_offset_ms,
+            "queue_floor_ms": self.queue_floor_ms,
         }
 
 
@@ -186,6 +200,10 @@ def plan_collection(
         grace_period_ms=grace_period_ms,
         store_now_ms=store_now_ms,
     )
+    return _plan(objects, rules)
+
+
+def _plan(objects: Iterable[ObjectInfo], rules: _Rules) -> GcPlan:
     delete: list[str] = []
     kept: Counter[KeepReason] = Counter()
     for info in objects:
@@ -207,12 +225,7 @@ def _queue_floor_ms(manifest: Manifest) -> int | None:
     """
     if not manifest.entries:
         return None
-    entry_times = [
-        ulid_time_ms(ulid)
-        for entry in manifest.entries
-        if (ulid := parse_batch_name(entry.location.rpartition("/")[2])) is not None
-    ]
-    return min(entry_times, default=_NOTHING_IS_OLDER)
+    return oldest_batch_ms(entry.location for entry in manifest.entries)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,7 +275,7 @@ def collect_once(
     clock: Clock,
     grace_period: float,
     dry_run: bool = False,
-    check_manifest: Callable[[Manifest], None] | None = None,
+    check_manifest: Callable[[Footer], None] | None = None,
 ) -> GcReport:
     """One collection pass: probe the store clock, list, read holds and manifest, plan, delete.
 
@@ -279,8 +292,8 @@ def collect_once(
         clock: this collector's clock (ULID times; the deadline of its deletes).
         grace_period: minimum age, in seconds, of a deletable object.
         dry_run: plan only, write nothing.
-        check_manifest: called with the snapshot before anything is deleted; raising from it
-            aborts the pass (the consumer uses it to stop once its epoch is gone).
+        check_manifest: called with the manifest's footer before anything is deleted; raising
+            from it aborts the pass (the consumer uses it to stop once its epoch is gone).
 
     Returns:
         The report; failed deletes are in ``failures``, not raised.
@@ -326,30 +339,34 @@ class _Pass:
         self.started = clock.monotonic()
         self.now_ms = clock.now_ms()
 
-    def run(self, check_manifest: Callable[[Manifest], None] | None) -> GcReport:
+    def run(self, check_manifest: Callable[[Footer], None] | None) -> GcReport:
         """Read everything in the order the module docstring gives, plan, delete, report."""
         claim = self._checked_claim()
         store_now_ms, offset_ms = self._store_now()
-        # Only objects directly under the prefix: nested prefixes may hold other queues.
-        listing = self.store.list(self.prefix, recursive=False)
+        # Only objects directly under the prefix (nested prefixes may hold other queues), and
+        # only below the queue's floor as read just before: nothing at or past it can go.
+        listing = list(self._list(self._listing_bound()))
         held = held_locations(self.store, self.prefix)
-        manifest = self._read_manifest()
-        if manifest is None:
+        queue = self._read_queue()
+        if queue is None:
             return self._nothing_deleted(listing)
+        footer, floor_ms = queue
         if check_manifest is not None:
-            check_manifest(manifest)
-        queued = self._with_index(manifest)
+            check_manifest(footer)
         if claim is None and not self.dry_run:
             claim = self._claim()
-        plan = plan_collection(
-            listing,
-            queued,
-            data_path_prefix=self.prefix,
+        # Every entry's batch time is at or past the floor read after the listing, so no
+        # object listed below it is referenced: the plan needs no set of every location.
+        rules = _Rules(
+            prefix=self.prefix,
+            referenced=frozenset(),
+            held=held,
+            queue_floor_ms=floor_ms,
             now_ms=self.now_ms,
             grace_period_ms=round(self.grace_period * 1000),
             store_now_ms=store_now_ms,
-            held=held,
         )
+        plan = _plan(listing, rules)
         kept = dict(plan.kept)
         deleted, failures = self._delete(plan.delete, claim, kept)
         return GcReport(
@@ -359,9 +376,49 @@ class _Pass:
             kept=kept,
             failures=tuple(failures),
             dry_run=self.dry_run,
-            manifest_epoch=manifest.epoch,
+            manifest_epoch=footer.epoch,
             store_clock_offset_ms=offset_ms,
+            queue_floor_ms=floor_ms,
         )
+
+    def _listing_bound(self) -> str | None:
+        """Where the listing may stop: the first name at the queue's floor as read now, before
+        the listing (``None``: no floor, list everything). The floor the plan applies is read
+        after the listing; this one only saves listing what could not go anyway."""
+        try:
+            _footer, floor_ms = self._floor(self.store.get(self.manifest_path).data)
+        except NotFoundError:
+            return None  # no manifest: nothing is deleted (the read after the listing says so)
+        if floor_ms is None:
+            return None
+        lead = f"{self.prefix}/" if self.prefix else ""
+        return lead + ulid_time_prefix(floor_ms)
+
+    def _list(self, end_before: str | None) -> Iterator[ObjectInfo]:
+        """The listing below ``end_before``, in name order, at most :data:`_MOST_LISTED`
+        objects (the next pass goes on where this one's deletes left off)."""
+        return itertools.islice(
+            self.store.list_range(self.prefix, end_before=end_before), _MOST_LISTED
+        )
+
+    def _floor(self, manifest: bytes) -> tuple[Footer, int | None]:
+        """The manifest's footer and the queue's floor: the oldest batch time among the
+        manifest's entries and the backlog index's (read after the manifest), each entry's
+        location read once and nothing kept; ``None`` when the queue is empty."""
+        view = view_manifest(manifest, name=self.manifest_path)
+        floors = []
+        if len(view):
+            floors.append(
+                oldest_batch_ms(location for _sequence, location in iter_locations(view.raw))
+            )
+        for _ in range(_INDEX_READS):
+            head = read_head(self.store, self.prefix)
+            try:
+                indexed = [segment_oldest_ms(self.store, s) for s in head.segments] if head else []
+            except NotFoundError:
+                continue  # a segment drained since the head was read: read the newer head
+            return view.footer, min([*floors, *indexed], default=None)
+        raise StorageError(f"{self.store.url}: index segments kept vanishing while GC read them")
 
     def _checked_claim(self) -> QueueClaim | None:
         """The queue's claim, if any, once it allows this pass's grace period."""
@@ -379,25 +436,27 @@ class _Pass:
         probe = probe_store_time(self.store, internal_path(self.prefix, CLOCK_PROBE), self.clock)
         return probe.stamp_ms, probe.offset_ms
 
-    def _read_manifest(self) -> Manifest | None:
-        """The manifest, checked not replaced; ``None`` (and a warning) when there is none."""
+    def _read_queue(self) -> tuple[Footer, int | None] | None:
+        """The manifest's footer, checked not replaced, and the queue's floor (the index read
+        after the manifest); ``None`` (and a warning) when there is no manifest."""
         # Read before the manifest: a record written by a takeover after the manifest read would
         # be newer than the manifest read, without anything being wrong.
         recorded = read_epoch_mark(self.store, self.prefix)
         try:
-            snapshot = read_manifest(self.store, self.manifest_path)
+            data = self.store.get(self.manifest_path).data
         except NotFoundError:
             logger.warning("gc: no manifest at %s; deleting nothing", self.manifest_path)
             return None
+        footer, floor_ms = self._floor(data)
         # A replaced manifest no longer names what was appended to the one it replaced.
         check_not_replaced(
             recorded,
-            snapshot.manifest.epoch,
+            footer.epoch,
             queue=f"{self.store.url}/{self.manifest_path}",
             store_url=self.store.url,
             data_path_prefix=self.prefix,
         )
-        return snapshot.manifest
+        return footer, floor_ms
 
     def _nothing_deleted(self, listing: list[ObjectInfo]) -> GcReport:
         """The report of a pass that found no manifest: every listed object kept."""
@@ -408,15 +467,6 @@ class _Pass:
             kept={KeepReason.NO_MANIFEST: len(listing)} if listing else {},
             dry_run=self.dry_run,
         )
-
-    def _with_index(self, manifest: Manifest) -> Manifest:
-        """``manifest`` with the backlog index's entries in front (read after the manifest)."""
-        _head, indexed = read_indexed(self.store, self.prefix)
-        if not indexed:
-            return manifest
-        # Every entry of either is referenced (an entry in both is a move that has not
-        # finished); plan_collection only looks at the locations and their ULID times.
-        return Manifest(footer=manifest.footer, entries=(*indexed, *manifest.entries))
 
     def _claim(self) -> QueueClaim | None:
         """Claim a queue no millpond role has claimed yet (written by an RFC peer, or older).

@@ -11,9 +11,14 @@ is past the moved entries, as if they had been dequeued.
 Layout, under ``{data_path_prefix}/_millpond/index/``:
 
 * ``head`` — JSON: the owning consumer's ``epoch``, ``dequeued_through`` (every sequence up to
-  it is in the sink) and the ``segments`` in sequence order, each ``{path, first, last}``;
+  it is in the sink) and the ``segments`` in sequence order, each ``{path, first, last,
+  oldest_ms}`` (``oldest_ms``, the oldest ULID time among its batch names, lets a collector
+  find the queue's floor without reading it; a head without it is read as before);
 * ``segments/{first}-{last}-e{epoch}`` — immutable, in the manifest's wire format (the entries
-  with their own sequences, contiguous; the footer's epoch is the writer's).
+  with their own sequences, contiguous; the footer's epoch is the writer's). A move writes
+  segments of ``backlog_index_threshold`` to twice that many entries, so whoever reads the
+  index (the consumer delivering, ``status`` looking up the oldest entry) holds one segment
+  at a time, whatever the backlog.
 
 Protocol (only the consumer holding the manifest's epoch writes):
 
@@ -34,18 +39,23 @@ Protocol (only the consumer holding the manifest's epoch writes):
   conditional on an ETag (or an absence) the claim replaced.
 
 Readers (GC, status) read the manifest first and the index after: an entry moved meanwhile is
-in the index by then, and one gone from both was consumed.
+in the index by then, and one gone from both was consumed. They count the queue from the
+head's ranges and read at most the one segment holding the entry they look at.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
+from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import (
     CommitStateUnknownError,
     ConflictError,
@@ -59,22 +69,30 @@ from millpond.formats.manifest import (
     Footer,
     Manifest,
     ManifestEntry,
+    ManifestView,
     PendingEntry,
-    decode_manifest,
     encode_entry,
+    iter_locations,
+    view_manifest,
 )
 from millpond.queue.claim import internal_path
 from millpond.storage.store import ObjectStore
 
 __all__ = [
+    "NO_BATCH_TIME",
     "BacklogIndex",
     "IndexHead",
     "Segment",
     "decode_head",
     "encode_segment",
     "head_path",
+    "oldest_batch_ms",
+    "queue_extent",
     "queue_view",
+    "read_head",
     "read_indexed",
+    "read_segment",
+    "segment_oldest_ms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +124,14 @@ class Segment:
     path: str
     first: int
     last: int
+    oldest_ms: int | None = None
+    """The oldest ULID time among its batch names (:data:`NO_BATCH_TIME` when none is a
+    ULID), so a collector finds the queue's floor without reading the segment; ``None`` in a
+    head an older millpond wrote (the segment is read for it)."""
+
+    def live(self, dequeued_through: int) -> int:
+        """How many of its entries are past ``dequeued_through``."""
+        return max(0, self.last - max(self.first, dequeued_through + 1) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +155,27 @@ class IndexHead:
         last = self.segments[-1].last if self.segments else -1
         return max(last, self.dequeued_through)
 
+    @property
+    def entries(self) -> int:
+        """Entries the index holds past ``dequeued_through`` (counted, not read)."""
+        return sum(segment.live(self.dequeued_through) for segment in self.segments)
+
+    @property
+    def first(self) -> int | None:
+        """The first sequence it holds, or ``None`` when it holds none."""
+        if not self.segments:
+            return None
+        return max(self.segments[0].first, self.dequeued_through + 1)
+
+    def segment_of(self, sequence: int) -> Segment | None:
+        """The segment holding ``sequence`` past ``dequeued_through``, if any."""
+        if sequence <= self.dequeued_through:
+            return None
+        found = bisect.bisect_left(self.segments, sequence, key=lambda segment: segment.last)
+        if found < len(self.segments) and self.segments[found].first <= sequence:
+            return self.segments[found]
+        return None
+
     def encode(self) -> bytes:
         return json.dumps(
             {
@@ -136,12 +183,27 @@ class IndexHead:
                 "version": _VERSION,
                 "epoch": self.epoch,
                 "dequeued_through": self.dequeued_through,
-                "segments": [
-                    {"path": s.path, "first": s.first, "last": s.last} for s in self.segments
-                ],
+                "segments": [_encode_segment_ref(s) for s in self.segments],
             },
             separators=(",", ":"),
         ).encode()
+
+
+def _encode_segment_ref(segment: Segment) -> dict[str, Any]:
+    record: dict[str, Any] = {"path": segment.path, "first": segment.first, "last": segment.last}
+    if segment.oldest_ms is not None:
+        record["oldest_ms"] = segment.oldest_ms
+    return record
+
+
+def _decode_segment_ref(record: dict[str, Any]) -> Segment:
+    oldest = record.get("oldest_ms")
+    return Segment(
+        str(record["path"]),
+        int(record["first"]),
+        int(record["last"]),
+        None if oldest is None else int(oldest),
+    )
 
 
 def decode_head(data: bytes, *, name: str) -> IndexHead:
@@ -161,9 +223,7 @@ def decode_head(data: bytes, *, name: str) -> IndexHead:
         head = IndexHead(
             epoch=int(record["epoch"]),
             dequeued_through=int(record["dequeued_through"]),
-            segments=tuple(
-                Segment(str(s["path"]), int(s["first"]), int(s["last"])) for s in record["segments"]
-            ),
+            segments=tuple(_decode_segment_ref(s) for s in record["segments"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise FormatError(f"{name}: not a millpond index head: {err}", field="head") from err
@@ -187,14 +247,78 @@ def encode_segment(entries: Sequence[ManifestEntry], epoch: int) -> bytes:
     return b"".join([*body, footer.encode()])
 
 
+def read_segment(store: ObjectStore, segment: Segment) -> ManifestView:
+    """One segment's entries, checked and decoded only as they are taken.
+
+    Raises:
+        NotFoundError: the segment is gone (drained since its head was read).
+        FormatError: it is corrupt, or holds other sequences than its head says.
+        StorageError: the store failed.
+    """
+    view = view_manifest(store.get(segment.path).data, name=segment.path)
+    if (view.first_sequence, view.next_sequence - 1) != (segment.first, segment.last):
+        raise FormatError(
+            f"{segment.path}: expected sequences {segment.first}..{segment.last}, found "
+            f"{view.first_sequence}..{view.next_sequence - 1}",
+            field="segments",
+        )
+    return view
+
+
+def segment_oldest_ms(store: ObjectStore, segment: Segment) -> int:
+    """The oldest batch time of a segment: from its head entry, or (a head an older millpond
+    wrote) from the segment itself.
+
+    Raises:
+        NotFoundError, FormatError, StorageError: as :func:`read_segment`.
+    """
+    if segment.oldest_ms is not None:
+        return segment.oldest_ms
+    view = read_segment(store, segment)
+    return oldest_batch_ms(location for _sequence, location in iter_locations(view.raw))
+
+
+def oldest_batch_ms(locations: Iterable[str]) -> int:
+    """The oldest ULID time among ``locations``' batch names; :data:`NO_BATCH_TIME` when none
+    is a ULID (nothing can then be older: a collector keeps everything)."""
+    oldest: int | None = None
+    for location in locations:
+        ulid = parse_batch_name(location.rpartition("/")[2])
+        if ulid is not None:
+            time_ms = ulid_time_ms(ulid)
+            if oldest is None or time_ms < oldest:
+                oldest = time_ms
+    return NO_BATCH_TIME if oldest is None else oldest
+
+
+NO_BATCH_TIME = -(1 << 63)
+"""The oldest batch time of entries none of whose names is a ULID: nothing is older."""
+
+
 def _load(store: ObjectStore, head: IndexHead) -> list[ManifestEntry]:
-    """The entries past ``dequeued_through``, in order. Raises NotFoundError for a segment
-    drained since the head was read."""
+    """The entries past ``dequeued_through``, in order, every segment decoded (tests and
+    tools; the consumer, GC and status read one segment at a time, or none). Raises
+    NotFoundError for a segment drained since the head was read."""
     out: list[ManifestEntry] = []
     for segment in head.segments:
-        manifest = decode_manifest(store.get(segment.path).data, name=segment.path)
-        out.extend(e for e in manifest.entries if e.sequence > head.dequeued_through)
+        view = read_segment(store, segment)
+        out.extend(view.entries_from(head.dequeued_through + 1))
     return out
+
+
+def read_head(store: ObjectStore, data_path_prefix: str) -> IndexHead | None:
+    """The index head, or ``None`` when there is none (no fencing; for GC, status, metrics).
+
+    Raises:
+        FormatError: the head is corrupt.
+        StorageError: the store failed.
+    """
+    path = head_path(data_path_prefix)
+    try:
+        got = store.get(path)
+    except NotFoundError:
+        return None
+    return decode_head(got.data, name=f"{store.url}/{path}")
 
 
 def read_indexed(
@@ -233,6 +357,24 @@ def queue_view(
     next_sequence = max(manifest.next_sequence, entries[-1].sequence + 1 if entries else 0)
     footer = Footer(entry_count=len(entries), next_sequence=next_sequence, epoch=manifest.epoch)
     return Manifest(footer=footer, entries=entries)
+
+
+def queue_extent(manifest: ManifestView | Manifest, head: IndexHead | None) -> tuple[int, int]:
+    """The queue's first sequence (its ``next_sequence`` when it is empty) and its
+    ``next_sequence``, from the index head and the manifest (read after it) alone: the index's
+    entries past ``dequeued_through``, then the manifest's past the index's end."""
+    index_first = head.first if head is not None else None
+    index_end = head.end if head is not None else -1
+    last_indexed = head.segments[-1].last if head is not None and head.segments else -1
+    # A reader that read the manifest before a move of entries appended since sees them in
+    # the index only: the queue then reaches past the manifest it read.
+    next_sequence = max(manifest.next_sequence, last_indexed + 1)
+    if index_first is not None:
+        return index_first, next_sequence
+    manifest_first = manifest.first_sequence
+    if manifest_first is not None and manifest.next_sequence - 1 > index_end:
+        return max(manifest_first, index_end + 1), next_sequence
+    return next_sequence, next_sequence
 
 
 class BacklogIndex:
@@ -277,8 +419,8 @@ class BacklogIndex:
         """Whether the index holds entries not yet drained."""
         return self._head is not None and bool(self._head.segments)
 
-    def claim(self) -> list[ManifestEntry]:
-        """Take the head over for this epoch; returns the entries it holds, in order.
+    def claim(self) -> None:
+        """Take the head over for this epoch (:attr:`head` is then what it holds).
 
         When there is no head, an empty one carrying this epoch is created: an older
         consumer that passed its epoch check just before the takeover and is about to create
@@ -286,11 +428,11 @@ class BacklogIndex:
         instead of landing a head nobody would rewrite (a consumer with the index off never
         writes it again, and GC and ``status`` would take its entries for the queue's
         oldest). Segments no head names (left by a move that lost its head write) are
-        deleted.
+        deleted. No segment is read: the consumer reads them one at a time as it delivers.
 
         Raises:
             FencedError: the head carries a newer epoch.
-            FormatError: the head or a segment is corrupt.
+            FormatError: the head is corrupt.
             StorageError: the store failed past the retry budget.
         """
         self._update(
@@ -302,18 +444,21 @@ class BacklogIndex:
             create=True,
             read_first=True,
         )
-        if self._head is None or self._head.blank:
-            return []
-        self._delete_orphans()
-        for _ in range(_READ_ATTEMPTS):
-            try:
-                return _load(self._store, self._head)
-            except NotFoundError:
-                self._read()  # cannot happen once claimed, but never trust a stale head
-        raise StorageError(f"{self._store.url}/{self._path}: a segment named by the head is gone")
+        if self._head is not None and not self._head.blank:
+            self._delete_orphans()
 
-    def add(self, entries: Sequence[ManifestEntry], *, dequeued_through: int) -> None:
+    def add(
+        self,
+        entries: Iterable[ManifestEntry],
+        *,
+        dequeued_through: int,
+        segment_entries: int | None = None,
+    ) -> None:
         """Move ``entries`` (contiguous, past the index's end) in; raise ``dequeued_through``.
+
+        They are taken as they come, ``segment_entries`` at a time (default: all in one
+        segment), each written as a segment; then one head write names them all. A segment
+        is only as large as that: the consumer reads the index one segment at a time.
 
         Raises:
             FencedError: a newer consumer owns the head.
@@ -322,22 +467,17 @@ class BacklogIndex:
             MillpondError: the entries are not contiguous, or would leave a gap after (or
                 overlap part of) what the index holds; the head is not written.
         """
-        if not entries:
+        written: list[Segment] = []
+        source = iter(entries)
+        while chunk := list(itertools.islice(source, segment_entries or None)):
+            first, last = chunk[0].sequence, chunk[-1].sequence
+            follows = not written or first == written[-1].last + 1
+            if last - first + 1 != len(chunk) or not follows:
+                raise MillpondError(f"{self._path}: entries {first}..{last} are not contiguous")
+            written.append(self._write_segment(chunk))
+        if not written:
             return
-        first, last = entries[0].sequence, entries[-1].sequence
-        if last - first + 1 != len(entries):
-            raise MillpondError(f"{self._path}: entries {first}..{last} are not contiguous")
-        segment = Segment(_segment_path(self._prefix, first, last, self._epoch), first, last)
-        backoff = self._retry.start(self._clock)
-        while True:
-            try:
-                self._store.put(segment.path, encode_segment(entries, self._epoch))
-                break
-            except StorageError as err:
-                if not backoff.sleep():
-                    raise StorageError(
-                        f"{segment.path}: index segment write failed: {err}"
-                    ) from err
+        first, last = written[0].first, written[-1].last
 
         def transform(head: IndexHead) -> IndexHead:
             segments = head.segments
@@ -349,7 +489,7 @@ class BacklogIndex:
                         f"{self._path}: segment {first}..{last} does not follow the index "
                         f"(it ends at {head.end}, dequeued through {through})"
                     )
-                segments = (*segments, segment)
+                segments = (*segments, *written)
             return IndexHead(
                 epoch=self._epoch,
                 dequeued_through=through,
@@ -357,6 +497,27 @@ class BacklogIndex:
             )
 
         self._update(transform, create=True)
+
+    def _write_segment(self, entries: Sequence[ManifestEntry]) -> Segment:
+        """Write one segment object (retried); the head does not name it yet."""
+        first, last = entries[0].sequence, entries[-1].sequence
+        segment = Segment(
+            _segment_path(self._prefix, first, last, self._epoch),
+            first,
+            last,
+            oldest_batch_ms(entry.location for entry in entries),
+        )
+        data = encode_segment(entries, self._epoch)
+        backoff = self._retry.start(self._clock)
+        while True:
+            try:
+                self._store.put(segment.path, data)
+                return segment
+            except StorageError as err:
+                if not backoff.sleep():
+                    raise StorageError(
+                        f"{segment.path}: index segment write failed: {err}"
+                    ) from err
 
     def drain(self, through: int) -> None:
         """Mark every sequence up to ``through`` as in the sink; drop drained segments.

@@ -14,7 +14,8 @@ The steps, in order, and why that order:
 4. **Record the epoch** (a failure is logged: the replaced-manifest check waits for the next).
 5. **Claim the backlog index head** (created empty when there is none): from here on no head
    write of an older consumer lands either.
-6. **Read the queue** after the claim: the index's entries, then the manifest's past them.
+6. **Read the manifest** after the claim: the queue is the index's entries, then the
+   manifest's past them (counted from the index head; no segment is read).
 
 What the consumer does with it — positions, read-ahead, repairs, its collector — is its own.
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from millpond.common.clock import Clock
 from millpond.common.retry import RetryPolicy
 from millpond.errors import InvalidInputError, ProgressBehindError
-from millpond.formats.manifest import Manifest, ManifestEntry
+from millpond.formats.manifest import ManifestView
 from millpond.queue.claim import QueueClaim, open_claim
 from millpond.queue.dequeue import QueueConsumer
 from millpond.queue.epoch_mark import (
@@ -36,7 +37,7 @@ from millpond.queue.epoch_mark import (
     read_epoch_mark,
     write_epoch_mark,
 )
-from millpond.queue.index import BacklogIndex, queue_view
+from millpond.queue.index import BacklogIndex, queue_extent
 from millpond.storage.store import ObjectStore
 
 __all__ = ["Takeover", "check_not_ahead", "take_over_queue"]
@@ -49,13 +50,16 @@ class Takeover:
     epoch: int
     """The epoch it holds now."""
     index: BacklogIndex
-    """The backlog index head, claimed for that epoch."""
-    queue: Manifest
-    """The queue as read after the claim: the index's entries, then the manifest's."""
+    """The backlog index head, claimed for that epoch (its segments are not read)."""
+    manifest: ManifestView
+    """The manifest as read after the claim; the queue is the index's entries, then the
+    manifest's past them."""
     acked: int
     """The last sequence the sink has (the one given, or the one before the queue's first)."""
     first: int
     """The queue's first sequence (``next_sequence`` when it is empty)."""
+    next_sequence: int
+    """One past the queue's last sequence (the index's or the manifest's)."""
     unfinished_move: bool
     """The manifest still holds entries the index covers: a move stopped before its manifest
     write, which the consumer finishes."""
@@ -109,33 +113,34 @@ def take_over_queue(
     index = BacklogIndex(
         store, data_path_prefix=data_path_prefix, epoch=epoch, retry=retry, clock=clock
     )
-    return _first_read(queue, index, index.claim(), last_acked=last_acked, identity=identity)
+    index.claim()
+    return _first_read(queue, index, last_acked=last_acked, identity=identity)
 
 
 def _first_read(
     queue: QueueConsumer,
     index: BacklogIndex,
-    indexed: list[ManifestEntry],
     *,
     last_acked: int | None,
     identity: str,
 ) -> Takeover:
-    """Read the queue after the claim (the index's entries, then the manifest's) and check the
-    sink's progress against it."""
+    """Read the manifest after the claim and check the sink's progress against the queue (the
+    index's entries, counted from its head, then the manifest's past them)."""
     # Without an index, the manifest as the epoch bump wrote it is as good as a read (appends
     # made since are found by the next refresh); with one, it is read after the claim.
-    manifest = queue.read(reuse=not index.holds_anything).manifest
-    view = queue_view(manifest, index.head, indexed)
-    first = view.first_sequence if view.first_sequence is not None else view.next_sequence
-    acked = _check_progress(last_acked, first, view.next_sequence, identity)
+    manifest = queue.read_view(reuse=not index.holds_anything)
+    first, next_sequence = queue_extent(manifest, index.head)
+    acked = _check_progress(last_acked, first, next_sequence, identity)
     assert queue.epoch is not None
+    manifest_first = manifest.first_sequence
     return Takeover(
         epoch=queue.epoch,
         index=index,
-        queue=view,
+        manifest=manifest,
         acked=acked,
         first=first,
-        unfinished_move=bool(manifest.entries) and manifest.entries[0].sequence <= index.end,
+        next_sequence=next_sequence,
+        unfinished_move=manifest_first is not None and manifest_first <= index.end,
     )
 
 

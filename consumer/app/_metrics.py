@@ -6,13 +6,15 @@ Three sources, none of which exports anything by itself:
   and fetch times, manifest writes and conflicts, its collector's passes, deletes and times);
 * :class:`TimedSink`, a pass-through around the sink that times each transaction and counts
   written and skipped batches;
-* :class:`QueueSampler`, a daemon thread that reads the manifest every ``interval`` seconds
-  (no fencing, nothing written) for the queue's length, bytes and lag. Length and lag count
-  the entries past the consumer's last ack at scrape time, so they fall to 0 as soon as the
-  queue is drained, not one interval later. An unchanged manifest costs a 304, and the pause
-  between two reads grows with what one costs (at most a tenth of the time goes to them).
-  Bytes come from one listing of the data prefix, made only when the manifest references an
-  object whose size is not known yet.
+* :class:`QueueSampler`, a daemon thread that looks at the queue every ``interval`` seconds
+  (no fencing, nothing written) for its length, bytes and lag. Length and lag count the
+  entries past the consumer's last ack at scrape time (the lag from the oldest entry the
+  consumer has not acked, which it knows without IO), so they fall to 0 as soon as the queue
+  is drained, not one interval later. An unchanged queue costs two 304s, and the pause between
+  two looks grows with what one costs (at most a tenth of the time goes to them). Lengths are
+  counted from sequences; bytes come from one listing of the data prefix from the oldest
+  waiting entry's name on. Whatever the backlog, it holds one index segment and a few
+  numbers, never the queue.
 
 Names, types and help texts are the core's (:data:`millpond.common.exposition.CATALOG`).
 """
@@ -22,8 +24,9 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from millpond.cli.common import add_metrics_arguments
@@ -32,16 +35,7 @@ from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.tasks import BackgroundTask
 from millpond.errors import MillpondError, NotFoundError
-from millpond.formats.manifest import ManifestEntry, decode_manifest
-from millpond.queue import (
-    IndexHead,
-    Waiting,
-    decode_head,
-    head_path,
-    list_sizes,
-    queue_view,
-    waiting_after,
-)
+from millpond.queue import EntryReader, bytes_from, entry_time_ms, head_path, look_with_entry
 from millpond.storage.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -152,9 +146,37 @@ class TimedSink:
         self.counters.add("skipped", len(results) - written)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """The queue gauges at scrape time, from the last sample."""
+
+    length: int
+    """Entries waiting past the ack given."""
+    bytes: int
+    """Bytes of their batch objects (scaled from the sample's to what still waits)."""
+    age_seconds: float
+    """Seconds since the sample."""
+    oldest_ms: int | None
+    """When the oldest entry waiting past the sample's ack was produced (``None``: none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    first: int
+    next_sequence: int
+    acked: int | None
+    oldest_ms: int | None
+    bytes: int
+    at: float
+
+
 class QueueSampler(BackgroundTask):
-    """Reads the manifest every ``interval`` seconds on a daemon thread, for the gauges, from
-    ``start()`` until ``stop()``."""
+    """Looks at the queue every ``interval`` seconds on a daemon thread, for the gauges, from
+    ``start()`` until ``stop()``.
+
+    What it keeps between two looks is what the next needs, not the queue: the manifest's and
+    the index head's ETags, the counts, one index segment (where the oldest waiting entry is),
+    and two numbers (that entry's time, the bytes from it on)."""
 
     def __init__(
         self,
@@ -164,93 +186,92 @@ class QueueSampler(BackgroundTask):
         data_path_prefix: str,
         interval: float = 5.0,
         clock: Clock | None = None,
+        acked: Callable[[], int | None] | None = None,
     ) -> None:
+        """``acked``: the consumer's last ack when sampling (what waits starts past it)."""
         super().__init__("millpond-metrics-queue", self._run)
         self._store = store
         self._manifest_path = manifest_path
         self._prefix = data_path_prefix
         self._interval = interval
         self._clock = clock or SystemClock()
+        self._acked = acked or (lambda: None)
         self._lock = threading.Lock()
-        self._waiting: Waiting | None = None
-        self._sizes: dict[str, int] = {}
-        self._sampled_at: float | None = None
-        self._etag: str | None = None
-        self._head: IndexHead | None = None
-        self._head_etag: str | None = None
-        self._segments: dict[str, tuple[ManifestEntry, ...]] = {}
+        self._sample: _Sample | None = None
+        self._etags: tuple[str | None, str | None] | None = None
+        self._reader = EntryReader(store)
         self._cost = 0.0  # seconds the last full sample took
         self.errors = 0
 
     def sample_once(self) -> None:
-        """One conditional read of the manifest (and, for unknown sizes, one listing of the
-        data prefix).
+        """One look: conditional reads of the manifest and the index head; when either
+        changed or the ack moved, the oldest waiting entry (one segment read, at most) and one
+        listing from its name on for the bytes.
 
         Raises:
             NotFoundError, FormatError, StorageError: the read failed; the last sample stays.
         """
         started = self._clock.monotonic()
-        got = self._store.get_if_changed(self._manifest_path, self._etag)
-        if got is None:  # unchanged since the last sample: a 304, nothing to decode
-            # The backlog index cannot have changed but by drains, which only remove what
-            # gauges() filters out past the ack anyway: a move rewrites the manifest too.
+        acked = self._acked()
+        if self._unchanged(acked):
             with self._lock:
-                self._sampled_at = self._clock.monotonic()
+                assert self._sample is not None
+                self._sample = replace(self._sample, at=self._clock.monotonic())
             return
-        # After the manifest, as every reader of the backlog index does (one more conditional
-        # GET; segments never change, so each is read once).
-        self._read_index()
-        manifest = decode_manifest(got.data, name=self._manifest_path)
-        indexed = [
-            entry
-            for segment in (self._head.segments if self._head is not None else ())
-            for entry in self._segments[segment.path]
-            if self._head is not None and entry.sequence > self._head.dequeued_through
-        ]
-        waiting = waiting_after(queue_view(manifest, self._head, indexed))
-        referenced = {entry.location for entry in waiting.entries}
+        look, entry = look_with_entry(
+            self._store, self._manifest_path, self._prefix, self._reader, acked
+        )
+        nbytes = bytes_from(self._store, self._prefix, entry)
+        now = self._clock.monotonic()
         with self._lock:
-            known = self._sizes
-        if referenced - known.keys():
-            # Batch objects never change once written, so a size, once listed, holds.
-            known = {**known, **list_sizes(self._store, self._prefix)}
-        sizes = {location: known[location] for location in referenced if location in known}
-        with self._lock:
-            self._waiting = waiting
-            self._sizes = sizes
-            self._etag = got.etag
-            self._sampled_at = self._clock.monotonic()
-            self._cost = self._sampled_at - started
+            self._sample = _Sample(
+                first=look.first,
+                next_sequence=look.next_sequence,
+                acked=acked,
+                oldest_ms=entry_time_ms(entry) if entry is not None else None,
+                bytes=nbytes,
+                at=now,
+            )
+            self._etags = (look.manifest_etag, look.head_etag)
+            self._cost = now - started
 
-    def _read_index(self) -> None:
-        """Refresh the backlog index head and its segments."""
-        path = head_path(self._prefix)
+    def _unchanged(self, acked: int | None) -> bool:
+        """Whether the manifest and the index head are as last sampled (a 304 each) and the
+        ack has not moved: nothing to look at again."""
+        sample, etags = self._sample, self._etags
+        if sample is None or etags is None or acked != sample.acked:
+            return False
+        manifest_etag, head_etag = etags
+        if manifest_etag is None:
+            return False
+        if self._store.get_if_changed(self._manifest_path, manifest_etag) is not None:
+            return False
         try:
-            got = self._store.get_if_changed(path, self._head_etag)
+            head = self._store.get_if_changed(head_path(self._prefix), head_etag)
         except NotFoundError:
-            self._head, self._head_etag, self._segments = None, None, {}
-            return
-        if got is None:
-            return
-        head = decode_head(got.data, name=path)
-        segments = {}
-        for segment in head.segments:
-            entries = self._segments.get(segment.path)
-            if entries is None:
-                data = self._store.get(segment.path).data
-                entries = decode_manifest(data, name=segment.path).entries
-            segments[segment.path] = entries
-        self._head, self._head_etag, self._segments = head, got.etag, segments
+            return head_etag is None
+        return head_etag is not None and head is None
 
-    def gauges(self, acked: int | None) -> tuple[Waiting, int, float] | None:
+    def gauges(self, acked: int | None) -> QueueGauges | None:
         """What waits past ``acked``, its bytes, and the sample's age; ``None`` before the
         first sample."""
         with self._lock:
-            if self._waiting is None or self._sampled_at is None:
-                return None
-            waiting = self._waiting.after(acked)
-            age = self._clock.monotonic() - self._sampled_at
-            return waiting, waiting.bytes_from(self._sizes), age
+            sample = self._sample
+        if sample is None:
+            return None
+        start = sample.first if acked is None else max(sample.first, acked + 1)
+        length = max(0, sample.next_sequence - start)
+        sampled_start = (
+            sample.first if sample.acked is None else max(sample.first, sample.acked + 1)
+        )
+        sampled = max(0, sample.next_sequence - sampled_start)
+        nbytes = sample.bytes if length >= sampled else sample.bytes * length // max(1, sampled)
+        return QueueGauges(
+            length=length,
+            bytes=nbytes if length else 0,
+            age_seconds=self._clock.monotonic() - sample.at,
+            oldest_ms=sample.oldest_ms,
+        )
 
     def _run(self) -> None:
         while not self.stopping:
@@ -260,7 +281,7 @@ class QueueSampler(BackgroundTask):
                 # A gauge must never stop the consumer: keep the last sample, count, retry.
                 self.errors += 1
                 logger.warning("reading the queue for its gauges failed: %s", err)
-            # A long manifest is costly to read: never spend more than a tenth of the time on it.
+            # A long queue is costly to look at: never spend more than a tenth of the time on it.
             self.wait(max(self._interval, 9 * self._cost))
 
 
@@ -277,6 +298,7 @@ class ConsumerMetrics:
             data_path_prefix=config.data_path_prefix,
             interval=interval,
             clock=config.clock,
+            acked=lambda: consumer.acked_sequence,
         )
         self._clock = config.clock or SystemClock()
 
@@ -325,12 +347,18 @@ class ConsumerMetrics:
         ]
         gauges = self.sampler.gauges(consumer.acked_sequence)
         if gauges is not None:
-            waiting, nbytes, age = gauges
+            # The consumer knows the oldest entry it has not acked (delivered or read ahead)
+            # at this very moment; the sample, as of its own ack.
+            oldest = consumer.oldest_unacked_ms() if gauges.length else None
+            oldest = oldest if oldest is not None else gauges.oldest_ms
+            lag = 0.0
+            if gauges.length and oldest is not None:
+                lag = max(0.0, (self._clock.now_ms() - oldest) / 1000)
             out += [
-                Sample("millpond_queue_length", waiting.length),
-                Sample("millpond_queue_bytes", nbytes),
-                Sample("millpond_consumer_lag_seconds", waiting.lag_seconds(self._clock.now_ms())),
-                Sample("millpond_queue_sample_age_seconds", age),
+                Sample("millpond_queue_length", gauges.length),
+                Sample("millpond_queue_bytes", gauges.bytes),
+                Sample("millpond_consumer_lag_seconds", lag),
+                Sample("millpond_queue_sample_age_seconds", gauges.age_seconds),
             ]
         return out
 

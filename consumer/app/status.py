@@ -1,8 +1,9 @@
 """``millpond status STORE_URL``: how far behind is the consumer, at a glance.
 
 Queue length, the oldest entry's age (from its ULID), the epoch, and the consumer lag (now
-minus the ingestion time of the oldest entry): one GET of the manifest, whatever the backlog,
-and one of the consumer's backlog index head (with its segments when it holds entries).
+minus the ingestion time of the oldest entry): one GET of the manifest (checked, not decoded),
+one of the consumer's backlog index head, and one of the index segment holding the oldest
+entry when it is there, whatever the backlog: lengths are counted from sequences.
 ``--bytes`` adds the bytes referenced (the sum of the sizes of the batch objects the manifest
 points at) from one listing of the data prefix. Then what the consumer service last reported
 (:mod:`millpond.consumer.app._report`, one GET): its state, rows/s, lag, the last error, and a
@@ -24,15 +25,16 @@ from millpond.consumer.app._report import status_section
 from millpond.consumer.app._sink_progress import ProgressReader, SinkProgress
 from millpond.consumer.app._watch import watch
 from millpond.consumer.sinks.postgres import redact
-from millpond.errors import NotFoundError
+from millpond.errors import NotFoundError, StorageError
+from millpond.formats.manifest import ManifestEntry
 from millpond.queue import (
+    EntryReader,
+    QueueLook,
+    entry_time_ms,
     is_replaced,
-    queue_view,
+    look_at_queue,
     read_epoch_mark,
-    read_indexed,
-    read_manifest,
     referenced_bytes,
-    waiting_after,
 )
 from millpond.storage.store import ObjectStore
 
@@ -84,9 +86,10 @@ def queue_status(
     data_path_prefix: str = "ingest",
     consumed_through: int | None = None,
 ) -> QueueStatus:
-    """Measure a queue: one GET of the manifest, one of the epoch a consumer recorded, one of
-    the backlog index head (with its segments when it holds entries), plus one listing of the
-    data prefix (a request per 1000 objects) with ``measure_bytes``.
+    """Measure a queue: one GET of the manifest (checked, not decoded), one of the epoch a
+    consumer recorded, one of the backlog index head, and one of the index segment holding the
+    oldest entry when it is there; plus, with ``measure_bytes``, every entry's location (one
+    segment at a time) and one listing of the data prefix (a request per 1000 objects).
 
     ``consumed_through`` is the last sequence the sink recorded, when known: entries up to it
     are in the database already (acknowledged, not yet dequeued) and count neither as
@@ -100,41 +103,66 @@ def queue_status(
     # Before the manifest: a takeover between the two reads then cannot look like a
     # replaced manifest.
     recorded = read_epoch_mark(store, data_path_prefix)
-    snapshot = read_manifest(store, manifest_path)
-    # After the manifest: an entry moved meanwhile is in the index by then.
-    head, indexed = read_indexed(store, data_path_prefix)
+    look, oldest, lagging, (total, missing) = _look(
+        store, manifest_path, data_path_prefix, consumed_through, measure_bytes=measure_bytes
+    )
     now_ms = (clock or SystemClock()).now_ms()
-    manifest = queue_view(snapshot.manifest, head, indexed)
-    entries = manifest.entries
-    oldest = entries[0] if entries else None
-    total: int | None = None
-    missing = 0
-    if measure_bytes:
-        total, missing = referenced_bytes(
-            store, (entry.location for entry in entries), data_path_prefix=data_path_prefix
-        )
     age: float | None = None
     if oldest is not None:
         ulid = parse_batch_name(oldest.location.rpartition("/")[2])
         if ulid is not None:
             age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
-    waiting = waiting_after(manifest, consumed_through)
+    lagging_ms = entry_time_ms(lagging) if lagging is not None else None
     return QueueStatus(
         manifest_path=manifest_path,
-        epoch=manifest.epoch,
-        queue_length=len(entries),
-        first_sequence=manifest.first_sequence,
-        next_sequence=manifest.next_sequence,
-        manifest_bytes=snapshot.size,
+        epoch=look.manifest.epoch,
+        queue_length=look.length,
+        first_sequence=look.first if look.length else None,
+        next_sequence=look.next_sequence,
+        manifest_bytes=len(look.manifest.raw),
         bytes_referenced=total,
         missing_objects=missing,
         oldest_location=oldest.location if oldest else None,
         oldest_entry_age_seconds=age,
-        consumer_lag_seconds=waiting.lag_seconds(now_ms),
-        unconsumed_entries=waiting.length,
-        indexed_entries=len(indexed),
+        consumer_lag_seconds=(
+            max(0.0, (now_ms - lagging_ms) / 1000) if lagging_ms is not None else 0.0
+        ),
+        unconsumed_entries=look.past(consumed_through),
+        indexed_entries=look.indexed,
         recorded_epoch=recorded,
     )
+
+
+_LOOKS = 5
+
+
+def _look(
+    store: ObjectStore,
+    manifest_path: str,
+    data_path_prefix: str,
+    consumed_through: int | None,
+    *,
+    measure_bytes: bool,
+) -> tuple[QueueLook, ManifestEntry | None, ManifestEntry | None, tuple[int | None, int]]:
+    """A look at the queue, its oldest entry, the oldest not consumed, and (with
+    ``measure_bytes``) the bytes referenced and the objects missing; looked at again when an
+    index segment was drained meanwhile."""
+    reader = EntryReader(store)
+    for _ in range(_LOOKS):
+        look = look_at_queue(store, manifest_path, data_path_prefix)
+        try:
+            oldest = reader.entry(look, look.first)
+            past = look.first if consumed_through is None else max(look.first, consumed_through + 1)
+            lagging = oldest if past == look.first else reader.entry(look, past)
+            measured: tuple[int | None, int] = (None, 0)
+            if measure_bytes:
+                measured = referenced_bytes(
+                    store, look.locations(store), data_path_prefix=data_path_prefix
+                )
+        except NotFoundError:
+            continue  # an index segment drained meanwhile: look again
+        return look, oldest, lagging, measured
+    raise StorageError(f"{store.url}: index segments kept vanishing while status read them")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -207,7 +207,7 @@ def test_metrics_port_errors_are_usage_errors(tmp_path: Any) -> None:
     assert "--metrics-interval: expected seconds > 0" in interval.stderr
 
 
-def test_the_queue_sampler_reads_an_unchanged_manifest_for_a_304(tmp_path: Any) -> None:
+def test_the_queue_sampler_reads_an_unchanged_queue_for_two_304s(tmp_path: Any) -> None:
     from consumer_support import MANIFEST, RecordingStore
 
     from millpond.consumer.app._metrics import QueueSampler
@@ -215,25 +215,36 @@ def test_the_queue_sampler_reads_an_unchanged_manifest_for_a_304(tmp_path: Any) 
 
     url = (tmp_path / "store").as_uri()
     writer = QueueWriter(open_store(url))
-    for i in range(3):
-        writer.append([b"x" * (100 + i)])
+    locations = [writer.append([b"x" * (100 + i)], ingestion_ms=1_000 + i)[1] for i in range(3)]
+    sizes = [open_store(url).head(location).size for location in locations]
     store = RecordingStore(open_store(url))
-    sampler = QueueSampler(store, manifest_path=MANIFEST, data_path_prefix="ingest")
+    acked: list[int | None] = [None]
+    sampler = QueueSampler(
+        store, manifest_path=MANIFEST, data_path_prefix="ingest", acked=lambda: acked[0]
+    )
     sampler.sample_once()
-    # The manifest, then the backlog index head (none here); sizes unknown: one listing.
-    assert store.calls == {"get_if_changed": 2, "list": 1}
+    # The manifest, then the backlog index head (none here); one listing from the oldest
+    # waiting entry's name on for the bytes.
+    assert store.calls == {"get:ingest/manifest": 1, "get": 1, "list": 1}
     gauges = sampler.gauges(acked=None)
     assert gauges is not None
-    waiting, nbytes, _age = gauges
-    assert waiting.length == 3
-    assert nbytes == sum(open_store(url).head(e.location).size for e in waiting.entries)
-    assert sampler.gauges(acked=1) is not None
-    assert sampler.gauges(acked=1)[0].length == 1  # type: ignore[index]
+    assert (gauges.length, gauges.bytes, gauges.oldest_ms) == (3, sum(sizes), 1_000)
+    after_one = sampler.gauges(acked=1)
+    assert after_one is not None
+    # Counted from sequences; the bytes scaled to what still waits until the next look.
+    assert (after_one.length, after_one.bytes) == (1, sum(sizes) // 3)
     store.calls.clear()
-    sampler.sample_once()  # nothing changed: a 304, no listing
-    assert store.calls == {"get_if_changed": 1}
+    sampler.sample_once()  # nothing changed, the ack neither: two 304s, no listing
+    assert store.calls == {"get_if_changed": 2}
+    acked[0] = 1
+    store.calls.clear()
+    sampler.sample_once()  # the ack moved: a look from past it
+    assert store.calls == {"get:ingest/manifest": 1, "get": 1, "list": 1}
+    gauges = sampler.gauges(acked=1)
+    assert gauges is not None
+    assert (gauges.length, gauges.bytes, gauges.oldest_ms) == (1, sizes[2], 1_002)
     writer.append([b"y"])
     store.calls.clear()
-    sampler.sample_once()  # a new entry whose size is unknown: one listing
-    assert store.calls == {"get_if_changed": 2, "list": 1}
-    assert sampler.gauges(acked=None)[0].length == 4  # type: ignore[index]
+    sampler.sample_once()  # a new entry: a look
+    assert store.calls == {"get_if_changed": 1, "get:ingest/manifest": 1, "get": 1, "list": 1}
+    assert sampler.gauges(acked=1).length == 2  # type: ignore[union-attr]

@@ -84,15 +84,17 @@ def test_deletes_consumed_batches_once_the_grace_period_passed(store: ObjectStor
 
     report = collector.run_once()  # all younger than the grace period
     assert report.deleted == ()
-    assert report.kept[KeepReason.IN_GRACE_PERIOD] == 3
-    assert report.kept[KeepReason.REFERENCED] == 2
+    # Only names below the queue's floor (its oldest entry's time) are listed: the consumed
+    # batches and the one name that is not a batch but sorts there; nothing past it can go.
+    assert report.queue_floor_ms == T0 + 10
+    assert report.kept == {KeepReason.IN_GRACE_PERIOD: 3, KeepReason.NOT_A_BATCH: 1}
 
     clock.advance(61)
     report = collector.run_once()
     assert set(report.deleted) == set(consumed)
     assert report.failures == ()
-    assert report.listed == 5 + 3 + 1  # batches, the names that are not ours, the manifest
-    assert report.kept == {KeepReason.REFERENCED: 2, KeepReason.NOT_A_BATCH: 4}
+    assert report.listed == 3 + 1
+    assert report.kept == {KeepReason.NOT_A_BATCH: 1}
     assert paths(store) == {*queued, *strangers, MANIFEST}
     assert report.to_dict()["deleted"] == 3
 
@@ -104,11 +106,8 @@ def test_objects_newer_than_the_queue_are_kept_however_old(store: ObjectStore) -
     enqueue(store, head)
     report = _collector(store, clock).run_once()
     assert report.deleted == ()
-    assert report.kept == {
-        KeepReason.REFERENCED: 1,
-        KeepReason.NOT_OLDER_THAN_QUEUE: 1,
-        KeepReason.NOT_A_BATCH: 1,  # the manifest
-    }
+    # Nothing sorts below the queue's floor: nothing is even listed.
+    assert (report.listed, report.kept, report.queue_floor_ms) == (0, {}, T0)
     assert in_flight in paths(store)
 
 
