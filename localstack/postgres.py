@@ -75,7 +75,8 @@ class PostgresServer(ChildProcess):
     """A PostgreSQL postmaster on 127.0.0.1 in its own temp dir, run as a child process group.
 
     Each :meth:`start` creates a fresh cluster in a fresh temp dir (data, unix socket,
-    ``postgres.log``) on fresh ports; :meth:`stop` shuts it down and deletes the directory.
+    ``postgres.log``) on fresh ports; :meth:`stop` shuts it down and deletes the directory
+    (``keep=True`` leaves it, to look at afterwards).
 
     Use :func:`start_postgres` rather than constructing one directly.
     """
@@ -91,6 +92,7 @@ class PostgresServer(ChildProcess):
         database: str = "millpond",
         bin_dir: Path | None = None,
         fsync: bool = True,
+        keep: bool = False,
     ) -> None:
         """Prepare a cluster; nothing runs until :meth:`start`.
 
@@ -99,12 +101,14 @@ class PostgresServer(ChildProcess):
             bin_dir: directory of the server binaries; found with
                 :func:`find_postgres_bin_dir` when ``None``.
             fsync: the server's ``fsync`` setting; keep it on unless a benchmark says otherwise.
+            keep: leave the cluster's directory when the server stops.
         """
         found = bin_dir if bin_dir is not None else find_postgres_bin_dir()
         super().__init__(binary=found / "postgres")
         self._bin_dir = found
         self._database = database
         self._fsync = fsync
+        self._keep = keep
         self._root: Path | None = None
         self._env: dict[str, str] = {}
         self._run_as: dict[str, Any] = {}
@@ -165,7 +169,7 @@ class PostgresServer(ChildProcess):
             raise
 
     def stop(self, *, timeout: float = _FAST_SHUTDOWN_SECONDS) -> None:
-        """Fast shutdown, then delete the cluster's temp dir.
+        """Fast shutdown, then delete the cluster's temp dir (unless the server keeps it).
 
         Sends SIGINT to the postmaster, which is exactly what ``pg_ctl stop -m fast`` does
         (``pg_ctl`` itself refuses to run as root), and SIGKILLs the process group if it is
@@ -176,7 +180,7 @@ class PostgresServer(ChildProcess):
         """
         self._terminate(timeout=timeout)
         root, self._root = self._root, None
-        if root is not None:
+        if root is not None and not self._keep:
             shutil.rmtree(root, ignore_errors=True)
         forget_at_exit(self)
 
@@ -277,6 +281,7 @@ def start_postgres(
     *,
     fsync: bool = True,
     timeout: float = 60.0,
+    keep: bool = False,
 ) -> PostgresServer:
     """Start a throwaway PostgreSQL on 127.0.0.1 with ``database`` created.
 
@@ -284,6 +289,7 @@ def start_postgres(
         database: database to create.
         fsync: the server's ``fsync`` setting (on by default).
         timeout: seconds to wait for it to accept connections.
+        keep: leave the cluster's directory (``root``) when the server stops.
 
     Returns:
         The running server; end it with :meth:`PostgresServer.stop` or a ``with`` block.
@@ -291,7 +297,7 @@ def start_postgres(
     Raises:
         LocalServiceError: no binaries, or it did not start.
     """
-    server = PostgresServer(database=database, fsync=fsync)
+    server = PostgresServer(database=database, fsync=fsync, keep=keep)
     server.start(timeout=timeout)
     return server
 

@@ -98,7 +98,7 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
         (["doctor", "URL", "--max-clock-skew", "nan"], "argument --max-clock-skew: expected a"),
         (["consume", "URL", "--sink", "mysql://db/x"], "sink: "),
         (["doctor", "URL", "--max-clock-skew", "much"], "argument --max-clock-skew"),
-        (["frobnicate"], "argument COMMAND: invalid choice: 'frobnicate'"),
+        (["frobnicate"], "unknown command 'frobnicate' (see millpond --help)"),
     ],
 )
 def test_every_bad_value_is_a_one_line_usage_error(
@@ -109,6 +109,41 @@ def test_every_bad_value_is_a_one_line_usage_error(
     assert line.startswith("millpond")
     assert "error: " in line
     assert expected in line
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # Was "millpond: error: unrecognized arguments: --tabel orders (see millpond --help)",
+        # and millpond --help lists no subcommand's options.
+        (
+            ["consume", "URL", "--sink", "sqlite:///x.db", "--tabel", "orders"],
+            "millpond consume: error: unrecognized argument --tabel: did you mean --table? "
+            "(see millpond consume --help)",
+        ),
+        # Was "the following arguments are required: --sink": the typo is the cause.
+        (
+            ["consume", "URL", "--snk=sqlite:///x.db"],
+            "millpond consume: error: unrecognized argument --snk: did you mean --sink? "
+            "(see millpond consume --help)",
+        ),
+        (
+            ["consum", "URL"],
+            "millpond: error: unknown command 'consum': did you mean consume? "
+            "(see millpond --help)",
+        ),
+        (
+            ["status", "URL", "-z", "more"],
+            "millpond status: error: unrecognized arguments: -z more (see millpond status --help)",
+        ),
+    ],
+)
+def test_a_misspelt_option_names_the_closest_and_the_commands_help(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    url = (tmp_path / "q").as_uri()
+    assert _one_line(_run(*[url if a == "URL" else a for a in args]), 2) == expected
     assert not (tmp_path / "q").exists()
 
 

@@ -11,6 +11,7 @@ value, one line on stderr), 3 fenced.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
@@ -46,6 +47,10 @@ _COMMANDS = {
         "millpond.coordinator.command",
         "append many producers' batches in one compare-and-swap per round (optional service)",
     ),
+    "local": (
+        "millpond.localstack.local",
+        "start S3 (SeaweedFS) and PostgreSQL on 127.0.0.1 to try millpond on this machine",
+    ),
 }
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -69,6 +74,7 @@ examples:
   millpond gc gs://my-bucket/queue --interval 300 --metrics-port 9465
   millpond quarantine s3://my-bucket/queue --sequence 42 --reason 'bad dates' --sink ...
   millpond coordinator s3://my-bucket/queue --port 7411
+  millpond local    # a local S3 and PostgreSQL, and the variables that point at them
 
 exit codes: 0 success, 1 an error (one line on stderr), 2 bad usage, 3 fenced by a newer
 consumer. `millpond COMMAND --help` describes each command."""
@@ -78,6 +84,12 @@ class _Parser(argparse.ArgumentParser):
     """Bad usage is one line on stderr and exit code 2, never the usage block or a trace."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("argument COMMAND: invalid choice: "):
+            typed = message.split("'")[1] if message.count("'") >= 2 else ""
+            close = difflib.get_close_matches(typed, list(_COMMANDS), n=1)
+            message = f"unknown command {typed!r}" + (
+                f": did you mean {close[0]}?" if close else ""
+            )
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -123,14 +135,88 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The whole parser of one subcommand (its module imported), as ``millpond NAME`` reads
+    its arguments; for ``--help`` texts and the generated reference.
+
+    Raises:
+        KeyError: no such command.
+    """
+    parser = build_parser([name])
+    return _subcommands(parser)[name]
+
+
+def command_summaries() -> dict[str, str]:
+    """Each subcommand's name and one-line summary, in ``millpond --help``'s order."""
+    return {name: summary for name, (_, summary) in _COMMANDS.items()}
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> str:
+    """The usage error for options the chosen subcommand does not take: the closest option
+    it does take, and its own ``--help`` (not ``millpond --help``, which lists no options).
+
+    ``extras`` are what argparse left over; long options are found in ``argv`` first, so a
+    misspelt ``--sink`` is named before the missing ``--sink`` would be."""
+    chosen = next((arg for arg in argv if arg in _COMMANDS), "")
+    prog = f"millpond {chosen}".rstrip()
+    sub = _subcommands(parser).get(chosen, parser)
+    known = [option for action in sub._actions for option in action.option_strings]
+    for token in extras:
+        name = token.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6) if name[:1] == "-" else []
+        if close:
+            return (
+                f"{prog}: error: unrecognized argument {name}: did you mean {close[0]}? "
+                f"(see {prog} --help)"
+            )
+    return f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)"
+
+
+def _unknown_options(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The ``--long`` options after the subcommand that it does not take (nor abbreviates)."""
+    chosen = next((i for i, arg in enumerate(argv) if arg in _COMMANDS), None)
+    if chosen is None:
+        return []
+    sub = _subcommands(parser)[argv[chosen]]
+    known = [option for action in sub._actions for option in action.option_strings]
+    unknown: list[str] = []
+    for token in argv[chosen + 1 :]:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if name.startswith("--") and not any(option.startswith(name) for option in known):
+            unknown.append(name)
+    return unknown
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """The arguments, or the exit code of ``--help``, ``--version`` or bad usage (printed)."""
+    unknown = _unknown_options(parser, argv)
+    if unknown:
+        print(_unrecognized(parser, argv, unknown), file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        args, extras = parser.parse_known_args(argv)
+    except SystemExit as done:  # --help, --version, or bad usage (already printed)
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
+    if extras:
+        print(_unrecognized(parser, argv, extras), file=sys.stderr)
+        return EXIT_USAGE
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(args_list)
-    try:
-        args = parser.parse_args(args_list)
-    except SystemExit as done:  # --help, --version, or bad usage (already printed)
-        return done.code if isinstance(done.code, int) else EXIT_USAGE
+    args = _parse(parser, args_list)
+    if isinstance(args, int):
+        return args
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
