@@ -9,6 +9,9 @@ cases). Each takes plain data a test collected and raises ``AssertionError`` wit
 * :func:`assert_in_sink_or_set_aside` — with poison batches set aside: every staged record is
   in the sink once or in exactly one quarantined batch, never both.
 * :func:`assert_order_per_source` — each producer's records appear in the order it produced them.
+* :func:`assert_last_write_wins` — an upserted table holds, per key, what the key's last write
+  left (its value, or nothing after a delete), never an earlier write's: nothing written twice
+  out of order, nothing staged lost.
 * :func:`assert_recorded_in_queue_order` — the sink recorded every sequence of the queue once
   (written, skipped or set aside), in queue order: nothing behind a batch the consumer stopped
   on was written before that batch was set aside, and nothing was passed over unrecorded.
@@ -26,6 +29,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "ConsumerEvent",
@@ -33,6 +37,7 @@ __all__ = [
     "assert_exactly_once",
     "assert_fenced_delivered_nothing",
     "assert_in_sink_or_set_aside",
+    "assert_last_write_wins",
     "assert_never_back",
     "assert_no_live_batch_deleted",
     "assert_order_per_source",
@@ -113,6 +118,44 @@ def assert_order_per_source(
             "producer must keep their order)"
         )
         last[source] = number
+
+
+def assert_last_write_wins(
+    state: Mapping[Any, str],
+    writes: Sequence[tuple[Any, str | None, bool]],
+    *,
+    table: str = "the table",
+) -> None:
+    """What an upserted table holds is, per key, the effect of its last write that reached it.
+
+    Each key is written by one writer, in order; a write is ``(key, value, staged)``, value
+    ``None`` for a delete, ``staged`` when its ``wait_staged()`` returned (it must arrive; one
+    that did not may arrive or not). So the key's row must be what a write at or after its last
+    staged write left — an earlier one would be a write applied after a newer one (a group
+    written twice, out of order) or a staged write lost — and, with no staged write, may be
+    absent. A key nobody wrote must not be there.
+
+    Args:
+        state: the table's rows, key -> value.
+        writes: every write, in each key's order.
+        table: for messages.
+    """
+    history: dict[Any, list[tuple[str | None, bool]]] = {}
+    for key, value, staged in writes:
+        history.setdefault(key, []).append((value, staged))
+    strangers = sorted(map(str, set(state) - set(history)))
+    assert not strangers, f"{table} holds keys nobody wrote: {strangers[:5]}"
+    for key, made in history.items():
+        staged_at = [i for i, (_, staged) in enumerate(made) if staged]
+        first = staged_at[-1] if staged_at else 0
+        allowed = {value for value, _ in made[first:]}
+        if not staged_at:
+            allowed.add(None)
+        found = state.get(key)
+        assert found in allowed, (
+            f"{table}, key {key}: holds {found!r}, but its writes from its last staged one on "
+            f"left one of {sorted(map(repr, allowed))} (every write, staged or not: {made})"
+        )
 
 
 def assert_recorded_in_queue_order(recorded: Sequence[Sequence[int]], next_sequence: int) -> None:

@@ -27,12 +27,13 @@ from pathlib import Path
 
 from millpond.consumer import ConsumerConfig
 from millpond.consumer.app.quarantine import quarantine, replay
-from millpond.consumer.sinks import AdbcSink, SinkError, open_sink
+from millpond.consumer.sinks import AdbcSink, SinkError
 from millpond.errors import FormatError, MillpondError, NotFoundError, StorageError
 from millpond.formats.batch import decode_batch
+from millpond.formats.routing import split_table
 from millpond.queue import read_manifest
 from millpond.queue.claim import queue_identity
-from tests.system.roles import RETRY, QueueSpec, sink_rows
+from tests.system.roles import RETRY, QueueSpec, open_world_sink, sink_rows
 from tests.system.sim import Recorder, RoleStore
 
 __all__ = ["GARBAGE", "Poisoner"]
@@ -45,8 +46,18 @@ class Poisoner:
     """Poisons batches of one queue and plays the operator who sets them aside."""
 
     def __init__(
-        self, recorder: Recorder, queue: QueueSpec, sink_path: Path, down: Callable[[], bool]
+        self,
+        recorder: Recorder,
+        queue: QueueSpec,
+        sink_path: Path,
+        down: Callable[[], bool],
+        *,
+        tables: bool = False,
     ) -> None:
+        self._tables = tables
+        """The queue feeds upserted tables too (``ConsumerRole.tables``); only batches of its
+        own table are poisoned: a batch of upserts set aside and replayed after newer writes
+        of its keys would win over them, as its replay is a write made then."""
         self._recorder = recorder
         self._queue = queue
         self._sink_path = sink_path
@@ -79,7 +90,10 @@ class Poisoner:
             entries = read_manifest(self._recorder, self._queue.manifest_path).manifest.entries
             if not entries:
                 return
-            location = entries[index % len(entries)].location
+            entry = entries[index % len(entries)]
+            if any(split_table(item.payload)[0] is not None for item in entry.metadata):
+                return  # a batch of upserts (see __init__)
+            location = entry.location
             data = self._recorder.get(location).data
         except NotFoundError:
             return
@@ -196,9 +210,6 @@ class Poisoner:
         )
 
     def _sink(self) -> AdbcSink:
-        return open_sink(
-            f"sqlite://{self._sink_path}",
-            table=self._queue.table,
-            progress_table=self._queue.progress_table,
-            entry_format="opaque",
+        return open_world_sink(
+            self._sink_path, self._queue.table, self._queue.progress_table, tables=self._tables
         )

@@ -13,17 +13,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import random
 import sqlite3
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
+
+import pyarrow as pa
 
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import UlidMinter, batch_location
 from millpond.consumer import ConsumedBatch, Consumer, ConsumerConfig
 from millpond.consumer.app.service import ConsumerService
-from millpond.consumer.sinks import SinkError, open_sink
+from millpond.consumer.sinks import AdbcSink, SinkError, SinkTables, TableSettings, open_sink
 from millpond.consumer.takeover import take_over
 from millpond.coordinator.hosted import HostCoordinatedAppender
 from millpond.coordinator.rounds import AppendCoordinator
@@ -40,7 +44,20 @@ from tests.system.primitives import SimEvent
 from tests.system.runtime import current_runtime
 from tests.system.sim import Fault, Recorder, RoleStore, SimClock, SimulatedCrash, SkewedClock
 
-__all__ = ["ConsumerRole", "CoordinatorRole", "GcRole", "ProducerRole", "QueueSpec", "StreamRole"]
+__all__ = [
+    "PAIRS_TABLE",
+    "STATE_TABLE",
+    "ConsumerRole",
+    "CoordinatorRole",
+    "GcRole",
+    "ProducerRole",
+    "QueueSpec",
+    "StreamRole",
+    "Upsert",
+    "open_world_sink",
+    "sink_state",
+    "sink_written",
+]
 
 # Short rounds: a role whose store is down gives up a round quickly (in simulated time).
 RETRY = RetryPolicy(max_attempts=6, max_elapsed=2.0, base_delay=0.01, max_delay=0.2)
@@ -55,6 +72,41 @@ _ROUND = 0.02
 _ROUND_WRITE = 0.015
 TOKEN = "checker-token"
 """The coordinator's token (``MILLPOND_COORDINATOR_TOKEN`` of every role)."""
+
+
+STATE_TABLE = "state_a"
+"""Upserted by ``k``, rows with ``gone`` true deleting their key (the tables schedules)."""
+PAIRS_TABLE = "pairs_a"
+"""Upserted by ``(g, k)`` (the tables schedules)."""
+TABLES = SinkTables(
+    {
+        STATE_TABLE: TableSettings("upsert", ("k",), "gone"),
+        PAIRS_TABLE: TableSettings("upsert", ("g", "k")),
+    }
+)
+"""What queue A's consumers may write besides their own table, in the tables schedules."""
+
+
+def open_world_sink(path: Path, table: str, progress_table: str, *, tables: bool) -> AdbcSink:
+    """A consumer's sink: opaque rows into ``table``; with ``tables``, batches naming
+    :data:`TABLES` go there too, their Arrow rows upserted (issue 46)."""
+    if not tables:
+        return open_sink(
+            f"sqlite://{path}", table=table, progress_table=progress_table, entry_format="opaque"
+        )
+    return open_sink(f"sqlite://{path}", table=table, progress_table=progress_table, tables=TABLES)
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert:
+    """One write a producer made to a key of an upserted table (the last of its call)."""
+
+    table: str
+    key: tuple[Any, ...]
+    value: str | None
+    """The row's ``v``; ``None``: a delete."""
+    staged: bool
+    """Whether its ``wait_staged()`` returned (it must reach the sink)."""
 
 
 class QueueSpec:
@@ -84,8 +136,14 @@ class ProducerRole:
         retry: RetryPolicy = RETRY,
         late_conflict: float = 0.0,
         host_coordinator: bool = False,
+        upserts: str | None = None,
     ) -> None:
         self.source = f"{queue.name}p{index}"
+        self._upserting = random.Random(upserts) if upserts is not None else None
+        """In the tables schedules (seeded by ``upserts``): about half its produce() calls
+        upsert or delete keys of its own in :data:`STATE_TABLE` or :data:`PAIRS_TABLE`."""
+        self.upserts: list[Upsert] = []
+        """Every such write, in the order it made them."""
         self.host_coordinator = host_coordinator
         """Whether it shares a coordinator with the queue's other producers, hosted by one of
         them (``ProducerConfig.host_coordinator``)."""
@@ -148,6 +206,10 @@ class ProducerRole:
         if producer is None:
             return
         for _ in range(count):
+            if self._upserting is not None and self._upserting.random() < 0.5:
+                if not self._upsert(producer):
+                    return
+                continue
             record = f"{self.source}-{self.next_number}".encode()
             self.next_number += 1
             self.produced.append(record)
@@ -167,6 +229,43 @@ class ProducerRole:
             except MillpondError:
                 return  # the process died under it: never staged
             self.staged.append(record)
+
+    def _upsert(self, producer: Producer) -> bool:
+        """One ``produce_arrow(..., table=)`` of 1-3 rows over a few keys of its own (some
+        repeated, some deleted in :data:`STATE_TABLE`); ``False`` when the process died."""
+        rng = self._upserting
+        assert rng is not None
+        number = self.next_number
+        self.next_number += 1
+        table = rng.choice([STATE_TABLE, PAIRS_TABLE])
+        rows: list[dict[str, Any]] = []
+        for i in range(rng.randint(1, 3)):
+            value = f"{self.source}-{number}.{i}"
+            if table == STATE_TABLE:
+                key = f"{self.source}:{rng.randrange(4)}"
+                rows.append({"k": key, "v": value, "gone": rng.random() < 0.25})
+            else:
+                rows.append({"g": self.source, "k": rng.randrange(3), "v": value})
+        writes: dict[tuple[Any, ...], str | None] = {}  # the call's last row per key
+        for row in rows:
+            key_of = (row["k"],) if table == STATE_TABLE else (row["g"], row["k"])
+            writes.pop(key_of, None)
+            writes[key_of] = None if row.get("gone") else row["v"]
+        # Made before it is handed over, as produce() notes a record: the process may die
+        # inside the call (SimulatedCrash) after staging it.
+        made = len(self.upserts)
+        self.upserts += [Upsert(table, k, v, staged=False) for k, v in writes.items()]
+        try:
+            handle = producer.produce_arrow(pa.Table.from_pylist(rows), table=table, timeout=10)
+            handle.wait_staged(timeout=30)
+        except TimeoutError:
+            raise AssertionError(
+                f"{self.source}: upsert {number} neither staged nor failed"
+            ) from None
+        except MillpondError:
+            return False  # the process died under it: never staged
+        self.upserts[made:] = [Upsert(table, k, v, staged=True) for k, v in writes.items()]
+        return True
 
     def flush(self, *, until_done: bool = False) -> bool:
         """Publish what is staged, moving the clock on while the producer waits for it (a
@@ -341,6 +440,8 @@ class ConsumerRole:
         self._sink_path = sink_path
         self._table = table or queue.table
         self._progress_table = progress_table or queue.progress_table
+        self.tables = False
+        """Whether its sink writes :data:`TABLES` too (queue A, the tables schedules)."""
         self.consumer: _RecordingConsumer | None = None
         self.sink: Any = None
         self.fenced = False
@@ -376,11 +477,8 @@ class ConsumerRole:
                 coordinator=self.coordinator,
             ),
         )
-        self.sink = open_sink(
-            f"sqlite://{self._sink_path}",
-            table=self._table,
-            progress_table=self._progress_table,
-            entry_format="opaque",
+        self.sink = open_world_sink(
+            self._sink_path, self._table, self._progress_table, tables=self.tables
         )
 
     def record(self, kind: str, sequence: int | None = None) -> None:
@@ -605,6 +703,32 @@ class StreamRole:
             return False
         self.pending = None
         return True
+
+
+def sink_state(
+    path: Path, table: str, key: tuple[str, ...]
+) -> dict[tuple[Any, ...], tuple[str, int]]:
+    """An upserted table's rows: key -> (``v``, the sequence of the batch that wrote it)."""
+    names = ", ".join(f'"{column}"' for column in key)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(f'SELECT {names}, v, _millpond_sequence FROM "{table}"')
+        except sqlite3.OperationalError:  # no table: nothing was ever written
+            return {}
+        return {tuple(row[:-2]): (str(row[-2]), int(row[-1])) for row in rows.fetchall()}
+
+
+def sink_written(path: Path, progress_table: str, table: str) -> set[int]:
+    """The sequences the sink's progress records as written (not skipped as duplicates)."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        try:
+            rows = conn.execute(
+                f'SELECT sequence FROM "{progress_table}" WHERE target_table = ? AND NOT duplicate',
+                (table,),
+            ).fetchall()
+        except sqlite3.OperationalError:  # no table: nothing was ever recorded
+            return set()
+    return {int(row[0]) for row in rows}
 
 
 def sink_rows(path: Path, table: str) -> list[bytes]:

@@ -28,6 +28,13 @@ the interleaving of every thread, and each CI seed runs twice: the two runs' sto
   A's producers share one that the first of them to append hosts
   (``ProducerConfig.host_coordinator``); a producer's crash kills the coordinator it hosts
   (its lock released, its URL left behind), and the other producer hosts the next one.
+* About a third of the seeds (their own draw, ``upserts_into_tables``; 31 of CI's 100) have
+  queue A feed three tables (issue 46): about half its producers' calls upsert or delete keys
+  of their own in ``state_a`` (by ``k``, ``gone`` deleting) and ``pairs_a`` (by ``(g, k)``),
+  naming the table in their metadata (``produce_arrow(table=)``); the rest, the stream and the
+  poison stay in its own table. Besides every check above, each key of those tables must hold
+  what its last write from its last staged one on left (``assert_last_write_wins``), and every
+  row there was written by a batch the progress records as written.
 * ``make soak`` runs many more (``MILLPOND_CHECKER_SCHEDULES=1000``, seeds from
   ``MILLPOND_CHECKER_FIRST_SEED``).
 * ``MILLPOND_CHECKER_SEED=<seed>`` replays one schedule and prints its events.

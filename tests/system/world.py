@@ -29,6 +29,10 @@ included (``takeover_at``); the manifest answers 404 or garbage to the service f
 (``consume_with_fault`` with ``manifest``); a producer restarts on a WAL whose batches were
 uploaded and bound but not appended, later than ``reupload_after`` (``stale_restart``). At the
 store, no conditional write of a consumer lands after a newer consumer's takeover returned.
+
+Many tables (issue 46): in the schedules ``upserts_into_tables`` picks, queue A's producers
+also upsert and delete keys of two more tables, named in their metadata, and its consumers
+write all three with one progress; the last write per key must win.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from tests.invariants import (
     assert_exactly_once,
     assert_fenced_delivered_nothing,
     assert_in_sink_or_set_aside,
+    assert_last_write_wins,
     assert_never_back,
     assert_no_live_batch_deleted,
     assert_order_per_source,
@@ -58,7 +63,9 @@ from tests.invariants import (
 from tests.system.poison import Poisoner
 from tests.system.roles import (
     AGING_RETRY,
+    PAIRS_TABLE,
     RETRY,
+    STATE_TABLE,
     ConsumerRole,
     CoordinatorRole,
     GcRole,
@@ -67,6 +74,8 @@ from tests.system.roles import (
     StreamRole,
     sink_progress,
     sink_rows,
+    sink_state,
+    sink_written,
 )
 from tests.system.runtime import Lanes, current_runtime
 from tests.system.sim import Fault, Recorder, SimClock, SimulatedCrash
@@ -109,6 +118,15 @@ def paces_fairly(seed: int) -> bool:
     """Whether queue A's producers pace contended appends with the ``aging`` strategy (half
     the schedules; a draw of its own, so the events of a seed stay what they were)."""
     return random.Random(seed ^ 0xFA1E).random() < 0.5
+
+
+def upserts_into_tables(seed: int) -> bool:
+    """Whether queue A feeds three tables in this schedule (issue 46; about a third of the
+    seeds, a draw of its own, so the events of a seed stay what they were): about half its
+    producers' calls upsert or delete keys of :data:`STATE_TABLE` and ``pairs_a`` (named in
+    their metadata, ``produce_arrow(table=)``), the rest and the stream still append to its
+    own table, and one consumer writes all three, one progress for the queue."""
+    return random.Random(seed ^ 0x7AB1E5).random() < 0.35
 
 
 def schedule(seed: int, length: int = 28) -> list[Event]:
@@ -317,6 +335,7 @@ class World:
                 # is then gone past on what that read shows (Peek.outrun).
                 late_conflict=_LATE_CONFLICT if paces_fairly(seed) else 0.0,
                 host_coordinator=hosts_coordinator(seed),
+                upserts=f"{seed}-a{i}" if upserts_into_tables(seed) else None,
             )
             for i in range(2)
         ]
@@ -333,7 +352,10 @@ class World:
             for producer in self.producers:
                 producer.coordinator = self.coordinator.url
             self.stream.coordinator = self.coordinator.url
-        self.poison = Poisoner(self.recorder, self.queue_a, self.sink, self._outage)
+        self.tables = upserts_into_tables(seed)
+        self.poison = Poisoner(
+            self.recorder, self.queue_a, self.sink, self._outage, tables=self.tables
+        )
         for producer in [*self.producers, self.producer_b]:
             producer.start()
         # Queue A's consumer has run before (its table is A's): the misconfigured consumer of
@@ -383,6 +405,9 @@ class World:
         )
         if queue is self.queue_a and self.coordinator is not None:
             role.coordinator = self.coordinator.url  # its dequeues too, with their fallback
+        # Queue A's own table is the queue's progress key whatever table it writes; an
+        # operator's consumer of queue B on A's table is refused either way.
+        role.tables = self.tables and queue is self.queue_a
         if queue is self.queue_a:
             self.consumers_a.append(role)
         self._roles.setdefault(queue.name, []).append(role)
@@ -783,6 +808,19 @@ class World:
         assert_exactly_once(rows_b, self.producer_b.staged, produced=self.producer_b.produced)
         assert_order_per_source(rows_a, _source_and_number)
         assert_order_per_source(rows_b, _source_and_number)
+        upserts = [write for producer in self.producers for write in producer.upserts]
+        written = sink_written(self.sink, self.queue_a.progress_table, self.queue_a.table)
+        for table, key in ((STATE_TABLE, ("k",)), (PAIRS_TABLE, ("g", "k"))):
+            state = sink_state(self.sink, table, key)
+            assert_last_write_wins(
+                {k: value for k, (value, _) in state.items()},
+                [(w.key, w.value, w.staged) for w in upserts if w.table == table],
+                table=table,
+            )
+            # Only a batch recorded as written wrote rows: a skipped one (its location
+            # recorded under an earlier sequence) wrote none, so no row carries its sequence.
+            strays = sorted(s for _, s in state.values() if s not in written)
+            assert not strays, f"{table}: rows written by batches not recorded: {strays[:5]}"
         for queue in (self.queue_a, self.queue_b):
             assert_recorded_in_queue_order(
                 sink_progress(self.sink, queue.progress_table, queue.table),
