@@ -320,6 +320,10 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         """``table`` as the database resolves it: one spelling per table (see
         :mod:`millpond.consumer.sinks._names`)."""
 
+    def _name_problem(self, table: TableName) -> str | None:
+        """Why the database would not keep ``table`` as named, or ``None``."""
+        return None
+
     @abstractmethod
     def _exists(self, cur: Any, table: TableName) -> bool:
         """Whether ``table`` exists."""
@@ -502,9 +506,13 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         if target is not None:
             return target
         try:
-            table = self._resolve(cur, TableName.parse("table", spelled))
+            parsed = TableName.parse("table", spelled)
         except ConfigError as err:
             raise SinkError(f"the batch names table {spelled!r}: {err}", transient=False) from err
+        problem = self._name_problem(parsed)
+        if problem is not None:
+            raise SinkError(f"the batch names table {spelled}: {problem}", transient=False)
+        table = self._resolve(cur, parsed)
         found = self._target(cur, table)
         if found is None:
             assert self._router is not None

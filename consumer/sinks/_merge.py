@@ -2,9 +2,10 @@
 Arrow and SQL text out.
 
 A group of batches is merged in one transaction. Within it the rows of one table are taken in
-queue order and cut into runs of batches that carry the same columns (:func:`runs`); each run is
-merged on its own, in order, so a batch that lacks a column leaves that column alone whatever
-batches the consumer happened to group it with. In a run:
+queue order, one table per write (a metadata item: one ``produce()`` call, one Spark batch
+object), and cut into runs of writes that carry the same columns (:func:`runs`); each run is
+merged on its own, in order, so a write that lacks a column leaves that column alone whatever
+writes share its batch object or its group. In a run:
 
 * every key some row deletes (its delete marker true) is deleted, first;
 * then the last row of each key, unless that row deletes it, is inserted or, when the key is

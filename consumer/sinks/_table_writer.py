@@ -3,7 +3,7 @@ the rows or merge them by key (a mixin of :class:`~millpond.consumer.sinks.AdbcS
 
 Append: the rows go in with ``adbc_ingest`` (binary COPY on PostgreSQL).
 
-Upsert (:mod:`millpond.consumer.sinks._merge`): per run of batches with the same columns, the
+Upsert (:mod:`millpond.consumer.sinks._merge`): per run of writes with the same columns, the
 keys some row deletes are copied into a temporary table and deleted with one statement
 (``DELETE ... USING`` on PostgreSQL), then the last row of each key is copied into another
 temporary table and merged with one ``INSERT ... SELECT ... ON CONFLICT (key) DO UPDATE``. The

@@ -160,6 +160,15 @@ class PostgresSink(AdbcSink):
     def _resolve(self, cur: Any, table: TableName) -> TableName:
         return resolve_postgres_table(lambda sql, params: self._fetch(cur, sql, params), table)
 
+    def _name_problem(self, table: TableName) -> str | None:
+        for part in (table.schema, table.name):
+            if part and postgres_identifier(part) != part:
+                return (
+                    f"{part!r} is {len(part.encode())} bytes, and PostgreSQL keeps the first "
+                    "63 bytes of a name"
+                )
+        return None
+
     def _exists(self, cur: Any, table: TableName) -> bool:
         found = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (table.sql,))
         return bool(found and found[0][0])

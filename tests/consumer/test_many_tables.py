@@ -176,6 +176,9 @@ def test_patterns_allow_what_they_match_and_never_the_sinks_own_records(
         for sequence, kept in enumerate([database.progress, "millpond_owners"], start=1):
             with pytest.raises(SinkError, match="may not write"):
                 sink.write(_routed(sequence, [(kept, one)]))
+        if database.kind == "postgres":  # not cut short onto another table's name
+            with pytest.raises(SinkError, match="63 bytes"):
+                sink.write(_routed(3, [(f"audit_{suffix}_" + "x" * 60, one)]))
     assert _rows(database, f"audit_{suffix}_1", "a") == [(1,)]
 
 
