@@ -11,9 +11,16 @@
 * :func:`external_s3_from_env` — an S3 endpoint named by ``MILLPOND_TEST_S3_*`` variables.
 
 ``docker-compose.yml`` next to this file runs MinIO and PostgreSQL for machines with Docker.
+
+The latency proxy's names are imported on first use: ``python -m
+millpond.localstack.latency_proxy`` runs that module as ``__main__``, and a package that had
+imported it already would make Python warn that it was found in ``sys.modules``.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from millpond.localstack._process import LocalServiceError, listening_addresses
 from millpond.localstack.azurite import (
@@ -23,11 +30,13 @@ from millpond.localstack.azurite import (
     start_azurite,
 )
 from millpond.localstack.fake_gcs import FakeGcs, GcsEndpoint, find_fake_gcs_binary, start_fake_gcs
-from millpond.localstack.latency_proxy import LatencyProxy, ProxyStats, start_latency_proxy
 from millpond.localstack.moto_server import MotoS3Server, start_moto
 from millpond.localstack.postgres import PostgresServer, find_postgres_bin_dir, start_postgres
 from millpond.localstack.s3 import S3Endpoint, external_s3_from_env
 from millpond.localstack.seaweedfs import SeaweedFS, find_weed_binary, start_seaweedfs
+
+if TYPE_CHECKING:
+    from millpond.localstack.latency_proxy import LatencyProxy, ProxyStats, start_latency_proxy
 
 __all__ = [
     "AzureEndpoint",
@@ -54,3 +63,17 @@ __all__ = [
     "start_postgres",
     "start_seaweedfs",
 ]
+
+
+_LAZY = {
+    "LatencyProxy": "millpond.localstack.latency_proxy",
+    "ProxyStats": "millpond.localstack.latency_proxy",
+    "start_latency_proxy": "millpond.localstack.latency_proxy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -313,6 +313,8 @@ def run(args: argparse.Namespace, progress: Progress) -> DemoReport:
             run_id=run_id,
         )
         progress.done(f"millpond demo: {args.rows:,} rows -> {target.description} -> {report.sink}")
+        if not args.keep and not args.sink:
+            progress.done(f"  that database is in {work}, deleted at the end (--keep keeps it)")
         _spark_phase(args, target, run_id, report, progress, work)
         _consume_phase(args, target, sink_url, report, progress)
         _gc_phase(args, target, report, progress)
@@ -349,6 +351,8 @@ def _work_dir(args: argparse.Namespace, progress: Progress, stack: contextlib.Ex
         if sys.exc_info()[0] is not None:
             _show_spark_log(work / "spark.log", progress)
         shutil.rmtree(work, ignore_errors=True)
+        what = "Spark's log" if args.sink else "the database, Spark's log"
+        progress.done(f"deleted {work} ({what}); run with --keep to keep it")
 
     stack.callback(remove)
     return work

@@ -346,3 +346,19 @@ def test_command_line_prints_where_to_point_clients(seaweedfs_s3: S3Endpoint) ->
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_running_it_as_a_module_warns_nothing() -> None:
+    """``python -m millpond.localstack.latency_proxy`` began with ``RuntimeWarning:
+    'millpond.localstack.latency_proxy' found in sys.modules after import of package
+    'millpond.localstack' …``: the package imported the module before ``-m`` ran it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "millpond.localstack.latency_proxy", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert done.stderr == ""
+    assert done.stdout.startswith("usage: python -m millpond.localstack.latency_proxy")

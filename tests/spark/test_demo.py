@@ -68,6 +68,11 @@ def test_the_demo_runs_end_to_end_and_reports(tmp_path: Path) -> None:
     assert database.is_relative_to(tmp)
     assert not database.exists()
     assert list(tmp.iterdir()) == []
+    # And says so: it printed the database's path, then deleted it (issue 47).
+    work = database.parent
+    lines = run.stderr.splitlines()
+    assert lines[1] == f"  that database is in {work}, deleted at the end (--keep keeps it)"
+    assert f"deleted {work} (the database, Spark's log); run with --keep to keep it" in lines
 
 
 @pytest.mark.slow
@@ -77,6 +82,8 @@ def test_the_demo_keeps_its_files_with_keep(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     kept = re.search(r"^kept (\S+) ", run.stderr, re.M)
     assert kept, run.stderr
+    assert "deleted at the end" not in run.stderr
+    assert "run with --keep" not in run.stderr
     work = Path(kept.group(1))
     assert work.parent == tmp
     with sqlite3.connect(work / "millpond-demo.db") as db:
