@@ -174,14 +174,16 @@ class ReadAhead:
         return self._cursor.peek()
 
     def top_up(self) -> None:
-        """Read the next entries from the queue (an index segment when they are there) and
-        submit them until the window is full.
+        """Read the next entries from the queue (an index segment when they are there), submit
+        them until the window is full, and keep a window's worth more read: deliveries refill
+        the window from those, without IO, until the next call.
 
         Raises:
             NotFoundError, FormatError, StorageError, MillpondError: reading the queue failed
                 (:meth:`QueueCursor.fill`); nothing delivered or submitted is lost.
         """
-        self._cursor.fill(max(0, self._window.size - len(self._inflight)))
+        size = self._window.size
+        self._cursor.fill(max(0, 2 * size - len(self._inflight)))
         self._submit()
 
     def _submit(self) -> None:
