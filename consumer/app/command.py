@@ -9,6 +9,7 @@ Parses the options, opens the sink and the consumer, and runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import threading
 
@@ -93,18 +94,21 @@ def _add_consumer_arguments(parser: argparse.ArgumentParser) -> None:
         default=1000,
         help="fewest acks per dequeue (with a backlog, also 10%% of what is queued behind)",
     )
+    defaults = {field.name: field.default for field in dataclasses.fields(ConsumerConfig)}
     parser.add_argument(
         "--backlog-index",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=defaults["backlog_index"],
         help="move a long backlog out of the manifest into the consumer's own index, so "
-        "appends stay cheap; only with millpond's GC (an RFC peer's GC would delete indexed "
-        "batch objects)",
+        "appends stay cheap (default on); --no-backlog-index where an RFC peer's GC collects "
+        "the data prefix (it would delete indexed batch objects) or its consumer may take over",
     )
     parser.add_argument(
         "--backlog-index-threshold",
         type=int,
-        default=10_000,
-        help="manifest entries that trigger a move into the backlog index (default 10000)",
+        default=defaults["backlog_index_threshold"],
+        help="manifest entries that trigger a move into the backlog index (default "
+        f"{defaults['backlog_index_threshold']})",
     )
     parser.add_argument(
         "--read-ahead", type=int, default=4, help="batch objects fetched ahead at first (4)"

@@ -45,7 +45,14 @@ def _fill(store: ObjectStore, count: int) -> list[str]:
 
 
 def _consumer(store: ObjectStore, **overrides: Any) -> Consumer:
-    options: dict[str, Any] = {"store": store, "gc_enabled": False, "retry": FAST_RETRY}
+    # The manifest's own dequeues are what these tests look at: no backlog index (on by
+    # default, it would take these backlogs out of the manifest at the start).
+    options: dict[str, Any] = {
+        "store": store,
+        "gc_enabled": False,
+        "retry": FAST_RETRY,
+        "backlog_index": False,
+    }
     options.update(overrides)
     return Consumer(ConsumerConfig(**options))
 

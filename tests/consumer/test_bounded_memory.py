@@ -35,7 +35,7 @@ from millpond.queue import collect_once
 from millpond.queue.index import IndexHead, Segment, encode_segment, head_path, oldest_batch_ms
 from millpond.storage import ForwardingStore, GetResult, ObjectInfo, ObjectStore, open_store
 
-SEGMENT = 1_000  # the consumers here move (and the queues are built) 1,000 entries a segment
+SEGMENT = 1_000  # backlog_index_threshold's default: the queues are built as it leaves them
 DELIVERED = 1_500  # crosses a segment boundary
 BOUND = 300  # far below either backlog: a window, a group, a segment's worth is not needed
 
@@ -119,8 +119,8 @@ def _most_alive(url: str, work: Callable[[ObjectStore], Any]) -> int:
 
 def _drain_some(store: ObjectStore) -> None:
     """The service's loop on the defaults: groups taken, written, acked, the next taken."""
-    config = ConsumerConfig(store=store, gc_enabled=False, backlog_index_threshold=SEGMENT)
-    assert config.backlog_index  # the default
+    config = ConsumerConfig(store=store, gc_enabled=False)
+    assert (config.backlog_index, config.backlog_index_threshold) == (True, SEGMENT)  # defaults
     consumer = Consumer(config)
     consumer.initialize()
     held = []

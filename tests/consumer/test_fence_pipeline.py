@@ -412,7 +412,7 @@ def test_flush_with_an_ack_after_a_takeover_acks_nothing(seaweedfs_s3: Any, inde
     ``initialize()`` it raises and records nothing, whether the bytes it writes over are the
     ones it last saw (no read) or the backlog index holds the entries (a check of its own)."""
     store = _queue(seaweedfs_s3)
-    options = {"backlog_index": True, "backlog_index_threshold": 2} if index else {}
+    options = {"backlog_index": index, "backlog_index_threshold": 2}
     older = Consumer(ConsumerConfig(store=store, gc_enabled=False, retry=FAST_RETRY, **options))
     older.initialize()
     batches = older.next_batches(3)

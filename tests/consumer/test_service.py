@@ -130,6 +130,8 @@ def test_exactly_once_through_repeated_sigkills(
     if backlog_index:
         # Every life moves what piled up into its index: kills land between every step.
         options += ("--backlog-index", "--backlog-index-threshold", "3")
+    else:
+        options += ("--no-backlog-index",)  # the default is on
     producer = threading.Thread(target=produce)
     producer.start()
     kills = 0
