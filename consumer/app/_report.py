@@ -8,6 +8,12 @@ rows per second over the last interval, lag, the last sequence written, the last
 — when it is stopped on a batch it must not skip — that batch, why, and the
 ``millpond quarantine`` command that would set it aside.
 
+With a :class:`~millpond.consumer.app._written.WrittenPublisher` (``millpond consume`` gives
+it one), the reporter also keeps the small written-through mark producers wait on
+(``written.json`` beside the report) in step with what it reports: the state, the batch it is
+stopped on, and — through :meth:`ServiceReporter.written_through` after every commit of the
+sink — the last sequence written.
+
 The report is best effort: a failed write is logged and tried again at the next interval,
 and never slows or stops consumption. ``millpond status`` reads it with one GET, so it answers
 at once however busy the consumer is, and says when the report is older than its writer
@@ -28,6 +34,7 @@ from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.tasks import BackgroundTask
+from millpond.consumer.app._written import WrittenPublisher
 from millpond.errors import FormatError, MillpondError, NotFoundError
 from millpond.queue import internal_path
 from millpond.storage.store import ObjectStore
@@ -161,8 +168,11 @@ class ServiceReporter:
         interval: float = 5.0,
         quarantine_command: Callable[[int], str] | None = None,
         clock: Clock | None = None,
+        written: WrittenPublisher | None = None,
     ) -> None:
+        """``written``: the written-through mark kept in step with the report, if any."""
         self._store = store
+        self._written = written
         self._path = report_path(data_path_prefix)
         self._interval = max(0.0, interval)
         self._command = quarantine_command or (lambda sequence: "")
@@ -187,13 +197,26 @@ class ServiceReporter:
         with self._lock:
             return self._report
 
-    def start(self, epoch: int | None) -> None:
-        """Write the first report; then one every interval until :meth:`finish`."""
+    def start(self, epoch: int | None, written_through: int | None = None) -> None:
+        """Write the first report; then one every interval until :meth:`finish`.
+        ``written_through``: the sink's last sequence at the takeover."""
         self._started = True
         self._update(epoch=epoch, state=ServiceState.RUNNING, stopped_on=None)
         self.write()
         if self._interval > 0:
             self._task.start()
+        if self._written is not None:
+            self._written.start(epoch, written_through)
+
+    def written_through(self, sequence: int) -> None:
+        """The sink committed everything through ``sequence`` (the written-through mark)."""
+        if self._written is not None:
+            self._written.written(sequence)
+
+    def set_aside(self, sequence: int, reason: str) -> None:
+        """``sequence`` was quarantined, not written (the written-through mark lists it)."""
+        if self._written is not None:
+            self._written.set_aside(sequence, reason)
 
     def progress(self, **counts: Any) -> None:
         """New totals (``rows``, ``batches``, ``skipped``, ``quarantined``, ``last_sequence``,
@@ -213,6 +236,8 @@ class ServiceReporter:
                 last_error_ms=self._clock.now_ms(),
                 state=ServiceState.RETRYING if retrying else self._report.state,
             )
+        if retrying and self._written is not None:
+            self._written.state(ServiceState.RETRYING, error=message)
 
     def stopped_on(self, sequence: int, location: str, error: str) -> None:
         """The service stops on this batch (or sets it aside): written at once."""
@@ -222,10 +247,14 @@ class ServiceReporter:
         self._update(state=ServiceState.STOPPED_ON_BATCH, stopped_on=stopped)
         self.error(error, retrying=False)
         self.write()
+        if self._written is not None:
+            self._written.state(ServiceState.STOPPED_ON_BATCH, error=error, stopped_on=sequence)
 
     def moved_past(self, epoch: int | None) -> None:
         """The batch it was stopped on is set aside: running again (at ``epoch``)."""
         self._update(state=ServiceState.RUNNING, stopped_on=None, epoch=epoch)
+        if self._written is not None:
+            self._written.state(ServiceState.RUNNING, epoch=epoch, stopped_on=None)
 
     def finish(self, state: ServiceState, error: str | None = None) -> None:
         """Stop the background writes and write the last report (a stop on a batch stays).
@@ -235,6 +264,8 @@ class ServiceReporter:
         typo would create it on a store that creates buckets on the first write.
         """
         self._task.stop(timeout=10)
+        if self._written is not None:
+            self._written.finish(state, error)
         if not self._started:
             return
         with self._lock:

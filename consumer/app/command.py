@@ -27,6 +27,7 @@ from millpond.consumer._consumer import Consumer
 from millpond.consumer.app import _metrics
 from millpond.consumer.app._report import ServiceReporter
 from millpond.consumer.app._table_options import add_table_arguments, sink_tables
+from millpond.consumer.app._written import WrittenPublisher
 from millpond.consumer.app.quarantine import quarantine_command
 from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.app.service import logger as service_logger
@@ -265,7 +266,8 @@ def _reporter(
     sink_description: str,
 ) -> ServiceReporter:
     """The report ``millpond status`` reads, naming the ``millpond quarantine`` command line
-    that sets aside the batch the service stopped on."""
+    that sets aside the batch the service stopped on, with the written-through mark
+    producers wait on."""
 
     def command(sequence: int) -> str:
         return quarantine_command(
@@ -285,4 +287,11 @@ def _reporter(
         queue=consumer.queue,
         interval=args.report_interval,
         quarantine_command=command,
+        # What producers wait on (wait_written, await_sink), kept in step with the report.
+        written=WrittenPublisher(
+            consumer.store,
+            data_path_prefix=config.data_path_prefix,
+            queue=consumer.queue,
+            interval=args.report_interval,
+        ),
     )

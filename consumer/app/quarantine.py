@@ -44,10 +44,22 @@ from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._config import ConsumerConfig
 from millpond.consumer.app._report import ServiceState, read_report
 from millpond.consumer.sinks import AdbcSink, QuarantineLedger, SetAside, open_sink
-from millpond.errors import ConfigError, FormatError, InvalidInputError, NotFoundError
+from millpond.errors import (
+    ConfigError,
+    FormatError,
+    InvalidInputError,
+    MillpondError,
+    NotFoundError,
+)
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Manifest, ManifestEntry, Metadata
-from millpond.queue import queue_identity, queue_view, read_indexed, read_manifest
+from millpond.queue import (
+    note_set_aside,
+    queue_identity,
+    queue_view,
+    read_indexed,
+    read_manifest,
+)
 from millpond.storage import ObjectStore, open_store
 
 __all__ = [
@@ -297,7 +309,7 @@ def quarantine(
         return _quarantined_before(sink, queue, sequence=sequence, last=last)
     entry = _entry_stopped_on(manifest, sequence=sequence, last=last, config=config, sink=sink)
     _refuse_while_running(store, config, epoch=manifest.epoch, sequence=sequence, force=force)
-    return set_aside(
+    outcome = set_aside(
         store,
         sink,
         queue=queue,
@@ -307,6 +319,28 @@ def quarantine(
         reason=reason,
         dead_letter_prefix=prefix,
     )
+    if outcome.state == SetAside.QUARANTINED:
+        _note_set_aside(store, config, queue=queue, sequence=sequence, reason=reason)
+    return outcome
+
+
+def _note_set_aside(
+    store: ObjectStore, config: ConsumerConfig, *, queue: str, sequence: int, reason: str
+) -> None:
+    """List the batch as set aside in the consumer's written-through mark, so producers
+    waiting for it (``wait_written``, ``await_sink``) fail naming it rather than return once
+    the consumer moves past it. Best effort: the quarantine itself is done."""
+    try:
+        note_set_aside(
+            store, config.data_path_prefix, queue=queue, sequence=sequence, reason=reason
+        )
+    except MillpondError as err:
+        logger.warning(
+            "sequence %s is quarantined, but the written-through mark could not list it (a "
+            "producer waiting for it is not told): %s",
+            sequence,
+            err,
+        )
 
 
 def _quarantined_before(

@@ -277,7 +277,7 @@ class ConsumerService:
             consumer.epoch,
         )
         if self._reporter is not None:
-            self._reporter.start(consumer.epoch)
+            self._reporter.start(consumer.epoch, written_through=start)
         return True
 
     def _dequeue_written(self, stop: threading.Event) -> None:
@@ -579,6 +579,8 @@ class ConsumerService:
                 stats.skipped += 1
         if written:
             self._bad_in_a_row = 0
+        if self._reporter is not None:  # committed in the sink: producers may be waiting
+            self._reporter.written_through(batch.sequence)
 
     def _count_rows(self, rows: int) -> None:
         self.stats.rows += rows
@@ -671,6 +673,7 @@ class ConsumerService:
         sink = self._ledger
         assert sink is not None  # checked in __init__
         consumer = self._consumer
+        reason = why if duplicate else f"--on-bad-batch quarantine: {why}"
         outcome = self._with_retry(
             stop,
             f"set aside sequence {sequence}",
@@ -682,13 +685,15 @@ class ConsumerService:
                 sequence=sequence,
                 location=location,
                 metadata=entry.metadata,
-                reason=why if duplicate else f"--on-bad-batch quarantine: {why}",
+                reason=reason,
                 dead_letter_prefix=self._dead_letter,
                 clock=self._clock,
             ),
         )
         if outcome is None:
             return False
+        if self._reporter is not None:  # its rows are not in the table: waiters must know
+            self._reporter.set_aside(sequence, reason)
         if not duplicate:
             self._bad_in_a_row += 1
         logger.warning(
@@ -730,6 +735,7 @@ class ConsumerService:
                 return False
         if self._reporter is not None:
             self._reporter.moved_past(consumer.epoch)
+            self._reporter.written_through(sequence)
         self._report_progress()
         return True
 
