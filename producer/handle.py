@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
+from typing import TYPE_CHECKING
 
 from millpond.common.forks import OwnProcess
+from millpond.errors import InvalidInputError, SinkWaitTimeoutError
+from millpond.queue import DEFAULT_POLL_INTERVAL
+
+if TYPE_CHECKING:
+    from millpond.queue import SinkWatch
 
 __all__ = ["WriteHandle"]
 
@@ -17,7 +24,8 @@ class WriteHandle:
     Two milestones: *staged* (the entries are in the local WAL, fsynced when
     ``wal_sync="always"``) and *durable* (the batch holding them is written and its location
     is in the queue manifest — the RFC's ``await_durable``). A failure reaches the caller
-    through the handle: ``wait()`` raises it and ``exception()`` returns it.
+    through the handle: ``wait()`` raises it and ``exception()`` returns it. A third,
+    ``wait_written()``, is the consumer's: the rows are in its database.
 
     Handles are made on the ``produce()`` hot path, so a handle holds no lock or event of its
     own: the producer's handles share one lock, and an event is created only when a thread
@@ -31,6 +39,7 @@ class WriteHandle:
         "_progress",
         "_staged_ok",
         "_waiters",
+        "_watch",
         "entry_count",
         "location",
         "sequence",
@@ -41,6 +50,7 @@ class WriteHandle:
         entry_count: int,
         lock: threading.Lock | None = None,
         process: OwnProcess | None = None,
+        watch: SinkWatch | None = None,
     ) -> None:
         self.entry_count = entry_count
         """How many entries this ``produce()`` call held."""
@@ -54,6 +64,7 @@ class WriteHandle:
         self._staged_ok = False
         self._error: BaseException | None = None
         self._waiters: list[tuple[int, threading.Event]] | None = None
+        self._watch = watch  # the producer's: what the consumer says it has written
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the entries are in the local WAL (fsynced under ``wal_sync="always"``).
@@ -101,6 +112,53 @@ class WriteHandle:
             raise TimeoutError(f"entries not durable within {timeout} s")
         if self._error is not None:
             raise self._error
+
+    def wait_written(
+        self, timeout: float | None = None, *, poll_interval: float = DEFAULT_POLL_INTERVAL
+    ) -> None:
+        """Block until the consumer service (``millpond consume``) has written the entries
+        into its database: :meth:`wait`, then until the written-through mark it publishes
+        beside the queue reaches this batch's sequence. Wait on the last handle of a run:
+        the consumer writes in sequence order, so the earlier ones are written too.
+
+        Args:
+            timeout: seconds for both steps; ``None`` waits as long as it takes.
+            poll_interval: the longest pause between two reads of the mark (one conditional
+                GET each; threads waiting on one producer's handles share them).
+
+        Raises:
+            SinkWaitTimeoutError: not written within ``timeout`` (a ``TimeoutError``); the
+                message says what the consumer is doing: none has published a mark, it is
+                not running, it is stopped on sequence S (and why), or it is behind by N.
+                The entries stay in the queue and are written once it gets to them.
+            SinkWaitError: the consumer set the batch aside (quarantined) instead of writing
+                it; the message names it and the ``millpond replay`` that writes it.
+            MillpondError: as :meth:`wait`, when the entries never reached the queue.
+        """
+        started = time.monotonic()
+        if self._process is not None:
+            self._process.check()
+        if self._watch is None:
+            raise InvalidInputError("wait_written(): this handle belongs to no producer")
+        if not self._reach(_DURABLE, timeout):
+            raise SinkWaitTimeoutError(
+                f"{self.entry_count} entries: not in the queue after {timeout:.1f} s (still "
+                "being published), so not in the database either",
+                reason="not_durable",
+                waiting_for=None,
+            )
+        if self._error is not None:
+            raise self._error
+        assert self.sequence is not None  # durable
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        entries = f"{self.entry_count} entr{'y' if self.entry_count == 1 else 'ies'}"
+        self._watch.wait(
+            (self.sequence,),
+            timeout=left,
+            what=f"{entries} at sequence {self.sequence}",
+            poll_interval=poll_interval,
+            waited_before=time.monotonic() - started,
+        )
 
     def done(self) -> bool:
         """Whether the call is settled: durable, or failed."""

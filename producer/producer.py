@@ -57,7 +57,7 @@ from millpond.producer._state import (
 )
 from millpond.producer.config import ProducerConfig
 from millpond.producer.handle import WriteHandle
-from millpond.queue import Appender, QueueProducer, queue_identity
+from millpond.queue import Appender, QueueProducer, SinkWatch, queue_identity
 from millpond.storage import open_store
 from millpond.storage.checks import preflight
 from millpond.wal import RecoveryReport, Wal, WalRecord
@@ -119,6 +119,13 @@ class Producer:
         self._close_report: CloseReport | None = None
         self._registered: tuple[CollectorRegistry, MetricsCollector] | None = None
         self._handle_lock = threading.Lock()  # shared by this producer's handles
+        # What the consumer service says it has written (its handles' wait_written).
+        self._sink_watch = SinkWatch(
+            self._store,
+            data_path_prefix=config.data_path_prefix,
+            queue=queue_identity(self._store.url, config.manifest_path),
+            clock=config.clock,
+        )
         self._close_lock = threading.Lock()
         self._record_limit = min(MAX_ENTRY_LEN, config.wal_max_bytes // 4)
         self._session = QueueSession(self._store, config, self._clock)
@@ -294,7 +301,8 @@ class Producer:
                 ``millpond.table=`` line in front of ``metadata`` (``formats.routing``).
 
         Returns:
-            A handle: ``wait_staged()`` for the WAL, ``wait()`` for the manifest.
+            A handle: ``wait_staged()`` for the WAL, ``wait()`` for the manifest,
+            ``wait_written()`` for the consumer's database.
 
         Raises:
             InvalidInputError: no entries, an entry that is not bytes-like or over the u32
@@ -307,7 +315,7 @@ class Producer:
         self._process.check()
         items, meta, nbytes, record_size = self._validate(entries, metadata, table)
         state = self._state
-        handle = WriteHandle(len(items), self._handle_lock, self._process)
+        handle = WriteHandle(len(items), self._handle_lock, self._process, self._sink_watch)
         ingestion_time_ms = state.clock.now_ms()
         limit = self._config.max_buffered_inputs
         deadline = None if timeout is None else state.clock.monotonic() + timeout
