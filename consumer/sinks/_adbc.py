@@ -394,6 +394,9 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         under another spelling of it are moved to that key first, in this transaction.
         """
         target = target or self._own_target()
+        owned = target.owned_by
+        if target is not self._home and owned is not None and same_queue(owned, queue):
+            return  # found or made its owner on this connection (Target.owned_by)
         now_ms = time.time_ns() // 1_000_000
         table = str(target.table)
         self._owners_table(cur, target)
@@ -422,6 +425,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                     f"{target.owners} VALUES ('{table}', '{queue}', 0)",
                     transient=False,
                 )
+            self._after_commit.append(lambda: setattr(target, "owned_by", queue))
             return
         owner = self._fetch(
             cur, f"SELECT queue FROM {target.owners.sql} WHERE target_table = {p(1)}", (table,)
@@ -435,6 +439,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                 "database side by side, never a table",
                 transient=False,
             )
+        self._after_commit.append(lambda: setattr(target, "owned_by", queue))
 
     def _own_target(self) -> Target:
         assert self._home is not None, "resolved by _identify in every transaction"

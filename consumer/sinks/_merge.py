@@ -125,7 +125,9 @@ def key_columns(
 
 def last_per_key(rows: pa.Table, key: Sequence[str], marks: pa.ChunkedArray | None) -> Merge:
     """The :class:`Merge` of one run: ``rows`` in queue order, ``key`` their key columns,
-    ``marks`` their delete markers (``None``: no row deletes)."""
+    ``marks`` their delete markers (``None``: no row deletes). Its rows are in key order (each
+    key is once in each part: their order changes nothing), which the database's index takes
+    faster than any other."""
     count = rows.num_rows
     positions = pc.subtract(pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), count)), 1)
     keyed = rows.select(list(key)).append_column(_POSITION, positions)
@@ -136,13 +138,17 @@ def last_per_key(rows: pa.Table, key: Sequence[str], marks: pa.ChunkedArray | No
         last = pc.take(last, pc.sort_indices(last))
     nothing = rows.schema.empty_table().select(list(key))
     if marks is None or not pc.any(marks).as_py():
-        return Merge(nothing, rows if unique else rows.take(last))
+        return Merge(nothing, _by_key(rows if unique else rows.take(last), key))
     deleted = rows.select(list(key)).filter(marks)
     deletes = deleted.group_by(list(key), use_threads=False).aggregate([]).select(list(key))
     if unique:
-        return Merge(deletes, rows.filter(pc.invert(marks)))
+        return Merge(_by_key(deletes, key), _by_key(rows.filter(pc.invert(marks)), key))
     kept = pc.filter(last, pc.invert(pc.take(marks, last)))
-    return Merge(deletes, rows.take(kept))
+    return Merge(_by_key(deletes, key), _by_key(rows.take(kept), key))
+
+
+def _by_key(rows: pa.Table, key: Sequence[str]) -> pa.Table:
+    return rows.take(pc.sort_indices(rows, [(column, "ascending") for column in key]))
 
 
 def upsert_sql(

@@ -50,6 +50,10 @@ class Target:
     """Its unique index on the upsert key was found on this connection (committed)."""
     owners_ready: bool = False
     """Its owners table is known to exist on this connection (committed)."""
+    owned_by: str | None = None
+    """The queue a committed transaction on this connection found or made its owner: a table
+    the queue owns stays its own (another queue's claim never replaces it), so later writes of
+    that queue need not ask again."""
 
 
 class Router:
