@@ -109,6 +109,9 @@ class JobReceipt:
     requests: Mapping[str, int] = field(default_factory=dict)
     """Object-store requests of the whole write by kind (``put``, ``get``), as counted by the
     tasks and the driver."""
+    sequences: tuple[int, ...] = ()
+    """Every sequence the job's entries are at (a ``skipped`` write id: where the first run
+    put them), for ``await_sink``."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -290,6 +293,7 @@ class _Job:
             manifest,
             status=status,
             write_id=self.write_id,
+            sequences=sequences,
         )
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -45,6 +46,7 @@ from millpond.producer.spark.upload import (
     UploadedBatch,
     UploadStats,
 )
+from millpond.queue import SinkWatch, queue_identity
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -164,7 +166,10 @@ class MillpondBatchWriter(DataSourceArrowWriter):
             self.outcome = receipt.status
         else:
             stats = sum((m.stats for m in task_messages if m is not None), UploadStats())
-            receipt = JobReceipt(self.job_id, None, None, len(task_messages), stats)
+            sequences = tuple(s for m in task_messages if m is not None for s in m.sequences)
+            receipt = JobReceipt(
+                self.job_id, None, None, len(task_messages), stats, sequences=sequences
+            )
             self.outcome = "published by the tasks"
         if settings.receipt_path:
             requests = {
@@ -184,6 +189,8 @@ class MillpondBatchWriter(DataSourceArrowWriter):
                     settings.receipt_path,
                     err,
                 )
+        named = f" (write_id {settings.write_id!r})" if settings.write_id else ""
+        await_sink(settings, receipt.sequences, what=f"millpond job {self.job_id}{named}")
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         uploaded = sum(len(m.uploads) for m in messages if isinstance(m, TaskCommitMessage))
@@ -233,6 +240,10 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
         """
         settings = self.settings
         if settings.commit == "task":
+            sequences = (
+                s for m in messages if isinstance(m, TaskCommitMessage) for s in m.sequences
+            )
+            await_sink(settings, tuple(sequences), what=f"micro-batch {batchId}")
             return
         stream_id = settings.stream_id()
         task_messages = sorted(
@@ -273,6 +284,9 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             sequences=outcome.sequences or (),
             manifest=counters.snapshot(),
         )
+        # A micro-batch run again after a failed wait is skipped, and waits for where the
+        # first run enqueued it.
+        await_sink(settings, outcome.sequences or (), what=f"stream {stream_id} batch {batchId}")
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
         logger.warning(
@@ -347,7 +361,39 @@ def _write_through_producer(
                 entries += 1
     for handle in handles:
         handle.wait()
-    return TaskCommitMessage(partition, attempt, (), UploadStats(rows=rows, entries=entries))
+    sequences = tuple(h.sequence for h in handles if h.sequence is not None)
+    return TaskCommitMessage(
+        partition, attempt, (), UploadStats(rows=rows, entries=entries), sequences
+    )
+
+
+def await_sink(settings: SparkWriteSettings, sequences: Collection[int], *, what: str) -> None:
+    """With the ``await_sink`` option: wait until the consumer service has written
+    ``sequences`` into its database (none: nothing to wait for).
+
+    Raises:
+        SinkWaitTimeoutError: not written within ``await_sink`` seconds; the message names
+            what the consumer is doing. The rows stay in the queue.
+        SinkWaitError: the consumer set some of them aside (quarantined) instead.
+    """
+    if settings.await_sink <= 0 or not sequences:
+        return
+    store = settings.open_store()
+    watch = SinkWatch(
+        store,
+        data_path_prefix=settings.data_path_prefix,
+        queue=queue_identity(store.url, settings.manifest_path),
+    )
+    started = time.monotonic()
+    first, last = min(sequences), max(sequences)
+    watch.wait(sequences, timeout=settings.await_sink, what=f"{what}, sequences {first}..{last}")
+    logger.info(
+        "%s: the consumer wrote sequences %s..%s into its database (waited %.2f s)",
+        what,
+        first,
+        last,
+        time.monotonic() - started,
+    )
 
 
 def _executor_options(settings: SparkWriteSettings) -> dict[str, str]:

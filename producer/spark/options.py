@@ -27,6 +27,10 @@ what is not given), or one of the few keys only the Spark integration has:
                     coordinator`` services: the driver's commit appends through them, and
                     appends directly when none answers (a token in the driver's
                     ``MILLPOND_COORDINATOR_TOKEN``)
+``await_sink``      a duration (``600s``, ``10m``; ``0``: do not wait, the default): the job,
+                    and each micro-batch, returns only once ``millpond consume`` says it has
+                    written the rows into its database, and fails naming what the consumer
+                    is doing when the time runs out (the rows stay enqueued)
 =================== ======================================================================
 
 Spark adds ``checkpointLocation`` and ``queryName`` to streaming writes; they are read, not
@@ -73,6 +77,7 @@ SPARK_ONLY_KEYS = frozenset(
         "metadata",
         "write_id",
         "table",
+        "await_sink",
     }
 )
 """Option keys the Spark integration reads itself instead of passing to ``ProducerConfig``."""
@@ -126,6 +131,9 @@ class SparkWriteSettings(QueueLocation):
     """The ``host_coordinator`` option: whether the executors' producers (``commit=task``,
     ``partition_producer``) share one coordinator per machine; ``None`` (not given): as
     ``ProducerConfig`` decides, shared on S3, GCS and Azure."""
+    await_sink: float = 0.0
+    """The ``await_sink`` option, in seconds: how long the driver waits after each commit for
+    the consumer to write the rows into its database (0: it does not wait)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> SparkWriteSettings:
@@ -174,6 +182,7 @@ class SparkWriteSettings(QueueLocation):
             table=_table(spark.get("table")),
             coordinator=tuple(config.coordinator or ()),
             host_coordinator=config.host_coordinator,
+            await_sink=_duration("await_sink", spark.get("await_sink")),
         )
 
     @property
@@ -314,6 +323,21 @@ def _seconds(key: str, value: str | None, default: float) -> float:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(key, f"expected seconds >= 0, found {value!r}")
+    return seconds
+
+
+def _duration(key: str, value: str | None) -> float:
+    """Seconds from ``600``, ``600s``, ``10m``, ``1h``; 0 when not given."""
+    if value is None:
+        return 0.0
+    from millpond.producer.config import parse_duration
+
+    try:
+        seconds = parse_duration(value)
+    except ValueError as err:
+        raise ConfigError(key, str(err)) from None
+    if not math.isfinite(seconds):
+        raise ConfigError(key, f"expected a finite duration, found {value!r}")
     return seconds
 
 

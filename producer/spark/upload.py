@@ -101,6 +101,8 @@ class TaskCommitMessage(WriterCommitMessage):
     """The batch objects the attempt uploaded, in upload order."""
     stats: UploadStats
     """Counts for the job summary."""
+    sequences: tuple[int, ...] = ()
+    """``commit="task"``: where the task's producer appended its entries (for ``await_sink``)."""
 
 
 def put_new_object(
