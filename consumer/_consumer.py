@@ -363,18 +363,17 @@ class Consumer:
                 self._check_ack_through(ack_through)
             ahead = self._ahead
             idle = ahead.empty
-            if idle:
-                self._refresh()  # the conditional read checks the epoch
-            else:
-                ahead.top_up()  # the fetches go on while the epoch is checked
-                self._guard(self._queue.check_fence)
+            self._read_and_check(idle)
             if ack_through is not None:
                 self._record_ack(ack_through)
             if idle:
                 if not ahead.waiting and self._dequeue_overdue():
                     self._dequeue()  # idle: acked entries do not wait for more acks
                 self._maybe_move()
-            ahead.top_up()
+            # What was read before the check, and no request more: a newer consumer that
+            # takes over from here on finds this call's check made and nothing delivered yet
+            # that it could not have delivered itself.
+            ahead.submit()
             batches = ahead.deliver(limit)
             if batches:
                 self._next = batches[-1].sequence + 1
@@ -383,6 +382,27 @@ class Consumer:
                     for batch in batches
                 )
             return batches
+
+    def _read_and_check(self, idle: bool) -> None:
+        """Read the next entries of the queue (an index segment when they are there) and
+        check the epoch after every read: nothing this call delivers is read after its check.
+
+        Idle, the conditional read of the manifest is the check, and what it found is read
+        after it (from its bytes: no request, unless a move put it in the index, when the
+        epoch is checked again); else the entries are read first, then the epoch is checked
+        while the fetches go on."""
+        ahead = self._ahead
+        if self._index is not None:
+            self._index.delete_drained()  # segments earlier acks drained (before the check)
+        if idle:
+            self._refresh()  # the conditional read checks the epoch
+            reads = ahead.cursor.reads
+            ahead.top_up()
+            if ahead.cursor.reads == reads:
+                return
+        else:
+            ahead.top_up()
+        self._guard(self._queue.check_fence)
 
     def pass_over(self, sequence: int) -> None:
         """Acknowledge the next entry, ``sequence``, without delivering it: its batch could
@@ -581,6 +601,8 @@ class Consumer:
             try:
                 if self._initialized and self._fenced is None and self._acked > self._dequeued:
                     self._dequeue()
+                if self._index is not None and self._fenced is None:
+                    self._index.delete_drained()
             finally:
                 self._closed = True
                 self._shutdown()

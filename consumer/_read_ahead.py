@@ -186,6 +186,10 @@ class ReadAhead:
         self._cursor.fill(max(0, 2 * size - len(self._inflight)))
         self._submit()
 
+    def submit(self) -> None:
+        """Submit entries already read until the window is full (no IO)."""
+        self._submit()
+
     def _submit(self) -> None:
         """Submit entries already read until the window is full (no IO)."""
         pool = self._pool

@@ -40,6 +40,9 @@ class QueueCursor:
         self._source_is_manifest = False
         # Decoded, not yet taken; entries put back first (a fetch to do again).
         self._ready: deque[ManifestEntry] = deque()
+        self.reads = 0
+        """Index segments read so far: a caller that checks the epoch after reading sees
+        whether a read came after its check."""
 
     def reset(self, after: int) -> None:
         """Forget everything; the next entry handed out is ``after + 1``."""
@@ -136,6 +139,7 @@ class QueueCursor:
         head = self._head
         segment = head.segment_of(sequence) if head is not None else None
         if segment is not None:
+            self.reads += 1
             self._source = read_segment(self._store, segment).entries_from(sequence)
             self._source_last, self._source_is_manifest = segment.last, False
             return self._source

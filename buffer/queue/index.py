@@ -397,6 +397,7 @@ class BacklogIndex:
         self._clock = clock or SystemClock()
         self._head: IndexHead | None = None
         self._etag: str | None = None
+        self._drained: list[str] = []  # segments drains dropped, not deleted yet
 
     @property
     def end(self) -> int:
@@ -520,7 +521,10 @@ class BacklogIndex:
                     ) from err
 
     def drain(self, through: int) -> None:
-        """Mark every sequence up to ``through`` as in the sink; drop drained segments.
+        """Mark every sequence up to ``through`` as in the sink; the segments it drains are
+        named no more, and deleted by :meth:`delete_drained`, not here: a drain is the last
+        request of an ack, and a request after it would be a moment for a newer consumer to
+        take over before the ack returns.
 
         Raises:
             FencedError, StorageError: as :meth:`add`.
@@ -536,7 +540,12 @@ class BacklogIndex:
                 segments=tuple(s for s in head.segments if s.last > d),
             )
 
-        self._update(transform, create=False)
+        self._update(transform, create=False, later=True)
+
+    def delete_drained(self) -> None:
+        """Delete the segments drains left (they are named by no head: nobody reads them)."""
+        paths, self._drained = self._drained, []
+        self._delete(paths)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -555,9 +564,12 @@ class BacklogIndex:
         *,
         create: bool,
         read_first: bool = False,
+        later: bool = False,
     ) -> None:
         """Check the epoch, transform, CAS; re-read on a lost race. Only this consumer
-        writes the head once it has claimed it, so the head it last wrote is tried first."""
+        writes the head once it has claimed it, so the head it last wrote is tried first.
+        Segments the new head no longer names are deleted (``later``: by
+        :meth:`delete_drained`)."""
         backoff = self._retry.start(self._clock)
         stale = read_first or (self._head is not None and self._etag is None)
         while True:
@@ -588,7 +600,11 @@ class BacklogIndex:
             self._head, self._etag = new, etag  # no ETag: the next write reads first
             if current is not None:
                 kept = {segment.path for segment in new.segments}
-                self._delete([s.path for s in current.segments if s.path not in kept])
+                gone = [s.path for s in current.segments if s.path not in kept]
+                if later:
+                    self._drained.extend(gone)
+                else:
+                    self._delete(gone)
             return
 
     def _check_epoch(self, current: IndexHead | None) -> None:
