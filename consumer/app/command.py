@@ -127,8 +127,8 @@ def _add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-group",
         type=count,
-        default=16,
-        help="most batches written in one transaction when there is a backlog (default 16)",
+        default=64,
+        help="most batches written in one transaction when there is a backlog (default 64)",
     )
     parser.add_argument(
         "--poll-interval",
