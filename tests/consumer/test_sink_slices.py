@@ -47,13 +47,13 @@ def sliced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     original_conform = PostgresSink._conform
     conforming: set[int] = set()
 
-    def ingest(self: PostgresSink, cur: Any, rows: pa.Table) -> None:
+    def ingest(self: PostgresSink, cur: Any, rows: pa.Table, *args: Any, **kwargs: Any) -> None:
         inserted.append(rows.num_rows)
-        original_ingest(self, cur, rows)
+        original_ingest(self, cur, rows, *args, **kwargs)
 
-    def conform(self: PostgresSink, rows: pa.Table, columns: Any) -> pa.Table:
+    def conform(self: PostgresSink, rows: pa.Table, *args: Any) -> pa.Table:
         conforming.add(threading.get_ident())
-        return original_conform(self, rows, columns)
+        return original_conform(self, rows, *args)
 
     monkeypatch.setattr(PostgresSink, "_ingest", ingest)
     monkeypatch.setattr(PostgresSink, "_conform", conform)
