@@ -8,12 +8,12 @@ STAMP := $(VENV)/.installed
 
 AZURITE := $(VENV)/npm/node_modules/.bin/azurite-blob
 
-.PHONY: demo test soak bench lint typecheck clean postgres-binaries postgres-jdbc azurite spark-archive
+.PHONY: demo test docs soak bench lint typecheck clean postgres-binaries postgres-jdbc azurite spark-archive
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark,postgres,sqlite]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,postgres,sqlite,local,docs]'
 	touch $(STAMP)
 
 # PostgreSQL server binaries from the machine; installed from Debian's packages when missing.
@@ -65,6 +65,12 @@ TEST_WORKERS ?= 3
 test: $(STAMP) postgres-binaries
 	$(MAKE) --no-print-directory --output-sync=target -j2 spark-archive $(AZURITE)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The documentation site (docs/, mkdocs.yml) into build/site. --strict: any warning fails the
+# build (a broken link or anchor, a page missing from the navigation). tests/docs builds it too,
+# and runs every code block of every page (docs/contributing.md).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Every benchmark on loopback, then those that use the object store again with 50 ms injected
 # per request (the latency proxy; results named <name>@50ms). BENCH_LATENCY_MS=0 skips that pass.

@@ -276,6 +276,7 @@ def shared_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> Store
 # long Spark and crash files started last leave one worker running alone at the end.
 _SLOW_FIRST = (
     "tests/spark/",
+    "tests/docs/",
     "tests/consumer/test_service.py",
     "tests/consumer/test_fence_pipeline.py",
     "tests/system/",
