@@ -1,8 +1,8 @@
 """The type fidelity matrix: one column per Spark SQL type, three rows (extremes, more
 extremes, all nulls), and what each value must read back as from PostgreSQL and SQLite.
 
-The expectations are written out by hand, value by value, from the mapping the README
-documents; they are not computed by the code under test.
+The expectations are written out by hand, value by value, from the mapping the docs'
+types page shows; they are not computed by the code under test.
 """
 
 from __future__ import annotations

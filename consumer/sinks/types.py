@@ -18,8 +18,8 @@ Rules worth knowing:
   integer column, an instant into a local-time column) cannot be reconciled.
 
 :data:`SPARK_TYPES` lists every Spark SQL type the data source writes with the Arrow type
-Spark hands over; :func:`mapping_markdown` renders the table the README shows, and a test
-keeps the two equal.
+Spark hands over; :func:`mapping_markdown` renders the table the docs' types page shows (the
+site's build asks for it), and a test reads every value back from both databases.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class Dialect:
     types: dict[Kind, str]
     """The SQL type the sink declares per kind (``{p}``, ``{s}`` for decimals)."""
     values: dict[Kind, str]
-    """What a value of each kind is once stored (documentation, shown in the README)."""
+    """What a value of each kind is once stored (documentation, shown in the docs' types page)."""
     aliases: dict[str, Kind]
     """Further SQL spellings (lower case, parameters stripped) reflected as a kind."""
     bounded_string: str
@@ -368,7 +368,7 @@ class SparkType:
     spark: str
     arrow: pa.DataType
     arrow_text: str = ""
-    """How the README shows the Arrow type (default: ``str(arrow)``)."""
+    """How the docs show the Arrow type (default: ``str(arrow)``)."""
 
 
 SPARK_TYPES: tuple[SparkType, ...] = (
@@ -411,7 +411,7 @@ month`` (pyarrow cannot read Arrow month intervals; the data source refuses it u
 
 
 def mapping_markdown() -> str:
-    """The README's type table, one row per Spark type."""
+    """The docs' type table, one row per Spark type."""
     lines = [
         "| Spark type | Arrow type | PostgreSQL column | PostgreSQL value | SQLite column "
         "| SQLite value |",

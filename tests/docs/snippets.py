@@ -64,7 +64,12 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"docs/{self.page}:{self.line}"
+        return f"{Path('docs', self.page)}:{self.line}".removeprefix("docs/../")
+
+    @property
+    def text(self) -> tuple[str, str | None, str]:
+        """What a reader sees of it: its language, its title and its code."""
+        return (self.language, self.title, self.code)
 
 
 def pages() -> list[str]:
@@ -73,7 +78,7 @@ def pages() -> list[str]:
 
 
 def blocks(page: str) -> list[Block]:
-    """The fenced code blocks of ``docs/<page>``, in order."""
+    """The fenced code blocks of ``docs/<page>`` (``../README.md``: the README's), in order."""
     lines = (DOCS / page).read_text().splitlines()
     found: list[Block] = []
     index = 0

@@ -89,6 +89,17 @@ def test_every_block_runs_or_says_why_not() -> None:
     assert len(skipped) < len(runnable) / 3, "most blocks run"
 
 
+def test_every_block_of_the_readme_runs_on_a_page() -> None:
+    """The README's examples are the pages' (the walk-through's, the Spark page's, ...), so the
+    test that runs a page runs them: each README block is a block of a page, character for
+    character, or says why it is not run."""
+    shown = {block.text for page in pages() for block in blocks(page)}
+    readme = blocks("../README.md")
+    assert len(readme) > 10
+    elsewhere = [b.where for b in readme if b.skip is None and b.text not in shown]
+    assert elsewhere == [], "README blocks on no page of docs/ (so run by no test)"
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``mkdocs build --strict`` into a directory of this test's; fails on any warning."""

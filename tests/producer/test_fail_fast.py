@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -22,15 +21,11 @@ from millpond.common.retry import RetryPolicy
 from millpond.localstack import MotoS3Server, S3Endpoint, start_moto
 from millpond.localstack._process import free_ports
 from millpond.storage import ForwardingStore, open_store
+from tests.docs.snippets import blocks
 from tests.support import unique_root
 
-README_SNIPPET = """\
-from millpond import Producer, ProducerConfig
-with Producer(ProducerConfig(store="s3://bucket", wal_dir=WAL_DIR)) as producer:
-    handle = producer.produce([b"e1", b"e2"], metadata=b"source=a")
-    handle.wait_staged()
-    handle.wait()
-"""
+# The first example of the docs' producer page, as a reader runs it before setting credentials.
+PAGE_SNIPPET = next(b.code for b in blocks("user-guide/producer.md") if b.language == "python")
 
 
 def _no_aws_env() -> dict[str, str]:
@@ -42,9 +37,11 @@ def _no_aws_env() -> dict[str, str]:
     return env
 
 
-def test_readme_snippet_without_credentials_fails_fast_naming_them(tmp_path: Path) -> None:
+def test_the_producer_page_example_without_credentials_fails_fast_naming_them(
+    tmp_path: Path,
+) -> None:
     script = tmp_path / "snippet.py"
-    script.write_text(f"WAL_DIR = {str(tmp_path / 'wal')!r}\n" + README_SNIPPET)
+    script.write_text(PAGE_SNIPPET)
     began = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(script)],
@@ -53,11 +50,14 @@ def test_readme_snippet_without_credentials_fails_fast_naming_them(tmp_path: Pat
         timeout=60,
         check=False,
         env=_no_aws_env(),
+        cwd=tmp_path,
     )
     seconds = time.monotonic() - began
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("millpond.errors.StoreAccessError: s3://bucket: no credentials found")
+    assert last.startswith(
+        "millpond.errors.StoreAccessError: s3://millpond/shop: no credentials found"
+    )
     assert "instance metadata service" in last
     assert "AWS_ACCESS_KEY_ID" in last
     assert seconds < 10, f"took {seconds:.1f} s"
@@ -149,9 +149,3 @@ def test_an_unreachable_store_is_still_waited_out(
     finally:
         producer.close(timeout=60)
         stopped_moto.stop()
-
-
-def test_snippet_text_matches_the_readme() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    first = textwrap.dedent(README_SNIPPET).splitlines()[1]
-    assert first.replace("WAL_DIR", '"/var/lib/millpond/wal"') in readme

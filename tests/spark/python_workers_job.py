@@ -1,5 +1,5 @@
-"""Run as a script: where Spark's Python workers find ``millpond`` (see the README's Spark
-section). Prints one ``RESULT`` line per attempt."""
+"""Run as a script: where Spark's Python workers find ``millpond`` (see the docs' Spark
+page). Prints one ``RESULT`` line per attempt."""
 
 from __future__ import annotations
 

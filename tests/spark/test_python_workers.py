@@ -1,4 +1,4 @@
-"""The README's Spark section: Python workers find ``millpond`` through ``PYSPARK_PYTHON``, and
+"""The docs' Spark page: Python workers find ``millpond`` through ``PYSPARK_PYTHON``, and
 ``local_spark_session()`` sets it to the running interpreter unless the caller set it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SPARK_PAGE = Path(__file__).resolve().parents[2] / "docs" / "user-guide" / "spark.md"
 
 
 @pytest.mark.slow
@@ -37,8 +37,9 @@ def test_workers_find_millpond_through_pyspark_python(tmp_path: Path) -> None:
     ], run.stdout
 
 
-def test_the_readme_says_how_workers_find_the_package() -> None:
-    spark_section = README.read_text().split("### Spark", 1)[1].split("\n### ", 1)[0]
+def test_the_docs_say_how_workers_find_the_package() -> None:
+    spark_section = SPARK_PAGE.read_text().split("## Spark's Python workers", 1)[1]
+    spark_section = spark_section.split("\n## ", 1)[0]
     assert "PYSPARK_PYTHON" in spark_section
     assert "local_spark_session()" in spark_section
     assert "No module named 'millpond'" in spark_section

@@ -41,7 +41,7 @@ the interleaving of every thread, and each CI seed runs twice: the two runs' sto
 * ``MILLPOND_CHECKER_REPLAY=0`` runs each schedule once, without the replay check (a soak
   that only looks for broken guarantees, in half the time).
 
-The store holds the documented timing assumption (README "Guarantees"): a manifest write of a
+The store holds the documented timing assumption (docs/guarantees.md): a manifest write of a
 producer, the coordinator or a Spark driver lands within ``grace period - reupload_after`` of the
 clock reading it was sent on, or never (``RoleStore._in_time``). Without it a producer thread
 descheduled between its deadline check and its write, while the schedule moves the clock 200 s,
