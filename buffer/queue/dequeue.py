@@ -8,13 +8,10 @@ from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
 from millpond.common.retry import RetryPolicy
 from millpond.errors import (
-    CommitStateUnknownError,
-    ConflictError,
     FencedError,
     InvalidInputError,
     MillpondError,
     NotFoundError,
-    StorageError,
 )
 from millpond.formats.manifest import (
     FOOTER_SIZE,
@@ -28,6 +25,7 @@ from millpond.formats.manifest import (
 )
 from millpond.queue.cas import CasLoop, ManifestSnapshot, RawManifest
 from millpond.queue.epoch_mark import is_replaced
+from millpond.queue.fenced import FencedObject, Version
 from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueConsumer"]
@@ -58,6 +56,17 @@ class QueueConsumer:
         # then is the manifest read). Only trusted while their ETag is the newest seen.
         self._raw: RawManifest | None = None
         self._confirmations = 0
+        self._manifest = FencedObject(
+            store,
+            manifest_path,
+            decode=_same,
+            encode=_same,
+            check=self._check_read,
+            retry=self._cas.retry,
+            clock=self._cas.clock,
+            counters=self._cas.counters,
+            kind="manifest",
+        )
 
     @property
     def epoch(self) -> int | None:
@@ -116,36 +125,26 @@ class QueueConsumer:
                 another now.
             StorageError: the retry budget ran out.
         """
-        cas = self._cas
-        backoff = cas.retry.start(cas.clock)
         known, self._raw = self._raw, None
-        while True:
-            try:
-                current = known if known is not None else cas.read()
-                base = current.data if current is not None else empty_manifest()
-                found = decode_footer(base, name=cas.path).epoch
-                if self._epoch is not None:
-                    self._check_epoch(found)  # lost the queue: never take it back
-                epoch = found + 1
-                data = with_epoch(base, epoch)
-                etag = cas.write(current, data)
-            except ConflictError as err:
-                # Someone else's write landed: read and bump again at once. A coordinator
-                # appending back to back leaves the manifest alone only for a moment now and
-                # then; a consumer that slept after each lost race would rarely be reading then.
-                cas.backoff(backoff, "epoch bump", err, at_once=True)
-                known = None
-                continue
-            except StorageError as err:
-                known = None
-                cas.backoff(backoff, "epoch bump", err)
-                continue
-            self._epoch = epoch
-            self._last_etag = None
-            self._fence_etag = etag
-            self._raw = RawManifest(data, etag)
-            logger.info("consumer holds epoch %s of %s", epoch, cas.path)
-            return epoch
+
+        def bump(data: bytes | None) -> bytes:
+            base = data if data is not None else empty_manifest()
+            found = decode_footer(base, name=self._cas.path).epoch
+            if self._epoch is not None:
+                self._check_epoch(found)  # lost the queue: never take it back
+            return with_epoch(base, found + 1)
+
+        # A lost race reads and bumps again at once: a coordinator appending back to back
+        # leaves the manifest alone only for a moment now and then.
+        done = self._manifest.update(bump, what="epoch bump", known=_version(known), at_once=True)
+        assert done.version.value is not None
+        epoch = decode_footer(done.version.value, name=self._cas.path).epoch
+        self._epoch = epoch
+        self._last_etag = None
+        self._fence_etag = done.version.etag
+        self._raw = RawManifest(done.version.value, done.version.etag)
+        logger.info("consumer holds epoch %s of %s", epoch, self._cas.path)
+        return epoch
 
     def check_fence(self) -> None:
         """Raise ``FencedError`` if another consumer has initialized since; one request.
@@ -241,81 +240,50 @@ class QueueConsumer:
             FormatError: the manifest is corrupt.
             StorageError: the retry budget ran out.
         """
-        cas = self._cas
-        backoff = cas.retry.start(cas.clock)
-        removed_before = 0
+        if self._epoch is None:
+            raise MillpondError("consumer is not initialized: call initialize() first")
+        path = self._cas.path
+        removed: list[int] = []  # per attempt: a write that failed may have landed
+
+        def removal(data: bytes | None) -> bytes | None:
+            if data is None:
+                raise NotFoundError(f"{path}: manifest not found")
+            if through >= decode_footer(data, name=path).next_sequence:
+                removed.append(0)
+                return None
+            new, count = remove_through(data, through)
+            removed.append(count)
+            return new if count else None
+
         # The bytes this consumer last read or wrote, while nothing newer was seen: the write
-        # below is conditional on their ETag, so it lands only on that very manifest, which
-        # carries this consumer's epoch; anything else fails it and the manifest is read.
+        # is conditional on their ETag, so it lands only on that very manifest, which carries
+        # this consumer's epoch; anything else fails it and the manifest is read.
         known = self._raw if self._raw is not None and self._raw.etag == self._fence_etag else None
-        while True:
-            try:
-                current = known if known is not None else cas.read()
-            except StorageError as err:
-                cas.backoff(backoff, "manifest read", err)
-                continue
-            if current is None:
-                raise NotFoundError(f"{cas.path}: manifest not found")
-            next_sequence, data, removed = self._removal(current, through, read=known is None)
-            if known is not None and removed == 0:
-                # Only a write proves the known bytes current (and the epoch this
-                # consumer's): an answer without one comes from a read.
-                known = None
-                continue
-            if through >= next_sequence:
-                raise InvalidInputError(
-                    f"through: expected < next_sequence {next_sequence}, found {through}"
-                )
-            if removed == 0:
-                return removed_before
-            known = None  # whatever becomes of the write, a next attempt reads
-            try:
-                self._write_removal(current, data)
-            except (CommitStateUnknownError, ConflictError) as err:
-                # Our write may have landed (a retried request can fail its precondition on
-                # our own write); if so the re-read finds nothing left to remove.
-                removed_before = max(removed_before, removed)
-                # A conflict is most likely someone else's write: read and try again at once
-                # (as in initialize, a sleeping consumer would miss a coordinator's pauses).
-                cas.backoff(backoff, "dequeue", err, at_once=isinstance(err, ConflictError))
-                continue
-            except StorageError as err:
-                cas.backoff(backoff, "dequeue", err)
-                continue
-            return removed
+        done = self._manifest.update(
+            removal, what="dequeue", known=_version(known), prove=True, at_once=True
+        )
+        if done.wrote:
+            assert done.version.value is not None
+            self._fence_etag = done.version.etag
+            self._raw = RawManifest(done.version.value, done.version.etag)
+            self._confirmations += 1
+            return removed[-1]
+        assert done.version.value is not None
+        next_sequence = decode_footer(done.version.value, name=path).next_sequence
+        if through >= next_sequence:
+            raise InvalidInputError(
+                f"through: expected < next_sequence {next_sequence}, found {through}"
+            )
+        # Nothing left to remove: a write before that failed in doubt had landed.
+        return max(removed[:-1], default=0)
 
-    def _removal(self, current: RawManifest, through: int, *, read: bool) -> tuple[int, bytes, int]:
-        """The manifest ``current`` without its entries through ``through``, once its epoch is
-        checked (``read``: read in this call, a confirmation of the epoch).
-
-        Returns:
-            Its ``next_sequence``, the new bytes and how many entries they lack (``b""`` and 0
-            when nothing is removed, or ``through`` is not below ``next_sequence``).
-
-        Raises:
-            FencedError: another consumer initialized after this one.
-            FormatError: the manifest is corrupt.
-        """
-        footer = decode_footer(current.data, name=self._cas.path)
-        self._check_epoch(footer.epoch)
-        if read:
-            self._confirmations += 1  # read in this call
-        data, removed = b"", 0
-        if through < footer.next_sequence:
-            data, removed = remove_through(current.data, through)
-        return footer.next_sequence, data, removed
-
-    def _write_removal(self, current: RawManifest, data: bytes) -> None:
-        """Write ``data`` conditional on ``current``'s ETag; once it landed, it carries this
-        consumer's epoch and is the newest state seen.
-
-        Raises:
-            ConflictError, CommitStateUnknownError, StorageError: as ``CasLoop.write``.
-        """
-        etag = self._cas.write(current, data)
-        self._fence_etag = etag
-        self._raw = RawManifest(data, etag)
-        self._confirmations += 1
+    def _check_read(self, data: bytes) -> None:
+        """The epoch check of a manifest read in an update (:class:`FencedObject`); before
+        :meth:`initialize` there is nothing to check."""
+        if self._epoch is None:
+            return
+        self._check_epoch(decode_footer(data, name=self._cas.path).epoch)
+        self._confirmations += 1  # read in this call, and still this consumer's
 
     def _accept(self, data: bytes, etag: str | None) -> ManifestView:
         view = view_manifest(data, name=self._cas.path)
@@ -348,3 +316,11 @@ class QueueConsumer:
                 expected_epoch=self._epoch,
                 found_epoch=found,
             )
+
+
+def _same(data: bytes) -> bytes:
+    return data
+
+
+def _version(raw: RawManifest | None) -> Version[bytes] | None:
+    return None if raw is None else Version(raw.data, raw.etag)

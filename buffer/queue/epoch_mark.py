@@ -9,9 +9,9 @@ entries, and a consumer resuming after it would skip entries it never wrote, wit
 
 So each consumer, once its epoch bump has landed, records that epoch in
 ``{data_path_prefix}/_millpond/epoch``, and a consumer refuses to take over a manifest whose
-epoch is below the recorded one (before bumping anything). The record is a plain write: a
-fenced consumer whose write lands after its successor's leaves a lower epoch there, which only
-makes the check less strict, never wrong. RFC peers neither write nor read it (a manifest
+epoch is below the recorded one (before bumping anything). The record is written conditionally
+(:class:`~millpond.queue.fenced.FencedObject`): a fenced consumer's record never lands over a
+higher one. RFC peers neither write nor read it (a manifest
 replaced under a peer's consumer is not caught by this), and since epochs only grow, a peer's
 consumer running in between cannot make the check fire.
 
@@ -24,7 +24,10 @@ from __future__ import annotations
 import json
 import logging
 
+from millpond.common.clock import Clock, SystemClock
+from millpond.common.retry import RetryPolicy
 from millpond.errors import (
+    FencedError,
     FormatError,
     InvalidInputError,
     NotFoundError,
@@ -32,6 +35,7 @@ from millpond.errors import (
     StoreAccessError,
 )
 from millpond.queue.claim import internal_path
+from millpond.queue.fenced import FencedObject
 from millpond.storage.store import ObjectStore
 
 __all__ = [
@@ -47,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 EPOCH_MARK_NAME = "epoch"
 _VERSION = 1
+_MARK_RETRY = RetryPolicy(max_attempts=5, max_elapsed=5.0)
+"""A lost race with another consumer's record is read again; a store that keeps failing is
+left to the next consumer (the record is a safeguard, not the fence)."""
 
 
 def epoch_mark_path(data_path_prefix: str) -> str:
@@ -66,6 +73,10 @@ def read_epoch_mark(store: ObjectStore, data_path_prefix: str) -> int | None:
         data = store.get(path).data
     except NotFoundError:
         return None
+    return _decode(data, f"{store.url}/{path}")
+
+
+def _decode(data: bytes, where: str) -> int:
     try:
         record = json.loads(data)
         epoch = record["epoch"]
@@ -74,22 +85,50 @@ def read_epoch_mark(store: ObjectStore, data_path_prefix: str) -> int | None:
         valid = False
     if not valid:
         raise FormatError(
-            f"{store.url}/{path}: expected a consumer epoch record, found {data[:80]!r}; "
+            f"{where}: expected a consumer epoch record, found {data[:80]!r}; "
             "delete it to have the next consumer write it again"
         )
     return int(epoch)
 
 
 def write_epoch_mark(
-    store: ObjectStore, data_path_prefix: str, manifest_path: str, epoch: int
+    store: ObjectStore,
+    data_path_prefix: str,
+    manifest_path: str,
+    epoch: int,
+    *,
+    clock: Clock | None = None,
 ) -> None:
-    """Record ``epoch`` (just taken over); a failure is logged, not raised: the queue is
-    consumed as before, and the check only waits for the next consumer to record one."""
+    """Record ``epoch`` (just taken over) unless a newer one is recorded (a conditional write
+    through :class:`~millpond.queue.fenced.FencedObject`: a fenced consumer's record never
+    lands over its successor's). A failure is logged, not raised: the queue is consumed as
+    before, and the check only waits for the next consumer to record one."""
     path = epoch_mark_path(data_path_prefix)
-    record = {"version": _VERSION, "manifest_path": manifest_path, "epoch": epoch}
+
+    def check(recorded: int) -> None:
+        if recorded > epoch:
+            raise FencedError(
+                f"{store.url}/{path}: epoch {recorded} is recorded, this consumer holds {epoch}",
+                expected_epoch=epoch,
+                found_epoch=recorded,
+            )
+
+    mark = FencedObject(
+        store,
+        path,
+        decode=lambda data: _decode(data, f"{store.url}/{path}"),
+        encode=lambda e: json.dumps(
+            {"version": _VERSION, "manifest_path": manifest_path, "epoch": e}
+        ).encode(),
+        check=check,
+        retry=_MARK_RETRY,
+        clock=clock or SystemClock(),
+    )
     try:
-        store.put(path, json.dumps(record).encode())
-    except (StorageError, StoreAccessError) as err:
+        mark.update(lambda recorded: None if recorded == epoch else epoch, what="epoch record")
+    except FencedError as err:
+        logger.info("not recording epoch %s: a newer consumer took over (%s)", epoch, err)
+    except (StorageError, StoreAccessError, FormatError) as err:
         logger.warning(
             "could not record epoch %s in %s/%s (a manifest replaced later may go unnoticed "
             "until a consumer records one): %s",

@@ -57,8 +57,6 @@ from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
 from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.errors import (
-    CommitStateUnknownError,
-    ConflictError,
     FencedError,
     FormatError,
     MillpondError,
@@ -76,6 +74,7 @@ from millpond.formats.manifest import (
     view_manifest,
 )
 from millpond.queue.claim import internal_path
+from millpond.queue.fenced import FencedObject, Version
 from millpond.storage.store import ObjectStore
 
 __all__ = [
@@ -398,6 +397,15 @@ class BacklogIndex:
         self._head: IndexHead | None = None
         self._etag: str | None = None
         self._drained: list[str] = []  # segments drains dropped, not deleted yet
+        self._object = FencedObject(
+            store,
+            self._path,
+            decode=lambda data: decode_head(data, name=f"{store.url}/{self._path}"),
+            encode=IndexHead.encode,
+            check=self._check_epoch,
+            retry=self._retry,
+            clock=self._clock,
+        )
 
     @property
     def end(self) -> int:
@@ -549,15 +557,6 @@ class BacklogIndex:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _read(self) -> None:
-        try:
-            got = self._store.get(self._path)
-        except NotFoundError:
-            self._head, self._etag = None, None
-            return
-        self._head = decode_head(got.data, name=f"{self._store.url}/{self._path}")
-        self._etag = got.etag
-
     def _update(
         self,
         transform: Callable[[IndexHead], IndexHead],
@@ -566,62 +565,41 @@ class BacklogIndex:
         read_first: bool = False,
         later: bool = False,
     ) -> None:
-        """Check the epoch, transform, CAS; re-read on a lost race. Only this consumer
-        writes the head once it has claimed it, so the head it last wrote is tried first.
-        Segments the new head no longer names are deleted (``later``: by
+        """Transform the head under this epoch (:class:`~millpond.queue.fenced.FencedObject`).
+        Only this consumer writes the head once it has claimed it, so the head it last wrote
+        is tried first. Segments the new head no longer names are deleted (``later``: by
         :meth:`delete_drained`)."""
-        backoff = self._retry.start(self._clock)
-        stale = read_first or (self._head is not None and self._etag is None)
-        while True:
-            try:
-                if stale:
-                    self._read()
-                    stale = False
-                current = self._head
-                if current is None and not create:
-                    return
-                self._check_epoch(current)
-                new = transform(current if current is not None else IndexHead(epoch=self._epoch))
-                if new == current:
-                    return
-                etag = self._write(current, new)
-            except (ConflictError, CommitStateUnknownError) as err:
-                stale = True  # someone else's write, or our own that landed: look again
-                if not backoff.sleep(conflict=isinstance(err, ConflictError)):
-                    raise StorageError(f"{self._path}: index write gave up: {err}") from err
-                continue
-            except FencedError:
-                raise
-            except StorageError as err:
-                stale = True
-                if not backoff.sleep():
-                    raise StorageError(f"{self._path}: index write gave up: {err}") from err
-                continue
-            self._head, self._etag = new, etag  # no ETag: the next write reads first
-            if current is not None:
-                kept = {segment.path for segment in new.segments}
-                gone = [s.path for s in current.segments if s.path not in kept]
-                if later:
-                    self._drained.extend(gone)
-                else:
-                    self._delete(gone)
-            return
+        base: list[IndexHead | None] = [None]
 
-    def _check_epoch(self, current: IndexHead | None) -> None:
-        if current is not None and current.epoch > self._epoch:
+        def prepare(current: IndexHead | None) -> IndexHead | None:
+            base[0] = current
+            if current is None and not create:
+                return None
+            new = transform(current if current is not None else IndexHead(epoch=self._epoch))
+            return None if new == current else new
+
+        stale = read_first or (self._head is not None and self._etag is None)
+        done = self._object.update(
+            prepare, what="index write", known=None if stale else Version(self._head, self._etag)
+        )
+        self._head, self._etag = done.version.value, done.version.etag
+        current = base[0]
+        if done.wrote and current is not None and self._head is not None:
+            kept = {segment.path for segment in self._head.segments}
+            gone = [s.path for s in current.segments if s.path not in kept]
+            if later:
+                self._drained.extend(gone)
+            else:
+                self._delete(gone)
+
+    def _check_epoch(self, current: IndexHead) -> None:
+        if current.epoch > self._epoch:
             raise FencedError(
                 f"{self._store.url}/{self._path}: fenced: this consumer holds epoch "
                 f"{self._epoch}, the backlog index has epoch {current.epoch}",
                 expected_epoch=self._epoch,
                 found_epoch=current.epoch,
             )
-
-    def _write(self, current: IndexHead | None, new: IndexHead) -> str | None:
-        if current is None:
-            return self._store.put_if_absent(self._path, new.encode())
-        if self._etag is None:
-            raise StorageError(f"{self._path}: the store returned no ETag; cannot compare-and-swap")
-        return self._store.put_if_match(self._path, new.encode(), self._etag)
 
     def _delete_orphans(self) -> None:
         """Delete segments an older epoch wrote and no head names: a move whose head write

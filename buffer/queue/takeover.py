@@ -109,7 +109,7 @@ def take_over_queue(
         data_path_prefix=data_path_prefix,
     )
     epoch = queue.initialize()
-    write_epoch_mark(store, data_path_prefix, manifest_path, epoch)
+    write_epoch_mark(store, data_path_prefix, manifest_path, epoch, clock=clock)
     index = BacklogIndex(
         store, data_path_prefix=data_path_prefix, epoch=epoch, retry=retry, clock=clock
     )
