@@ -14,10 +14,10 @@ and consumed — must come back under the same name, never a new one. Each recov
   again to the same location (the object, if it landed, holds the same records) and appended.
   If the append had landed and the consumer had already dequeued it, the producer cannot see
   it and appends the location a second time: the sink skips it.
-* *An append whose outcome is unknown.* The same look, through
-  :func:`~millpond.queue.landed.resolve_landing`: members of the group found in the manifest, or
-  provably dequeued, are settled; only a missing suffix (an earlier request for a prefix of the
-  group that landed late) is appended again.
+* *An append whose outcome is unknown.* The same look, through the writer's
+  :meth:`~millpond.queue.append.QueueProducer.landings`: members of the group found in the
+  manifest, or provably dequeued, are settled; only a missing suffix (an earlier request for a
+  prefix of the group that landed late) is appended again.
 * *A batch that waited too long.* Garbage collection may delete an unreferenced object whose
   ULID *and* last-modified time are older than the grace period. A batch whose object was last
   written more than ``reupload_after`` ago (half the queue's grace period) is written again
@@ -52,12 +52,12 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.formats.manifest import PendingEntry, decode_footer, empty_manifest, find_locations
+from millpond.formats.manifest import PendingEntry
 from millpond.producer._publisher import encode_records, named_at, pause
 from millpond.producer._session import QueueSession
 from millpond.producer._state import Batch, BatchState, Interrupted, State
 from millpond.producer.config import ProducerConfig
-from millpond.queue import Appender, LandingStatus, resolve_landing
+from millpond.queue import Appender, LandingStatus
 from millpond.storage.store import ObjectStore
 from millpond.wal import Wal
 
@@ -512,48 +512,29 @@ class Committer:
     def _verify(self, batches: list[Batch]) -> None:
         state = self._state
         try:
-            try:
-                raw = self._store.get(self._config.manifest_path).data
-            except NotFoundError:
-                raw = empty_manifest()
+            # The run before may have died with a manifest write in flight (``recovered``).
+            found = self._queue.landings(recovered=any(batch.recovered for batch in batches))
             state.counters.add("manifest_reads")
         except StorageError as err:
             self._pause("manifest read", err)
             return
         self._backoff = None
-        if any(batch.recovered for batch in batches):
-            # The run before may have died with a manifest write in flight: one conditional on
-            # the state just read can still land, at its next sequence, after this look.
-            self._queue.in_doubt_from(decode_footer(raw).next_sequence)
         with state.cond:
             for group in _groups(batches):
-                if len(group) == 1 and group[0].prior_locations:
-                    self._resolve_rebound(group[0], raw)
-                    continue
-                landing = resolve_landing(
-                    raw,
-                    [batch.location for batch in group],
-                    from_sequence=group[0].append_from,
-                    name=self._config.manifest_path,
-                )
+                first = group[0]
+                if len(group) == 1 and first.prior_locations:  # bound again by an older version
+                    landing = found.of_any(first.locations)
+                else:
+                    landing = found.of([b.location for b in group], from_sequence=first.append_from)
                 for batch, sequence in zip(group, landing.sequences, strict=True):
                     if sequence is not None:
+                        batch.location = landing.location or batch.location
                         self._settle_landed(batch, sequence)
                     else:
                         self._not_landed(batch, landing.status)
             state.upload_wake.notify_all()
             state.sealer_wake.notify_all()  # replayed batches resolved: new ones may follow
         self._release()
-
-    def _resolve_rebound(self, batch: Batch, raw: bytes) -> None:
-        """A replayed batch an older version bound to several locations: any one may be in."""
-        found = find_locations(raw, set(batch.locations))
-        hit = next((loc for loc in reversed(batch.locations) if loc in found), None)
-        if hit is None:
-            self._not_landed(batch, LandingStatus.UNKNOWN)
-            return
-        batch.location = hit
-        self._settle_landed(batch, found[hit])
 
     def _settle_landed(self, batch: Batch, sequence: int) -> None:
         state = self._state

@@ -107,6 +107,7 @@ from millpond.coordinator.wire import (
 from millpond.errors import CommitStateUnknownError, StorageError
 from millpond.formats.manifest import PendingEntry
 from millpond.queue.append import QueueProducer
+from millpond.queue.landed import Landings
 
 __all__ = ["CoordinatedAppender", "CoordinatedDequeue"]
 
@@ -167,8 +168,8 @@ class CoordinatedAppender:
         for endpoint in self._endpoints:
             endpoint.close()
 
-    def in_doubt_from(self, sequence: int) -> None:
-        self._direct.in_doubt_from(sequence)
+    def landings(self, *, recovered: bool = False) -> Landings:
+        return self._direct.landings(recovered=recovered)
 
     def append(
         self,
@@ -176,6 +177,7 @@ class CoordinatedAppender:
         *,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
         deadline: float | None = None,
+        in_doubt_from: int | None = None,
     ) -> tuple[int, ...]:
         """Append ``entries`` in order; the contract of ``QueueProducer.append``.
 
@@ -191,6 +193,7 @@ class CoordinatedAppender:
                 ``sequences``.
             StorageError: nothing landed and the store failed past the retry budget.
         """
+        self._direct.in_doubt_from(in_doubt_from)
         lower = self.seen_next_sequence
         body: bytes | None = None
         for endpoint in self._endpoints:

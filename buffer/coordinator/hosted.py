@@ -71,6 +71,7 @@ from millpond.coordinator.rounds import AppendCoordinator
 from millpond.coordinator.server import CoordinatorServer
 from millpond.formats.manifest import PendingEntry
 from millpond.queue.append import QueueProducer
+from millpond.queue.landed import Landings
 from millpond.storage.store import NETWORK_SCHEMES, ObjectStore
 
 __all__ = [
@@ -339,8 +340,8 @@ class HostCoordinatedAppender:
     def seen_next_sequence(self) -> int:
         return max(self._seen_next, self._through.seen_next_sequence)
 
-    def in_doubt_from(self, sequence: int) -> None:
-        self._direct.in_doubt_from(sequence)
+    def landings(self, *, recovered: bool = False) -> Landings:
+        return self._direct.landings(recovered=recovered)
 
     def append(
         self,
@@ -348,6 +349,7 @@ class HostCoordinatedAppender:
         *,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
         deadline: float | None = None,
+        in_doubt_from: int | None = None,
     ) -> tuple[int, ...]:
         at = self._host.endpoint()
         if at != self._at:
@@ -357,7 +359,9 @@ class HostCoordinatedAppender:
             self._through.close()
             self._at = at
             self._through = self._make(at)
-        return self._through.append(entries, more=more, deadline=deadline)
+        return self._through.append(
+            entries, more=more, deadline=deadline, in_doubt_from=in_doubt_from
+        )
 
     def _make(self, at: tuple[str, str] | None) -> CoordinatedAppender:
         """Through the host at ``at`` (URL, token), or directly when there is none."""

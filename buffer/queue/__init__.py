@@ -48,7 +48,7 @@ from millpond.queue.index import (
     queue_view,
     read_indexed,
 )
-from millpond.queue.landed import Landing, LandingStatus, resolve_landing
+from millpond.queue.landed import Landing, Landings, LandingStatus
 from millpond.queue.location import QueueLocation
 from millpond.queue.observe import (
     EntryReader,
@@ -83,6 +83,7 @@ __all__ = [
     "KeepReason",
     "Landing",
     "LandingStatus",
+    "Landings",
     "ManifestSnapshot",
     "Queue",
     "QueueClaim",
@@ -119,7 +120,6 @@ __all__ = [
     "read_manifest",
     "read_written",
     "referenced_bytes",
-    "resolve_landing",
     "same_queue",
     "take_over_queue",
     "written_path",

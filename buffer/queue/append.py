@@ -38,7 +38,7 @@ from millpond.formats.manifest import (
     resume_after,
 )
 from millpond.queue.cas import CasLoop, RawManifest
-from millpond.queue.landed import LandingStatus, resolve_landing
+from millpond.queue.landed import Landings, LandingStatus, resolve_landing
 from millpond.queue.peek import Peek
 from millpond.storage.store import ObjectStore
 
@@ -92,13 +92,25 @@ class QueueProducer:
         """
         return self._seen_next
 
-    def in_doubt_from(self, sequence: int) -> None:
+    def in_doubt_from(self, sequence: int | None) -> None:
         """Writes of these entries made elsewhere — by a previous run of this producer that
         died with a request in flight — may still land at or after ``sequence`` (the
         manifest's ``next_sequence`` when the caller last looked): every read runs the
-        landed-check from there until one of this writer's writes lands."""
-        if self._in_doubt_from is None or sequence < self._in_doubt_from:
+        landed-check from there until one of this writer's writes lands (``None``: no change)."""
+        if sequence is not None and (self._in_doubt_from is None or sequence < self._in_doubt_from):
             self._in_doubt_from = sequence
+
+    def landings(self, *, recovered: bool = False) -> Landings:
+        """One read of the manifest (none: empty) to look in for appends in doubt; ``recovered``:
+        a run that died may have a write in flight on it, landing at its next sequence. Raises
+        ``FormatError`` (a corrupt manifest) or ``StorageError`` (the read failed)."""
+        try:
+            found = Landings(self._cas.store.get(self.path).data, self.path)
+        except NotFoundError:
+            found = Landings(empty_manifest(), self.path)
+        if recovered:
+            self.in_doubt_from(found.next_sequence)
+        return found
 
     def append(
         self,
@@ -108,6 +120,7 @@ class QueueProducer:
         deadline: float | None = None,
         present_from: int | None = None,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
+        in_doubt_from: int | None = None,
     ) -> tuple[int, ...]:
         """Append ``entries`` in one CAS; returns the sequence each entry was given.
 
@@ -130,6 +143,8 @@ class QueueProducer:
             more: after a lost race, or a pause to let other writers go first, called
                 before the next write for entries that became ready meanwhile; they join the
                 group (after it, in the order returned) and the result covers them too.
+            in_doubt_from: a write of these entries made elsewhere (a commit taken over) may
+                still land at or after this sequence (:meth:`in_doubt_from`).
 
         Raises:
             InvalidInputError: an entry that does not fit the wire format (nothing written).
@@ -141,6 +156,7 @@ class QueueProducer:
                 the rest may be (a caller that gives up must not claim they are absent).
             StorageError: the retry budget ran out before any write could have landed.
         """
+        self.in_doubt_from(in_doubt_from)
         if not entries:
             raise InvalidInputError("entries: expected at least one entry, found none")
         attempt = _Append(
@@ -249,72 +265,6 @@ class QueueProducer:
         if lag is None:
             return None
         return Peek(self._cas.read, lag, slot=self._pacer.slot, again=self._pacer.peek_again_lag())
-
-    def _drop_present(
-        self,
-        current: RawManifest,
-        entries: Sequence[PendingEntry],
-        todo: list[int],
-        result: list[int | None],
-        from_sequence: int,
-    ) -> list[int]:
-        """Record which of ``todo`` are in ``current`` already; return the others."""
-        found = find_locations(
-            current.data, {entries[i].location for i in todo}, from_sequence=from_sequence
-        )
-        if not found:
-            return todo
-        logger.info(
-            "append to %s: %s of %s entries are in the manifest already (appended by their "
-            "producer); not writing them again",
-            self._cas.path,
-            len(found),
-            len(todo),
-        )
-        for index in todo:
-            sequence = found.get(entries[index].location)
-            if sequence is not None:
-                result[index] = sequence
-        return [index for index in todo if entries[index].location not in found]
-
-    def _settle_landed(
-        self,
-        current: RawManifest,
-        entries: Sequence[PendingEntry],
-        todo: list[int],
-        result: list[int | None],
-        from_sequence: int,
-        resume: Resume | None = None,
-    ) -> list[int]:
-        """Record which of ``todo`` landed; return the indices still to append."""
-        landing = resolve_landing(
-            current.data,
-            [entries[i].location for i in todo],
-            from_sequence=from_sequence,
-            name=self._cas.path,
-            resume=resume,
-        )
-        if landing.status is LandingStatus.UNKNOWN:
-            logger.warning(
-                "append to %s: none of %s entries is in the manifest, but entries from sequence "
-                "%s on were dequeued since; appending the same locations again (the sink skips "
-                "a location it has written)",
-                self._cas.path,
-                len(todo),
-                from_sequence,
-            )
-        elif landing.status in (LandingStatus.LANDED, LandingStatus.PARTIAL):
-            logger.info(
-                "append to %s had landed already for %s of %s entries (%s since dequeued)",
-                self._cas.path,
-                len(todo) - len(landing.missing),
-                len(todo),
-                len(landing.dequeued),
-            )
-        for position, sequence in enumerate(landing.sequences):
-            if sequence is not None:
-                result[todo[position]] = sequence
-        return [todo[position] for position in landing.missing]
 
 
 class _Step(Enum):
@@ -443,9 +393,7 @@ class _Append:
         # dequeued since (not the whole backlog).
         written_on = self.written_on
         resume = resume_after(written_on.data, current.data) if written_on is not None else None
-        self.todo = self.writer._settle_landed(
-            current, self.entries, self.todo, self.result, self.maybe_landed_from, resume
-        )
+        self.todo = self._settle_landed(current, resume)
         lost_from, self.maybe_landed_from = self.maybe_landed_from, None
         self.sat_out = False
         if not self.todo:
@@ -470,18 +418,62 @@ class _Append:
                 return _Step.AGAIN
         return _Step.ON
 
+    def _settle_landed(self, current: RawManifest, resume: Resume | None) -> list[int]:
+        """Record which of ``todo`` landed; return the indices still to append."""
+        todo, from_sequence, path = self.todo, self.maybe_landed_from, self.cas.path
+        assert from_sequence is not None
+        landing = resolve_landing(
+            current.data,
+            [self.entries[i].location for i in todo],
+            from_sequence=from_sequence,
+            name=path,
+            resume=resume,
+        )
+        if landing.status is LandingStatus.UNKNOWN:
+            logger.warning(
+                "append to %s: none of %s entries is in the manifest, but entries from sequence "
+                "%s on were dequeued since; appending the same locations again (the sink skips "
+                "a location it has written)",
+                path,
+                len(todo),
+                from_sequence,
+            )
+        elif landing.status in (LandingStatus.LANDED, LandingStatus.PARTIAL):
+            logger.info(
+                "append to %s had landed already for %s of %s entries (%s since dequeued)",
+                path,
+                len(todo) - len(landing.missing),
+                len(todo),
+                len(landing.dequeued),
+            )
+        for position, sequence in enumerate(landing.sequences):
+            if sequence is not None:
+                self.result[todo[position]] = sequence
+        return [todo[position] for position in landing.missing]
+
     def _drop_present(self, from_sequence: int, todo: list[int] | None = None) -> list[int]:
         """Drop from ``todo`` (default: all still to append) what ``self.current`` holds
         from ``from_sequence`` on; returns what is left (also kept when ``todo`` is the
         default)."""
         assert self.current is not None
-        kept = self.writer._drop_present(
-            self.current,
-            self.entries,
-            self.todo if todo is None else todo,
-            self.result,
-            from_sequence,
+        looked = self.todo if todo is None else todo
+        entries = self.entries
+        found = find_locations(
+            self.current.data, {entries[i].location for i in looked}, from_sequence=from_sequence
         )
+        if found:
+            logger.info(
+                "append to %s: %s of %s entries are in the manifest already (appended by their "
+                "producer); not writing them again",
+                self.cas.path,
+                len(found),
+                len(looked),
+            )
+        for index in looked:
+            sequence = found.get(entries[index].location)
+            if sequence is not None:
+                self.result[index] = sequence
+        kept = [index for index in looked if entries[index].location not in found]
         if todo is None:
             self.todo = kept
         return kept

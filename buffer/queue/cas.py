@@ -28,6 +28,7 @@ from millpond.formats.manifest import (
     PendingEntry,
     decode_manifest,
 )
+from millpond.queue.landed import Landings
 from millpond.storage.store import ObjectStore
 
 __all__ = ["Appender", "CasLoop", "ManifestSnapshot", "RawManifest", "read_manifest"]
@@ -36,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class Appender(Protocol):
-    """What appends to a queue: :class:`QueueProducer`, or a producer's coordinated appender
-    (``millpond.producer.coordinator``), which keeps the same contract."""
+    """What appends to a queue, and says where appends in doubt landed (``landings``):
+    :class:`QueueProducer`, or a coordinator client, which keeps its contract."""
 
     @property
     def counters(self) -> Counters: ...
@@ -45,7 +46,7 @@ class Appender(Protocol):
     @property
     def seen_next_sequence(self) -> int: ...
 
-    def in_doubt_from(self, sequence: int) -> None: ...
+    def landings(self, *, recovered: bool = False) -> Landings: ...
 
     def append(
         self,
@@ -53,6 +54,7 @@ class Appender(Protocol):
         *,
         more: Callable[[], Sequence[PendingEntry]] | None = None,
         deadline: float | None = None,
+        in_doubt_from: int | None = None,
     ) -> tuple[int, ...]: ...
 
 

@@ -66,8 +66,8 @@ class Queue:
         clock: Clock | None = None,
         counters: Counters | None = None,
     ) -> QueueProducer:
-        """The producer's side: appends in one compare-and-swap, resolving its own writes in
-        doubt (:class:`~millpond.queue.append.QueueProducer`)."""
+        """The producer's side: appends in one compare-and-swap and resolves every append in
+        doubt, its callers' through ``landings`` (:class:`~millpond.queue.append.QueueProducer`)."""
         return QueueProducer(
             self.store, self.location.manifest_path, retry=retry, clock=clock, counters=counters
         )

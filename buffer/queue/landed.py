@@ -21,7 +21,7 @@ after the attempted sequence has been dequeued, the group provably did not land;
 may have landed and been consumed whole. Either way the caller appends the *same* locations
 again, and the sink, which records every location it wrote, skips those it has.
 
-Pure: bytes in, a verdict out.
+Pure: bytes in, a verdict out (:class:`Landings`: what the writer's ``landings()`` read).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from millpond.errors import MillpondError
 from millpond.formats.manifest import Resume, decode_footer, find_locations, first_sequence
 
-__all__ = ["Landing", "LandingStatus", "resolve_landing"]
+__all__ = ["Landing", "LandingStatus", "Landings", "resolve_landing"]
 
 
 class LandingStatus(enum.Enum):
@@ -56,11 +56,36 @@ class Landing:
     """Per member, its sequence when it provably landed (found or dequeued), else ``None``."""
     dequeued: frozenset[int] = frozenset()
     """Indices of members that landed and were already dequeued."""
+    location: str | None = None  # Landings.of_any: the location the batch was found under
 
     @property
     def missing(self) -> tuple[int, ...]:
         """Indices of members that did not land (a suffix of the group)."""
         return tuple(i for i, seq in enumerate(self.sequences) if seq is None)
+
+
+@dataclass(frozen=True, slots=True)
+class Landings:
+    """The manifest as one read found it (none: empty), to look in for appends in doubt."""
+
+    raw: bytes
+    name: str = "manifest"
+
+    @property
+    def next_sequence(self) -> int:
+        return decode_footer(self.raw, name=self.name).next_sequence
+
+    def of(self, locations: Sequence[str], *, from_sequence: int = 0) -> Landing:
+        """The verdict on one group (:func:`resolve_landing`; raises what it raises)."""
+        return resolve_landing(self.raw, locations, from_sequence=from_sequence, name=self.name)
+
+    def of_any(self, locations: Sequence[str]) -> Landing:
+        """One batch under any of ``locations``: ``LANDED`` as the last found, else ``UNKNOWN``."""
+        found = find_locations(self.raw, set(locations))
+        hit = next((loc for loc in reversed(locations) if loc in found), None)
+        if hit is None:
+            return Landing(LandingStatus.UNKNOWN, (None,))
+        return Landing(LandingStatus.LANDED, (found[hit],), location=hit)
 
 
 def resolve_landing(

@@ -168,7 +168,6 @@ def commit_job(
             queue,
             limit=gc_grace_period / 2,
             data_path_prefix=data_path_prefix,
-            manifest_path=manifest_path,
             retry=retry,
             clock=clock,
         )
@@ -226,7 +225,6 @@ class _Job:
         *,
         limit: float,
         data_path_prefix: str,
-        manifest_path: str,
         retry: RetryPolicy | None,
         clock: Clock,
     ) -> tuple[tuple[int, ...], str]:
@@ -249,7 +247,6 @@ class _Job:
                 entries=self.entries,
                 limit=limit,
                 data_path_prefix=data_path_prefix,
-                manifest_path=manifest_path,
                 retry=retry,
                 clock=clock,
             )
@@ -420,7 +417,6 @@ def commit_micro_batch(
             entries=entries,
             limit=gc_grace_period / 2,
             data_path_prefix=data_path_prefix,
-            manifest_path=manifest_path,
             retry=retry,
             clock=clock,
         )
@@ -461,7 +457,6 @@ def _commit_keyed(
     entries: Sequence[PendingEntry],
     limit: float,
     data_path_prefix: str,
-    manifest_path: str,
     retry: RetryPolicy | None,
     clock: Clock,
 ) -> CommitOutcome:
@@ -491,7 +486,6 @@ def _commit_keyed(
                 key=key,
                 batch_id=batch_id,
                 fresh=fresh,
-                manifest_path=manifest_path,
                 hold_by=append_deadline(fresh, limit=limit, clock=clock),
                 clock=clock,
                 owner=owner,

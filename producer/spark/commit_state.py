@@ -21,15 +21,15 @@ its own clock — the owner stopped, and sends nothing more — does it take the
 claim conditional on the state it watched) and resolve it as below. Two jobs with one write id
 at once, or a rerun started while the first run still commits, thus append once; a rerun after
 a driver died mid-commit waits out one lease first. An append of remembered entries also looks
-for them in the manifest before every write (``in_doubt_from``): a write of the former owner
-sent just before its deadline and landing late is found, not doubled.
+for them in the manifest before every write (the append's ``in_doubt_from``): a write of the
+former owner sent just before its deadline and landing late is found, not doubled.
 
 A commit that finds the state of its own key resolves it by looking, never by guessing:
 
 * ``committed``: already enqueued; nothing to do (``skipped``);
 * ``pending`` and the remembered locations are in the manifest, or provably dequeued as a prefix
-  of it (:func:`~millpond.queue.landed.resolve_landing`): enqueued; mark it committed
-  (``skipped``). If only a prefix is there, the rest is appended;
+  of it (the writer's ``landings``): enqueued; mark it committed (``skipped``). If only a
+  prefix is there, the rest is appended;
 * ``pending`` and none of them is there: append the *remembered* entries again — the same
   locations, which the hold kept in the store. If they had landed and were consumed meanwhile,
   the sink recognises their locations and skips them (``reappended``); otherwise they are simply
@@ -62,15 +62,15 @@ from millpond.errors import (
     NotFoundError,
     StorageError,
 )
-from millpond.formats.manifest import Metadata, PendingEntry, decode_footer, empty_manifest
+from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.queue import (
     Appender,
     Landing,
+    Landings,
     LandingStatus,
     encode_hold,
     hold_path,
     locations_of,
-    resolve_landing,
 )
 from millpond.storage.store import ObjectStore
 
@@ -216,7 +216,6 @@ def commit_with_state(
     key: str,
     batch_id: int,
     fresh: tuple[PendingEntry, ...],
-    manifest_path: str,
     hold_by: float | None = None,
     clock: Clock | None = None,
     owner: str | None = None,
@@ -248,7 +247,6 @@ def commit_with_state(
         store,
         queue,
         path,
-        manifest_path,
         key,
         batch_id,
         fresh,
@@ -267,7 +265,6 @@ class _Attempt:
     store: ObjectStore
     queue: Appender
     path: str
-    manifest_path: str
     key: str
     batch_id: int
     fresh: tuple[PendingEntry, ...]
@@ -278,7 +275,7 @@ class _Attempt:
     on_wait: Callable[[], None] | None
     etag: str | None = None
     seen: bytes | None = None
-    raw: bytes = b""
+    manifest: Landings = Landings(b"")  # noqa: RUF009 - frozen; each decision reads it
     appended: CommitOutcome | None = None
     """What this commit's own append returned, before it marked the state committed."""
 
@@ -322,7 +319,7 @@ class _Attempt:
                 f"committed ({self.path}): the checkpoint was reset or another query uses the "
                 "same id; give this query its own query_id option"
             )
-        self.raw = _manifest(self.store, self.manifest_path)
+        self.manifest = self.queue.landings()
         if state is not None and state.batch_id == self.batch_id:
             if state.status == COMMITTED:
                 logger.warning(
@@ -336,7 +333,7 @@ class _Attempt:
                     return None
                 # Unchanged for a whole lease: its owner sends nothing more. Take it over, on
                 # the manifest as it is now.
-                self.raw = _manifest(self.store, self.manifest_path)
+                self.manifest = self.queue.landings()
             return self._resolve(state)
         if not self.fresh:
             return CommitOutcome("empty")
@@ -344,7 +341,7 @@ class _Attempt:
 
     def _append_fresh(self, replacing: CommitState | None) -> CommitOutcome:
         """Hold the fresh entries (pending, claimed), append them, mark them committed."""
-        next_sequence = decode_footer(self.raw, name=self.manifest_path).next_sequence
+        next_sequence = self.manifest.next_sequence
         pending = CommitState(
             self.key,
             self.batch_id,
@@ -363,14 +360,14 @@ class _Attempt:
         self._write(pending)
         # Nobody else appends these (they are this commit's own) unless this commit stopped
         # past its lease and was taken over: look before every write anyway.
-        self.queue.in_doubt_from(next_sequence)
-        sequences = self._append(self.fresh, deadline)
+        sequences = self._append(self.fresh, deadline, next_sequence)
         self.appended = CommitOutcome("appended", sequences)
         self._write(replace(pending, status=COMMITTED, sequences=sequences))
         return CommitOutcome("appended", sequences)
 
-    def _append(self, entries: Sequence[PendingEntry], deadline: float) -> tuple[int, ...]:
-        """Append under a claim whose lease ends at ``deadline``.
+    def _append(self, todo: Sequence[PendingEntry], deadline: float, since: int) -> tuple[int, ...]:
+        """Append under a claim whose lease ends at ``deadline``; an earlier write of them may
+        land from ``since`` on (``Appender.append``'s ``in_doubt_from``).
 
         Raises:
             _LeaseOver: the append gave up with the lease over: this commit was held up, and
@@ -379,18 +376,15 @@ class _Attempt:
             CommitStateUnknownError, StorageError, MillpondError: as ``Appender.append``.
         """
         try:
-            return self.queue.append(entries, deadline=deadline)
+            return self.queue.append(todo, deadline=deadline, in_doubt_from=since)
         except StorageError as err:
             if self.clock.monotonic() < deadline:
                 raise
             raise _LeaseOver(f"{self.path}: lease of {self.lease:.1f} s over: {err}") from err
 
     def _landing(self, state: CommitState) -> Landing:
-        return resolve_landing(
-            self.raw,
-            [e.location for e in state.entries],
-            from_sequence=state.next_sequence,
-            name=self.manifest_path,
+        return self.manifest.of(
+            [e.location for e in state.entries], from_sequence=state.next_sequence
         )
 
     def _outlast(self, state: CommitState, seen_at: float) -> bool:
@@ -478,8 +472,7 @@ class _Attempt:
         state, deadline = self._claim(state)
         # A write of the former owner, sent before its lease ended, may land yet: look for the
         # entries before every write, not only now.
-        self.queue.in_doubt_from(state.next_sequence)
-        sequences = self._append([state.entries[i] for i in missing], deadline)
+        sequences = self._append([state.entries[i] for i in missing], deadline, state.next_sequence)
         for index, sequence in zip(missing, sequences, strict=True):
             known[index] = sequence
         done = tuple(s for s in known if s is not None)
@@ -511,13 +504,6 @@ def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None
     except NotFoundError:
         return None, None, None
     return CommitState.decode(got.data, name=f"{store.url}/{path}"), got.etag, got.data
-
-
-def _manifest(store: ObjectStore, path: str) -> bytes:
-    try:
-        return store.get(path).data
-    except NotFoundError:
-        return empty_manifest()
 
 
 def _exists(store: ObjectStore, entry: PendingEntry) -> bool:
