@@ -37,6 +37,7 @@ from millpond.queue.claim import (
 from millpond.queue.cursor import QueueCursor
 from millpond.queue.dequeue import QueueConsumer
 from millpond.queue.epoch_mark import is_replaced, read_epoch_mark
+from millpond.queue.fenced import FencedObject, Version
 from millpond.queue.front_door import Queue
 from millpond.queue.gc_rules import GcPlan, GcReport, KeepReason, collect_once, plan_collection
 from millpond.queue.holds import encode_hold, hold_path, locations_of
@@ -67,6 +68,7 @@ from millpond.queue.written import (
     WrittenMark,
     note_set_aside,
     read_written,
+    written_object,
     written_path,
 )
 
@@ -77,6 +79,7 @@ __all__ = [
     "Appender",
     "BacklogIndex",
     "EntryReader",
+    "FencedObject",
     "GcPlan",
     "GcReport",
     "IndexHead",
@@ -96,6 +99,7 @@ __all__ = [
     "SinkLook",
     "SinkWatch",
     "Takeover",
+    "Version",
     "WrittenMark",
     "batch_time_ms",
     "bytes_from",
@@ -122,5 +126,6 @@ __all__ = [
     "referenced_bytes",
     "same_queue",
     "take_over_queue",
+    "written_object",
     "written_path",
 ]

@@ -29,8 +29,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
-from millpond.errors import FormatError, NotFoundError
+from millpond.common.retry import RetryPolicy
+from millpond.errors import FencedError, FormatError, NotFoundError
 from millpond.queue.claim import internal_path
+from millpond.queue.fenced import FencedObject
 from millpond.storage.store import ObjectStore
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "WrittenMark",
     "note_set_aside",
     "read_written",
+    "written_object",
     "written_path",
 ]
 
@@ -145,6 +148,41 @@ def read_written(store: ObjectStore, data_path_prefix: str) -> WrittenMark | Non
     except NotFoundError:
         return None
     return WrittenMark.from_json(got.data, name=path)
+
+
+def written_object(
+    store: ObjectStore, data_path_prefix: str, epoch: int | None, *, clock: Clock | None = None
+) -> FencedObject[WrittenMark]:
+    """The mark as the consumer service at ``epoch`` writes it
+    (:class:`~millpond.queue.fenced.FencedObject`): each write conditional on the version it
+    last wrote or read, refused with ``FencedError`` once a newer consumer's mark is there. A
+    mark this version cannot read is written over."""
+    path = written_path(data_path_prefix)
+
+    def decode(data: bytes) -> WrittenMark:
+        try:
+            return WrittenMark.from_json(data, name=path)
+        except FormatError:
+            return WrittenMark(queue="", epoch=None, written_through=None, state="", updated_ms=0)
+
+    def check(mark: WrittenMark) -> None:
+        if epoch is not None and mark.epoch is not None and mark.epoch > epoch:
+            raise FencedError(
+                f"{store.url}/{path}: written by the consumer at epoch {mark.epoch}, this one "
+                f"holds {epoch}",
+                expected_epoch=epoch,
+                found_epoch=mark.epoch,
+            )
+
+    return FencedObject(
+        store,
+        path,
+        decode=decode,
+        encode=WrittenMark.to_json,
+        check=check,
+        retry=RetryPolicy(max_attempts=2, max_elapsed=5.0),
+        clock=clock or SystemClock(),
+    )
 
 
 def note_set_aside(

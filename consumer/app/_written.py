@@ -27,8 +27,15 @@ from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.tasks import BackgroundTask
-from millpond.errors import MillpondError
-from millpond.queue import WrittenMark, read_written, same_queue, written_path
+from millpond.errors import FencedError, MillpondError
+from millpond.queue import (
+    Version,
+    WrittenMark,
+    read_written,
+    same_queue,
+    written_object,
+    written_path,
+)
 from millpond.storage.store import ObjectStore
 
 __all__ = ["MIN_GAP", "WrittenPublisher"]
@@ -75,6 +82,9 @@ class WrittenPublisher:
         self._put_at: float | None = None  # monotonic time of the last write
         self._failing = False
         self._started = False
+        self._fenced = False  # a newer consumer's mark is there: nothing more is written
+        self._object = written_object(store, data_path_prefix, None, clock=self._clock)
+        self._version: Version[WrittenMark] | None = None  # as last written
         self._task = BackgroundTask("millpond-written", self._run)
 
     @property
@@ -88,6 +98,7 @@ class WrittenPublisher:
         ``written_through``: publish that (first carrying over the set-aside batches the last
         mark listed), then every change."""
         self._change(epoch=epoch, written_through=written_through, state="running", stopped_on=None)
+        self._object = written_object(self._store, self._prefix, epoch, clock=self._clock)
         self._started = True
         self._task.start()
 
@@ -123,7 +134,7 @@ class WrittenPublisher:
         with self._cond:
             self._cond.notify_all()
         self._task.join(_JOIN)
-        if not self._started or state == "fenced":
+        if not self._started or state == "fenced" or self._fenced:
             return
         with self._cond:
             if self._mark.state != "stopped_on_batch":
@@ -170,7 +181,7 @@ class WrittenPublisher:
             gap = self._put_at + self._min_gap - clock.monotonic()
             if gap > 0 and self._task.wait(gap):
                 return False
-        return not self._task.stopping
+        return not self._task.stopping and not self._fenced
 
     def _write(self) -> bool:
         """Write the mark as it stands; whether it landed (a failure is logged once)."""
@@ -179,8 +190,16 @@ class WrittenPublisher:
             change = self._changes
         self._put_at = self._clock.monotonic()
         try:
-            self._store.put(self._path, mark.to_json())
+            done = self._object.update(
+                lambda _current: mark, what="written-through mark", known=self._version
+            )
+            self._version = done.version
+        except FencedError as err:
+            logger.info("a newer consumer writes %s now; writing no more: %s", self._path, err)
+            self._fenced = True
+            return True
         except MillpondError as err:
+            self._version = None
             if not self._failing:
                 logger.warning("could not write the written-through mark %s: %s", self._path, err)
             self._failing = True

@@ -35,6 +35,18 @@ class SlowStore(ForwardingStore):
         self.failed = 0
 
     def put(self, path: str, data: bytes) -> str | None:
+        self._note(path, data)
+        return self.inner.put(path, data)
+
+    def put_if_absent(self, path: str, data: bytes) -> str | None:
+        self._note(path, data)
+        return self.inner.put_if_absent(path, data)
+
+    def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+        self._note(path, data)
+        return self.inner.put_if_match(path, data, etag)
+
+    def _note(self, path: str, data: bytes) -> None:
         if path == written_path(PREFIX):
             time.sleep(self.delay)
             with self.lock:
@@ -42,7 +54,6 @@ class SlowStore(ForwardingStore):
                     self.failed += 1
                     raise StorageError("the store is down")
                 self.marks.append(WrittenMark.from_json(data, name=path))
-        return self.inner.put(path, data)
 
 
 def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -161,3 +172,22 @@ def test_a_store_that_fails_is_logged_once_and_written_again(
     warnings = [r for r in caplog.records if "could not write the written-through" in r.message]
     assert len(warnings) == 1
     assert any("is written again" in r.message for r in caplog.records)
+
+
+def test_a_fenced_services_late_mark_never_lands_over_its_successors(store: SlowStore) -> None:
+    """The mark is written conditionally under the service's epoch: once the service that took
+    over has written its mark, the older one's writes (a delivery it still counted, its last
+    word) are refused and it writes no more. With a plain PUT its mark landed over the newer
+    one's: epoch 3, written through 12, over epoch 4's 9."""
+    older = publisher(store, interval=60)
+    older.start(epoch=3, written_through=9)
+    until(lambda: read_written(store, PREFIX) is not None, "the older service's mark")
+    newer = publisher(store, interval=60)
+    newer.start(epoch=4, written_through=9)
+    until(lambda: read_written(store, PREFIX).epoch == 4, "the newer service's mark")  # type: ignore[union-attr]
+    older.written(12)
+    older.finish("stopped")
+    mark = read_written(store, PREFIX)
+    assert mark is not None
+    assert (mark.epoch, mark.written_through) == (4, 9)
+    newer.finish("stopped")
