@@ -226,6 +226,14 @@ class Database:
         except Exception:  # the table does not exist yet
             return 0
 
+    def last_recorded(self) -> int | None:
+        """The highest sequence in the progress table (``None`` before it exists: a service
+        killed early in its first start-up has not made it)."""
+        try:
+            return self.query(f'SELECT max(sequence) FROM "{self.progress}"')[0][0]
+        except Exception:  # the table does not exist yet
+            return None
+
 
 _query_connections: dict[str, Any] = {}
 _query_lock = threading.Lock()

@@ -154,7 +154,7 @@ def test_exactly_once_through_repeated_sigkills(
                 cut_short += 1
             # Killed after a commit but before its dequeue: the next life must skip ahead.
             queued = _queue(store).first_sequence
-            recorded = database.query(f'SELECT max(sequence) FROM "{database.progress}"')[0][0]
+            recorded = database.last_recorded()
             if queued is not None and recorded is not None and queued <= recorded:
                 committed_not_dequeued += 1
     finally:
