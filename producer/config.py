@@ -115,10 +115,11 @@ class ProducerConfig(QueueLocation):
     (Spark's Python workers on one executor, several jobs on one host): the first to append
     hosts it on 127.0.0.1 and the others send their appends there with a token only this
     user's processes can read, so one compare-and-swap carries all of theirs; when its host
-    exits another takes over, and meanwhile they append directly (README, "Producers on one
-    machine"). ``True`` is refused with ``coordinator``. Default ``None``: shared when the
-    store is S3, GCS or Azure (where a compare-and-swap costs a network round trip) and no
-    ``coordinator`` is given; ``False`` appends directly."""
+    exits another takes over, and meanwhile they append directly
+    (docs/operator-guide/coordinator.md, "Producers on one machine"). ``True`` is refused with
+    ``coordinator``. Default ``None``: shared when the store is S3, GCS or Azure (where a
+    compare-and-swap costs a network round trip) and no ``coordinator`` is given; ``False``
+    appends directly."""
     clock: Clock = field(default_factory=SystemClock, repr=False, compare=False)
     """Time source for ingestion times, ULIDs, deadlines and backoff. Default the system's."""
 

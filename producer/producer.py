@@ -517,7 +517,7 @@ class Producer:
         *,
         labels: Mapping[str, str] | None = None,
     ) -> None:
-        """Export this producer's metrics (see the README's table) through ``registry``.
+        """Export this producer's metrics (see the docs' metrics page) through ``registry``.
 
         Each scrape of the registry reads the producer's counters; :meth:`close` unregisters
         them. One registry takes one producer (``prometheus_client`` refuses a name twice):

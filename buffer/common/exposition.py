@@ -1,7 +1,7 @@
 """Millpond's metrics in Prometheus' exposition format: the names, and the bridge.
 
 Every metric any role exports is declared once, in :data:`CATALOG` (name, type, help, label
-names); the README's metrics table lists the same names and a test keeps them in step. A role
+names); the docs' metrics table is generated from them. A role
 describes what it has as :class:`Sample` values read from its own counters and histograms
 (:mod:`millpond.common.metrics`), and :class:`MetricsCollector` turns them into metric families
 each time a registry is scraped — nothing is exported or locked in the hot path.
@@ -55,7 +55,7 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     exported_by: str = ""
-    """Which processes export it (``consume``, ``gc``, ``producer``), for the README."""
+    """Which processes export it (``consume``, ``gc``, ``producer``), for the docs."""
 
 
 def _spec(name: str, kind: MetricKind, help_: str, by: str, *labels: str) -> MetricSpec:

@@ -19,7 +19,7 @@ read by every other one at start:
   has finished deleting by then.
 
 The claim sits in a nested prefix, which the RFC's collectors never list, so RFC peers neither
-see nor need it; a peer that does not read it is not protected by it (README, "Guarantees").
+see nor need it; a peer that does not read it is not protected by it (docs/guarantees.md).
 
 **The identity** (:func:`queue_identity`) is the store URL, without credentials, joined with
 the manifest path: the key a sink records its progress under.

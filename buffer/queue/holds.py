@@ -12,7 +12,7 @@ writer appends first and removes (or replaces) its hold after, so any location a
 naming is already in the manifest by the time a pass reads it.
 
 Holds sit in a nested prefix the RFC's collectors never list; an RFC peer's collector does not
-know about them (README, "Guarantees").
+know about them (docs/guarantees.md).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from millpond.storage.store import ObjectStore
 
 __all__ = [
     "REPORT_NAME",
+    "REPORT_SLACK",
     "ServiceReport",
     "ServiceReporter",
     "ServiceState",
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 REPORT_NAME = "consumer.json"
 _VERSION = 1
+REPORT_SLACK = 1.0
+"""Seconds a report's write may take before ``millpond status`` counts it missed."""
 
 
 class ServiceState(StrEnum):
@@ -129,11 +132,17 @@ class ServiceReport:
             raise FormatError(f"{name}: expected a consumer report, found {err}") from err
 
     def stale(self, now_ms: int) -> bool:
-        """Whether a running consumer missed its reports (it may have died)."""
-        if self.state not in (ServiceState.RUNNING, ServiceState.RETRYING):
-            return False
-        allowed = max(3 * self.interval, self.interval + 10.0) if self.interval > 0 else None
-        return allowed is not None and (now_ms - self.updated_ms) / 1000 > allowed
+        """Whether a running consumer missed two reports in a row (it may have died): one
+        late write is the store's, two the consumer's."""
+        return self.missed(now_ms) >= 2
+
+    def missed(self, now_ms: int) -> int:
+        """How many reports a running consumer has missed since its last (0 when stopped, or
+        when it promised none), allowing each write :data:`REPORT_SLACK` seconds."""
+        if self.state not in (ServiceState.RUNNING, ServiceState.RETRYING) or self.interval <= 0:
+            return 0
+        age = (now_ms - self.updated_ms) / 1000
+        return max(0, int((age - REPORT_SLACK) // self.interval))
 
 
 def report_path(data_path_prefix: str) -> str:
@@ -346,7 +355,8 @@ def report_text(report: ServiceReport | None, *, now_ms: int, epoch: int) -> lis
         note = ""
         if report.stale(now_ms):
             note = (
-                f"; NO REPORT FOR {age:.0f} s (every {report.interval:g} s expected): is it alive?"
+                f"; NO REPORT FOR {age:.0f} s ({report.missed(now_ms)} missed, one every "
+                f"{report.interval:g} s expected): is it alive?"
             )
         elif report.epoch is not None and report.epoch < epoch:
             note = f"; superseded: the queue is at epoch {epoch}"

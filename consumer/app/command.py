@@ -33,7 +33,12 @@ from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.app.service import logger as service_logger
 from millpond.consumer.sinks import open_sink
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["EXIT_WHEN_IDLE_START_TIMEOUT", "add_arguments", "run", "start_timeout"]
+
+EXIT_WHEN_IDLE_START_TIMEOUT = 120.0
+"""``--start-timeout`` of a run with ``--exit-when-idle`` (a scheduled job): a database that
+does not answer for two minutes ends the run, exit 1, rather than holding the scheduler for
+ever."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +77,12 @@ def _add_sink_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sink", required=True, metavar="URL", help="sqlite:///path.db or postgresql://..."
     )
-    parser.add_argument("--table", default="millpond_rows", help="target table [schema.]name")
+    parser.add_argument(
+        "--table",
+        default="millpond_rows",
+        help="the table for rows whose batch names none, [schema.]name (default "
+        "millpond_rows); the queue's progress is recorded under its name",
+    )
     parser.add_argument(
         "--entry-format",
         choices=("auto", "arrow", "opaque"),
@@ -82,7 +92,9 @@ def _add_sink_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sequence-column",
         default="_millpond_sequence",
-        help="column holding each Arrow row's batch sequence ('' for none)",
+        help="a column holding each Arrow row's batch sequence, added to every table the "
+        "consumer writes (ALTER TABLE on one it did not create; default _millpond_sequence; "
+        "'' for none)",
     )
     parser.add_argument("--progress-table", default="millpond_progress")
 
@@ -147,6 +159,14 @@ def _add_loop_arguments(parser: argparse.ArgumentParser) -> None:
         "--exit-when-idle",
         action="store_true",
         help="stop once the queue is drained (for a scheduled job) instead of polling",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=seconds(allow_zero=False),
+        default=None,
+        help="give up (exit 1, naming the database or the store) when either does not answer "
+        f"for this long at start (default {EXIT_WHEN_IDLE_START_TIMEOUT:g} s with "
+        "--exit-when-idle; without it, wait as long as it takes)",
     )
 
 
@@ -231,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             quarantine_limit=args.quarantine_limit,
             reporter=reporter,
             ledger=sink,
+            start_timeout=start_timeout(args),
         )
         with (
             serving_metrics(args, [metrics.collector()]) as server,
@@ -238,6 +259,14 @@ def run(args: argparse.Namespace) -> int:
         ):
             service.run(stop, until_idle=args.exit_when_idle)
     return 0
+
+
+def start_timeout(args: argparse.Namespace) -> float | None:
+    """``--start-timeout``, or its default: two minutes with ``--exit-when-idle``, none
+    otherwise (a service waits a database out however long it is down)."""
+    if args.start_timeout is not None:
+        return float(args.start_timeout)
+    return EXIT_WHEN_IDLE_START_TIMEOUT if args.exit_when_idle else None
 
 
 def _consumer_config(args: argparse.Namespace) -> ConsumerConfig:

@@ -71,7 +71,13 @@ from millpond.errors import (
 )
 from millpond.formats.manifest import ManifestEntry
 
-__all__ = ["MANIFEST_ATTEMPTS", "BadBatchPolicy", "ConsumerService", "ServiceStats"]
+__all__ = [
+    "MANIFEST_ATTEMPTS",
+    "BadBatchPolicy",
+    "ConsumerService",
+    "ServiceStats",
+    "StartTimeoutError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,10 @@ _T = TypeVar("_T")
 MANIFEST_ATTEMPTS = 6
 """Reads of the manifest that may fail in a row (404, bytes that do not decode) before the
 service stops naming it: about 15 s at the default retry delays (0.5 s doubling)."""
+
+
+class StartTimeoutError(MillpondError):
+    """The database or the store did not answer within the service's start timeout."""
 
 
 class BadBatchPolicy(StrEnum):
@@ -169,9 +179,13 @@ class ConsumerService:
         quarantine_limit: int = 10,
         reporter: ServiceReporter | None = None,
         ledger: QuarantineLedger | None = None,
+        start_timeout: float | None = None,
     ) -> None:
         """``ledger`` records quarantines (default ``sink`` itself, when it can: pass it when
         ``sink`` wraps the database's sink, as the metrics' timing wrapper does).
+        ``start_timeout``: how long the start (reading the sink's progress, taking the queue
+        over) waits out a database or a store that does not answer before :meth:`run` gives up
+        naming it; ``None`` waits as long as it takes, as the rest of the run does.
 
         Raises:
         ConfigError: ``on_bad_batch`` is not ``stop`` or ``quarantine``, or ``quarantine``
@@ -211,6 +225,7 @@ class ConsumerService:
         # The last sequence written into the sink (acked with the next delivery).
         self._written_through: int | None = None
         self._manifest_failures = 0  # reads of the manifest that failed in a row
+        self._start_timeout = start_timeout
         self._started = self._window_start = self._clock.monotonic()
 
     def run(self, stop: threading.Event, *, until_idle: bool = False) -> ServiceStats:
@@ -250,12 +265,15 @@ class ConsumerService:
         """Take the queue over from after the sink's last sequence, waiting out a store or a
         database that is down; ``False`` when stopped first."""
         consumer = self._consumer
+        timeout = self._start_timeout
+        deadline = None if timeout is None else self._clock.monotonic() + timeout
         # The sink refuses here, before this consumer takes over or dequeues anything, if it
         # holds another queue's progress.
         start = self._with_retry(
             stop,
             "read the sink's last sequence",
             functools.partial(self._sink.last_sequence, consumer.queue),
+            deadline=deadline,
         )
         if stop.is_set():
             return False
@@ -271,6 +289,7 @@ class ConsumerService:
                 functools.partial(self._sink.last_sequence, consumer.queue),
                 read=start,
             ),
+            deadline=deadline,
         )
         if stop.is_set():
             return False
@@ -303,13 +322,12 @@ class ConsumerService:
         """The run stops on ``err`` (not a fencing): log why, dequeue what was written, and
         report the stop."""
         if isinstance(err, MillpondError):
+            # Why is the error itself, which the caller gets (the command prints it once).
             last = self.stats.last_sequence
             logger.error(
-                "%s: %s",
                 "stopping before writing anything"
                 if last is None
-                else f"stopping after sequence {last}; nothing after it is written",
-                err,
+                else f"stopping after sequence {last}; nothing after it is written"
             )
         # Dequeue what was written and acked, even when stopping on bad data; a failure
         # there must not hide why the service stopped.
@@ -507,11 +525,12 @@ class ConsumerService:
             self._ahead_done()
             if len(group) == 1:
                 return self._bad_batch(group[0], err, stop)
+            # Not the error's text: writing one by one names the batch it is about, once.
             logger.warning(
                 "sequences %s..%s cannot be written together (%s); writing one by one",
                 group[0].sequence,
                 group[-1].sequence,
-                err,
+                type(err).__name__,
             )
             return self._write_one_by_one(group, stop)
         if results is None:
@@ -809,9 +828,11 @@ class ConsumerService:
         call: Callable[[], _T],
         *,
         reads_manifest: bool = False,
+        deadline: float | None = None,
     ) -> _T | None:
         """``call()``, retried with capped backoff while the store or the database is down;
-        ``None`` when stopped first.
+        ``None`` when stopped first. Past ``deadline`` (the start timeout, on the service's
+        clock) a failure is raised, naming what could not be done and why.
 
         ``reads_manifest``: ``call`` is a consumer call that checks the epoch (an ack, a move
         past a batch, the final dequeue) and delivers nothing, so a ``FormatError`` or
@@ -828,19 +849,22 @@ class ConsumerService:
                 if not self._manifest_trouble(err, stop):
                     return None
                 continue
-            except SinkError as err:
-                if not err.transient:
+            except (SinkError, StorageError) as err:
+                if isinstance(err, SinkError) and not err.transient:
                     raise
-                logger.warning("could not %s, retrying in %.1f s: %s", what, delay, err)
-                self._note_retry(what, err)
-            except StorageError as err:
+                left = None if deadline is None else deadline - self._clock.monotonic()
+                if left is not None and left <= 0:
+                    raise StartTimeoutError(
+                        f"could not {what} within {self._start_timeout:g} s of starting, giving "
+                        f"up (--start-timeout): {err}"
+                    ) from err
                 logger.warning("could not %s, retrying in %.1f s: %s", what, delay, err)
                 self._note_retry(what, err)
             else:
                 if reads_manifest:
                     self._manifest_failures = 0
                 return result
-            if stop.wait(delay):
+            if stop.wait(delay if left is None else min(delay, left)):
                 return None
             delay = min(delay * 2, self._retry_max)
 

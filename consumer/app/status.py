@@ -308,7 +308,8 @@ def _text(url: str, record: Mapping[str, Any]) -> list[str]:
         f"epoch            {record['epoch']}"
         + (
             f" (MANIFEST REPLACED: a consumer of this queue held epoch "
-            f"{record['recorded_epoch']}; consumers refuse it, README 'A replaced manifest')"
+            f"{record['recorded_epoch']}; consumers refuse it: docs/guarantees.md, "
+            "'A replaced manifest is refused')"
             if record.get("replaced")
             else ""
         ),
@@ -322,7 +323,13 @@ def _text(url: str, record: Mapping[str, Any]) -> list[str]:
         f"bytes referenced {referenced}",
         f"oldest entry     {record['oldest_location'] or '-'} "
         f"({seconds(record['oldest_entry_age_seconds'])} old)",
-        f"consumer lag     {seconds(record['consumer_lag_seconds'])}",
+        f"consumer lag     {seconds(record['consumer_lag_seconds'])}"
+        + (
+            ""
+            if "sink" in record
+            else " at most: the oldest entry not yet dequeued, which the consumer may have "
+            "written already (--sink reads what the database holds)"
+        ),
     ]
 
 

@@ -1,4 +1,4 @@
-"""One value as JSON text, in the conventions every nested value follows (README, "types").
+"""One value as JSON text, in the conventions every nested value follows (docs/user-guide/types.md).
 
 Decimals are exact numbers, floats are numbers except NaN and ±Infinity (the strings
 ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), binary is base64, dates and times are ISO-8601

@@ -1,7 +1,7 @@
 """Batch values rewritten for a column: what each kind becomes in PostgreSQL and in SQLite.
 
 Pure functions over Arrow arrays; the mapping they implement is the table in
-:mod:`millpond.consumer.sinks.types` (and the README).
+:mod:`millpond.consumer.sinks.types` (and the docs' types page).
 
 Nested values (arrays, maps, structs) become JSON text in both databases, written the way
 Spark's ``to_json`` writes them: a struct is an object with its fields in order, a map is an

@@ -25,7 +25,7 @@ from pyspark.sql.datasource import (
 )
 
 from millpond.common.metrics import Counters
-from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
+from millpond.errors import CommitStateUnknownError, ConfigError, NotFoundError, StorageError
 from millpond.formats.manifest import PendingEntry
 from millpond.formats.routing import with_table
 from millpond.producer.spark.commit import (
@@ -33,13 +33,16 @@ from millpond.producer.spark.commit import (
     commit_job,
     commit_micro_batch,
     spark_payload,
+    write_state_path,
 )
+from millpond.producer.spark.commit_state import COMMITTED, CommitState
 from millpond.producer.spark.executor import (
     partition_producer,
 )
 from millpond.producer.spark.options import SparkWriteSettings
 from millpond.producer.spark.schema import refuse_unwritable
 from millpond.producer.spark.summary import ensure_summary_output, log_summary
+from millpond.producer.spark.summary import logger as summary_logger
 from millpond.producer.spark.upload import (
     BatchUploader,
     TaskCommitMessage,
@@ -84,7 +87,9 @@ class MillpondDataSource(DataSource):
         logger.info(
             "millpond write %s to %s (commit=%s)", job_id, settings.store_url, settings.commit
         )
-        return MillpondBatchWriter(settings, job_id, probe_gets=int(settings.check_store))
+        return MillpondBatchWriter(
+            settings, job_id, probe_gets=int(settings.check_store), landed=_landed(settings)
+        )
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         """Check the options and the store; see :meth:`writer`.
@@ -99,6 +104,23 @@ class MillpondDataSource(DataSource):
         if settings.commit == "job" and not settings.query_id and not settings.checkpoint_location:
             settings.stream_id()  # raises the ConfigError naming checkpointLocation
         return MillpondStreamWriter(settings)
+
+
+def _landed(settings: SparkWriteSettings) -> tuple[int, ...] | None:
+    """Where an earlier run of this job put its rows, when its ``write_id`` is known to have
+    landed before this job starts (its state committed); ``None`` when it has no write id, or
+    its write id is not committed (yet). Its tasks then upload nothing: the commit enqueues
+    nothing whatever they send, and their uploads would only be garbage."""
+    if settings.commit != "job" or settings.write_id is None:
+        return None
+    path = write_state_path(settings.data_path_prefix, settings.write_id)
+    store = settings.open_store()
+    try:
+        got = store.get(path)
+    except NotFoundError:
+        return None
+    state = CommitState.decode(got.data, name=f"{store.url}/{path}")
+    return (state.sequences or ()) if state.status == COMMITTED else None
 
 
 def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings:
@@ -123,15 +145,28 @@ def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings
 class MillpondBatchWriter(DataSourceArrowWriter):
     """Task side uploads, driver side one append. Pickled to every task."""
 
-    def __init__(self, settings: SparkWriteSettings, job_id: str, *, probe_gets: int = 0) -> None:
+    def __init__(
+        self,
+        settings: SparkWriteSettings,
+        job_id: str,
+        *,
+        probe_gets: int = 0,
+        landed: tuple[int, ...] | None = None,
+    ) -> None:
         self.settings = settings
         self.job_id = job_id
+        # Where the write id's earlier run put its rows, when it had landed before this job.
+        self.landed = landed
         # GETs the driver sent before the job (the store check), for the receipt.
         self.probe_gets = probe_gets
         # What commit() knows about the append, for abort() to report truthfully.
         self.outcome = "not committed"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        if self.landed is not None:  # its write id landed: nothing to upload
+            for _ in iterator:
+                pass
+            return TaskCommitMessage(0, 0, (), UploadStats())
         return _write_task(self.settings, iterator, spark_payload(job=self.job_id))
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
@@ -189,8 +224,24 @@ class MillpondBatchWriter(DataSourceArrowWriter):
                     settings.receipt_path,
                     err,
                 )
+        if receipt.status == "skipped":
+            self._say_skipped(receipt)
         named = f" (write_id {settings.write_id!r})" if settings.write_id else ""
         await_sink(settings, receipt.sequences, what=f"millpond job {self.job_id}{named}")
+
+    def _say_skipped(self, receipt: JobReceipt) -> None:
+        """A rerun of a write id that landed succeeds: say, where the job's output goes, that
+        it enqueued nothing (and, when that was known before it started, uploaded nothing)."""
+        sequences = receipt.sequences or self.landed or ()
+        where = f" at sequences {sequences[0]}..{sequences[-1]}" if sequences else ""
+        summary_logger.warning(
+            "millpond job %s: write_id %r was enqueued by an earlier run%s; this run enqueued "
+            "nothing%s (give a new write_id to enqueue the rows again)",
+            self.job_id,
+            self.settings.write_id,
+            where,
+            " and uploaded nothing" if self.landed is not None else "",
+        )
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         uploaded = sum(len(m.uploads) for m in messages if isinstance(m, TaskCommitMessage))
