@@ -783,7 +783,8 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
             except SinkError as err:
                 if not err.transient or attempt == _QUICK_RETRIES - 1:
                     raise
-                logger.warning("%s; retrying at once", err)
+                # INFO: recovered at once, or the caller says it, once, as it backs off.
+                logger.info("%s; retrying at once", err)
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 

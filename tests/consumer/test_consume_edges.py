@@ -42,6 +42,9 @@ def test_exit_when_idle_gives_up_on_a_database_that_does_not_answer_naming_it(
     assert "(--start-timeout)" in last
     assert f"127.0.0.1:{closed}/warehouse" in last  # the database it could not reach
     assert "Connection refused" in last
+    warnings = [x for x in done.stderr.splitlines() if " WARNING " in x]
+    assert warnings  # each try said once that it would retry
+    assert all("could not read the sink's last sequence, retrying in" in x for x in warnings)
 
 
 def test_exit_when_idle_has_a_start_timeout_by_default_and_a_service_none() -> None:
