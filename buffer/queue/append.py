@@ -232,7 +232,7 @@ class QueueProducer:
                 "append to %s: the manifest's next_sequence is %s, below %s seen before: it "
                 "was replaced (deleted and created again, or restored from an older copy). "
                 "Appending to it; a millpond consumer refuses it until an operator decides "
-                "(README, 'A replaced manifest is refused')",
+                "(docs/guarantees.md, 'A replaced manifest is refused')",
                 self._cas.path,
                 found,
                 self._seen_next,
