@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 AZURITE := $(VENV)/npm/node_modules/.bin/azurite-blob
 
-.PHONY: demo test docs soak bench lint typecheck clean postgres-binaries postgres-jdbc azurite spark-archive
+.PHONY: demo test docs walkthrough soak bench lint typecheck clean postgres-binaries postgres-jdbc azurite spark-archive
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ $(AZURITE): localstack/package.json localstack/package-lock.json
 # (0.3 s of CPU per consumer service or Spark Python worker). Python checks each file's source
 # before using its bytecode, so a stale one is never run.
 COMPILE := $(PY) -m compileall -q -j 0 buffer producer consumer gc localstack tests >/dev/null
+
+# docs/walkthrough.md followed from a fresh clone of HEAD, installed as docs/index.md says
+# (not part of `make test`: it installs a virtualenv of its own).
+walkthrough: postgres-binaries
+	tests/docs/walkthrough_from_clone.sh
 
 demo: $(STAMP)
 	$(COMPILE)
