@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -100,7 +102,7 @@ class MillpondDataSource(DataSource):
             StorageError: the store is unreachable (``check_store``).
         """
         refuse_unwritable(schema)
-        settings = _settings(self.options, overwrite)
+        settings = _settings(self.options, overwrite, recheck_after=STREAM_PROBE_INTERVAL)
         if settings.commit == "job" and not settings.query_id and not settings.checkpoint_location:
             settings.stream_id()  # raises the ConfigError naming checkpointLocation
         return MillpondStreamWriter(settings)
@@ -123,7 +125,25 @@ def _landed(settings: SparkWriteSettings) -> tuple[int, ...] | None:
     return (state.sequences or ()) if state.status == COMMITTED else None
 
 
-def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings:
+STREAM_PROBE_INTERVAL = 60.0
+"""Seconds a stream's store check holds in one process. Spark makes the stream writer again
+for every micro-batch, twice (once to plan it, once to commit it): the first checks the store
+and the queue's claim, and the others in the next minute take its outcome (issue 49: four
+requests and two S3 clients a micro-batch)."""
+
+_probed: dict[tuple[object, ...], tuple[float, float]] = {}
+_probed_guard = threading.Lock()
+
+
+def _settings(
+    options: Mapping[str, str], overwrite: bool, *, recheck_after: float = 0.0
+) -> SparkWriteSettings:
+    """The checked options; with ``check_store``, the store probed (a probe of the same queue
+    less than ``recheck_after`` seconds ago in this process stands).
+
+    Raises:
+        ConfigError, StorageError, FormatError: as :meth:`MillpondDataSource.writer`.
+    """
     if overwrite:
         raise ConfigError(
             "mode", "expected append: a millpond queue is append-only, found overwrite"
@@ -138,8 +158,32 @@ def _settings(options: Mapping[str, str], overwrite: bool) -> SparkWriteSettings
         )
     settings.open_store()  # checks the URL and the obstore options; no request yet
     if settings.check_store:
-        settings = settings.probe()
+        settings = _probe(settings, recheck_after)
     return settings
+
+
+def _probe(settings: SparkWriteSettings, recheck_after: float) -> SparkWriteSettings:
+    """``settings.probe()``, or what a probe of the same queue found less than
+    ``recheck_after`` seconds ago in this process (its grace period)."""
+    key = (
+        os.getpid(),
+        settings.store_url,
+        tuple(sorted(settings.store_options.items())),
+        settings.manifest_path,
+        settings.data_path_prefix,
+        settings.gc_grace_period,
+    )
+    now = time.monotonic()
+    with _probed_guard:
+        found = _probed.get(key)
+    if found is not None and now - found[0] < recheck_after:
+        return dataclasses.replace(settings, gc_grace_period=found[1])
+    probed = settings.probe()
+    with _probed_guard:
+        if len(_probed) >= 64:
+            _probed.clear()
+        _probed[key] = (now, probed.gc_grace_period)
+    return probed
 
 
 class MillpondBatchWriter(DataSourceArrowWriter):

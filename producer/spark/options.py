@@ -43,6 +43,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from hashlib import sha256
@@ -58,6 +60,7 @@ from millpond.queue import QueueLocation, open_claim
 
 if TYPE_CHECKING:
     from millpond.producer.config import ProducerConfig
+    from millpond.storage.store import ObjectStore
 
 __all__ = ["EXECUTOR_WAL_DIR", "SPARK_ONLY_KEYS", "SparkWriteSettings"]
 
@@ -90,6 +93,11 @@ _CLIENT_OPTIONS = frozenset(
 )
 EXECUTOR_WAL_DIR = "spark-local-dirs"
 """The ``wal_dir`` placeholder meaning "a slot under the executor's local directories"."""
+
+_STORES: dict[tuple[object, ...], ObjectStore] = {}
+_STORES_GUARD = threading.Lock()
+_STORES_KEPT = 16
+"""Stores kept per process (a process writing to more queues opens the others again)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +197,29 @@ class SparkWriteSettings(QueueLocation):
     def store_url(self) -> str:
         """The store URL (``s3://``, ``az://``, ``gs://``, ``file://``)."""
         return str(self.store)
+
+    def open_store(self) -> ObjectStore:
+        """The store these settings point at, one per process for one URL and its options;
+        opening sends no request.
+
+        Spark calls the writer again for every job and micro-batch, in processes that live on
+        (its Python workers, the processes that make the writer and commit it), and an S3
+        client costs milliseconds to build (its TLS set-up): six of them were a sixth of
+        what Millpond added to a micro-batch of 100,000 rows (issue 49). A store is safe to
+        share between threads; a forked child opens its own.
+
+        Raises:
+            ConfigError: a bad option.
+        """
+        key = (os.getpid(), self.store_url, tuple(sorted(self.store_options.items())))
+        with _STORES_GUARD:
+            store = _STORES.get(key)
+            if store is None:
+                store = QueueLocation.open_store(self)
+                if len(_STORES) >= _STORES_KEPT:
+                    _STORES.clear()
+                _STORES[key] = store
+            return store
 
     def probe(self) -> SparkWriteSettings:
         """Read the queue's claim and manifest footer, so a bad store or another queue's data
