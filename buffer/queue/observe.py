@@ -176,11 +176,18 @@ def look_with_entry(
     raise StorageError(f"{store.url}: index segments kept vanishing while looking at the queue")
 
 
-def bytes_from(store: ObjectStore, data_path_prefix: str, entry: ManifestEntry | None) -> int:
+def bytes_from(
+    store: ObjectStore,
+    data_path_prefix: str,
+    entry: ManifestEntry | None,
+    *,
+    until: ManifestEntry | None = None,
+) -> int:
     """Bytes of the batch objects named at or after ``entry``'s batch time (``None``: no
-    entry waits, 0): the backlog's objects, from one listing that starts there (streamed,
-    nothing kept). Objects named in that range that no entry references count too (uploaded,
-    not yet appended; consumed, not yet collected): a gauge, not an inventory.
+    entry waits, 0) and, given ``until``, before that entry's: the backlog's objects (or its
+    oldest part), from one listing that starts there (streamed, nothing kept). Objects named in
+    that range that no entry references count too (uploaded, not yet appended; consumed, not
+    yet collected): a gauge, not an inventory.
 
     Raises:
         StorageError: the listing failed.
@@ -188,15 +195,22 @@ def bytes_from(store: ObjectStore, data_path_prefix: str, entry: ManifestEntry |
     if entry is None:
         return 0
     prefix = data_path_prefix.strip("/")
-    ulid = parse_batch_name(entry.location.rpartition("/")[2])
-    start = None
-    if ulid is not None:
-        start = (f"{prefix}/" if prefix else "") + ulid_time_prefix(ulid_time_ms(ulid))
+    start, end = _time_bound(prefix, entry), _time_bound(prefix, until)
+    if start is not None and end is not None and end <= start:
+        end = None  # names out of time order (minted before their append won): list it all
     return sum(
         info.size
-        for info in store.list_range(prefix, start_after=start)
+        for info in store.list_range(prefix, start_after=start, end_before=end)
         if parse_batch_name(info.path.rpartition("/")[2]) is not None
     )
+
+
+def _time_bound(prefix: str, entry: ManifestEntry | None) -> str | None:
+    """Where names of ``entry``'s batch time begin in a listing (``None``: no bound)."""
+    ulid = parse_batch_name(entry.location.rpartition("/")[2]) if entry is not None else None
+    if ulid is None:
+        return None
+    return (f"{prefix}/" if prefix else "") + ulid_time_prefix(ulid_time_ms(ulid))
 
 
 def referenced_bytes(

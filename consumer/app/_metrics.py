@@ -35,7 +35,15 @@ from millpond.common.exposition import MetricsCollector, Sample
 from millpond.common.metrics import Counters, LatencySummary
 from millpond.common.tasks import BackgroundTask
 from millpond.errors import MillpondError, NotFoundError
-from millpond.queue import EntryReader, bytes_from, entry_time_ms, head_path, look_with_entry
+from millpond.formats.manifest import ManifestEntry
+from millpond.queue import (
+    EntryReader,
+    QueueLook,
+    bytes_from,
+    entry_time_ms,
+    head_path,
+    look_with_entry,
+)
 from millpond.storage.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -52,6 +60,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+BYTES_SPAN = 10_000
+"""Entries whose batch objects one sample lists for the bytes gauge; past them it scales."""
 
 CONSUMER_METRICS = (
     "millpond_queue_length",
@@ -205,8 +216,9 @@ class QueueSampler(BackgroundTask):
 
     def sample_once(self) -> None:
         """One look: conditional reads of the manifest and the index head; when either
-        changed or the ack moved, the oldest waiting entry (one segment read, at most) and one
-        listing from its name on for the bytes.
+        changed or the ack moved, the oldest waiting entry (one segment read, at most) and, for
+        the bytes, one listing from its name to that of the entry :data:`BYTES_SPAN` later
+        (one more segment read, at most).
 
         Raises:
             NotFoundError, FormatError, StorageError: the read failed; the last sample stays.
@@ -221,7 +233,7 @@ class QueueSampler(BackgroundTask):
         look, entry = look_with_entry(
             self._store, self._manifest_path, self._prefix, self._reader, acked
         )
-        nbytes = bytes_from(self._store, self._prefix, entry)
+        nbytes = self._bytes(look, entry, acked)
         now = self._clock.monotonic()
         with self._lock:
             self._sample = _Sample(
@@ -234,6 +246,17 @@ class QueueSampler(BackgroundTask):
             )
             self._etags = (look.manifest_etag, look.head_etag)
             self._cost = now - started
+
+    def _bytes(self, look: QueueLook, entry: ManifestEntry | None, acked: int | None) -> int:
+        """Bytes of what waits past ``acked``: listed from the oldest waiting entry's name to
+        the name :data:`BYTES_SPAN` entries later, scaled to all that waits (a million waiting
+        are one listing of 10,000 names, not of a million)."""
+        waiting = look.past(acked)
+        if entry is None or waiting <= BYTES_SPAN:
+            return bytes_from(self._store, self._prefix, entry)
+        far = self._reader.entry(look, entry.sequence + BYTES_SPAN)
+        listed = bytes_from(self._store, self._prefix, entry, until=far)
+        return listed * waiting // BYTES_SPAN
 
     def _unchanged(self, acked: int | None) -> bool:
         """Whether the manifest and the index head are as last sampled (a 304 each) and the

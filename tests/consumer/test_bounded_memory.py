@@ -6,7 +6,10 @@ Not a timing test: it counts the decoded manifest entries (:class:`ManifestEntry
 process at every store request those make, on a queue of 2,000 entries and on one of 50,000,
 built as the defaults leave a long backlog (index segments, the rest in the manifest), and
 checks the most ever alive stays under one bound for both. Before issue 48 the consumer held
-every waiting entry decoded (and the sampler a copy), status and GC decoded them all.
+every waiting entry decoded (and the sampler a copy), status and GC decoded them all. The
+undecoded bytes count too: the views over a manifest's or a segment's bytes
+(:class:`ManifestView`) alive at once stay a handful (the manifest, the segment being read),
+so no reader keeps the backlog's segments as bytes instead.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from consumer_support import MANIFEST, PREFIX
 
 from millpond.common.clock import SystemClock
 from millpond.consumer import Consumer, ConsumerConfig
-from millpond.consumer.app._metrics import QueueSampler
+from millpond.consumer.app._metrics import BYTES_SPAN, QueueSampler
 from millpond.consumer.app.status import queue_status
 from millpond.formats.batch import encode_batch
 from millpond.formats.manifest import (
     ManifestEntry,
+    ManifestView,
     Metadata,
     PendingEntry,
     append_entries,
@@ -38,23 +42,34 @@ from millpond.storage import ForwardingStore, GetResult, ObjectInfo, ObjectStore
 SEGMENT = 1_000  # backlog_index_threshold's default: the queues are built as it leaves them
 DELIVERED = 1_500  # crosses a segment boundary
 BOUND = 300  # far below either backlog: a window, a group, a segment's worth is not needed
+VIEWS = 4  # the manifest and one segment, each perhaps while the next read replaces it
 
 
-def _live_entries() -> int:
+def _alive() -> tuple[int, int]:
+    """Decoded entries and views over a manifest's or a segment's bytes, alive now."""
     gc.collect()
-    return sum(1 for thing in gc.get_objects() if isinstance(thing, ManifestEntry))
+    entries = views = 0
+    for thing in gc.get_objects():
+        entries += isinstance(thing, ManifestEntry)
+        views += isinstance(thing, ManifestView)
+    return entries, views
 
 
 class _Census(ForwardingStore):
-    """Counts the decoded entries alive at every request (the most ever seen in ``most``)."""
+    """Counts the decoded entries alive at every request (the most ever seen in ``most``),
+    and the views over queue bytes (``most_views``)."""
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
         self.most = 0
+        self.most_views = 0
+        self.most_listed = 0  # objects one listing yielded, the most of any
         self._batch_gets = 0
 
     def _count(self) -> None:
-        self.most = max(self.most, _live_entries())
+        entries, views = _alive()
+        self.most = max(self.most, entries)
+        self.most_views = max(self.most_views, views)
 
     def get(self, path: str) -> GetResult:
         # Every read of the queue, and one read of a batch object in 50 (they come by the
@@ -76,7 +91,10 @@ class _Census(ForwardingStore):
         self, prefix: str = "", *, start_after: str | None = None, end_before: str | None = None
     ) -> Iterator[ObjectInfo]:
         self._count()
-        yield from self.inner.list_range(prefix, start_after=start_after, end_before=end_before)
+        listing = self.inner.list_range(prefix, start_after=start_after, end_before=end_before)
+        for listed, info in enumerate(listing, 1):
+            self.most_listed = max(self.most_listed, listed)
+            yield info
 
 
 def _build(store: ObjectStore, n: int) -> None:
@@ -112,8 +130,11 @@ def _queue(n: int) -> str:
 
 
 def _most_alive(url: str, work: Callable[[ObjectStore], Any]) -> int:
+    """The most decoded entries alive at any request ``work`` made; the views over queue
+    bytes alive at once are checked against :data:`VIEWS` on the way."""
     census = _Census(open_store(url))
     work(census)
+    assert census.most_views <= VIEWS
     return census.most
 
 
@@ -152,6 +173,22 @@ def _sample(store: ObjectStore) -> None:
         assert gauges is not None
         assert gauges.length > 0
         acked.pop(0)
+
+
+@pytest.mark.parametrize("n", [2_000, 50_000])
+def test_the_samplers_bytes_come_from_a_bounded_listing(n: int) -> None:
+    """The bytes gauge lists the batch objects of the oldest ``BYTES_SPAN`` entries waiting,
+    not of the whole backlog, and scales: the gauge stays near the backlog's bytes."""
+    url = _queue(n)
+    census = _Census(open_store(url))
+    sampler = QueueSampler(census, manifest_path=MANIFEST, data_path_prefix=PREFIX)
+    sampler.sample_once()
+    gauges = sampler.gauges(None)
+    assert gauges is not None
+    assert census.most_listed <= min(n, BYTES_SPAN) + 1
+    actual = sum(len(encode_batch([b"%d" % i])) for i in range(n))
+    # Within a tenth: the oldest batches here hold shorter records (fewer digits) than the rest.
+    assert abs(gauges.bytes - actual) <= actual // 10
 
 
 @pytest.mark.parametrize("n", [2_000, 50_000])
