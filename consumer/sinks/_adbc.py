@@ -725,7 +725,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
 
         Raises:
             SinkError: a part names a table this sink may not write, or one of another queue
-                (permanent); as :meth:`TableWriter._write_rows`.
+                (permanent); as :meth:`TableWriter._write_targets`.
         """
         routed: dict[Target, list[pa.Table]] = {}
         for part in parts:
@@ -733,13 +733,12 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
             rows = routed.setdefault(target, [])
             if part.rows.num_rows:
                 rows.append(part.rows)
-        for target, tables in routed.items():
+        for target in routed:
             self._writing = target.table  # what a driver error names
             if target is not self._home:
                 for queue in queues:
                     self._own(cur, queue, target)
-            if tables:
-                self._write_rows(cur, target, tables)
+        self._write_targets(cur, [(target, tables) for target, tables in routed.items() if tables])
 
     def _insert_progress(
         self,

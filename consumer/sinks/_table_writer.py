@@ -19,6 +19,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -48,6 +49,17 @@ logger = logging.getLogger(__name__)
 _stages = itertools.count()
 
 
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """Rows (named as ``table``'s columns) to bulk-insert into ``table``, or into ``into``, a
+    temporary table shaped like it."""
+
+    rows: pa.Table
+    columns: dict[str, ColumnType]
+    table: TableName
+    into: TableName | None = None
+
+
 class TableWriter:
     """Create, evolve and fill one table in the caller's transaction."""
 
@@ -57,6 +69,7 @@ class TableWriter:
 
     if TYPE_CHECKING:
         _after_commit: list[Callable[[], None]]
+        _writing: TableName | None
 
         @property
         def _dialect(self) -> Dialect: ...
@@ -87,13 +100,30 @@ class TableWriter:
             FormatError: the tables' schemas clash.
             SinkError: as :meth:`_prepare_table` and :meth:`_upsert`; the driver's errors.
         """
-        if not target.settings.upsert:
+        self._write_targets(cur, [(target, tables)])
+
+    def _write_targets(self, cur: Any, writes: Sequence[tuple[Target, Sequence[pa.Table]]]) -> None:
+        """Write each target's tables (in queue order) as its settings say.
+
+        The appends are copied last, as one stream of slices (:meth:`_copy_many`): a group
+        spread over ten tables holds a tenth of its rows per table, each of which alone would
+        be too few to conform a slice while the one before is copied.
+
+        Raises:
+            FormatError: the tables' schemas clash.
+            SinkError: as :meth:`_prepare_table` and :meth:`_upsert`; the driver's errors.
+        """
+        appends: list[_Copy] = []
+        for target, tables in writes:
+            self._writing = target.table  # what a driver error names
+            if target.settings.upsert:
+                for run in runs(tables, self._name_key):
+                    self._upsert(cur, target, run)
+                continue
             combined = tables[0] if len(tables) == 1 else unify_tables(tables)
             rows, columns = self._prepare_table(cur, target, combined)
-            self._copy(cur, rows, columns, target.table)
-            return
-        for run in runs(tables, self._name_key):
-            self._upsert(cur, target, run)
+            appends.append(_Copy(rows, columns, target.table))
+        self._copy_many(cur, appends)
 
     def _upsert(self, cur: Any, target: Target, rows: pa.Table) -> None:
         """Merge one run of rows into ``target`` by its key (module docstring).
@@ -151,46 +181,62 @@ class TableWriter:
         into: TableName | None = None,
     ) -> None:
         """Bulk-insert ``rows`` (named as ``table``'s columns) into ``table``, or into the
-        temporary table ``into`` shaped like it.
-
-        With :attr:`_INSERT_SLICE_ROWS` set, the rows are conformed a slice at a time, the
-        next slice on a thread while the database takes the last: the driver lets go of the
-        GIL while it copies, and conforming (JSON text above all) is most of the Python work
-        of a write.
+        temporary table ``into`` shaped like it (:meth:`_copy_many`).
 
         Raises:
             SinkError: as :meth:`_conform`; the driver's errors.
         """
-        destination, temporary = (table, False) if into is None else (into, True)
+        self._copy_many(cur, [_Copy(rows, columns, table, into)])
 
-        def ingest(conformed: pa.Table) -> None:
-            self._ingest(cur, conformed, destination, temporary=temporary)
+    def _copy_many(self, cur: Any, copies: Sequence[_Copy]) -> None:
+        """Bulk-insert each copy's rows, in order.
 
+        With :attr:`_INSERT_SLICE_ROWS` set, the rows are conformed a slice at a time, the
+        next slice (of the same copy or the next) on a thread while the database takes the
+        last: the driver lets go of the GIL while it copies, and conforming (JSON text above
+        all) is most of the Python work of a write.
+
+        Raises:
+            SinkError: as :meth:`_conform`; the driver's errors.
+        """
         size = self._INSERT_SLICE_ROWS
-        if size is None or rows.num_rows <= size:
-            ingest(self._conform(rows, columns, table))
+        slices: list[tuple[_Copy, int, int]] = []
+        for copy in copies:
+            count = copy.rows.num_rows
+            if size is None or count <= size:
+                slices.append((copy, 0, count))
+            else:
+                slices += [(copy, start, size) for start in range(0, count, size)]
+
+        def conform(piece: tuple[_Copy, int, int]) -> pa.Table:
+            copy, start, length = piece
+            return self._conform(copy.rows.slice(start, length), copy.columns, copy.table)
+
+        def ingest(piece: tuple[_Copy, int, int], conformed: pa.Table) -> None:
+            copy = piece[0]
+            self._writing = copy.table
+            destination = copy.table if copy.into is None else copy.into
+            self._ingest(cur, conformed, destination, temporary=copy.into is not None)
+
+        if size is None or len(slices) <= 1:
+            for piece in slices:
+                ingest(piece, conform(piece))
             return
         with ThreadPoolExecutor(1, thread_name_prefix="millpond-conform") as pool:
-            ahead = pool.submit(self._conform, rows.slice(0, size), columns, table)
-            for start in range(size, rows.num_rows, size):
-                conformed = self._conformed(ahead, rows, columns, table)
-                ahead = pool.submit(self._conform, rows.slice(start, size), columns, table)
-                ingest(conformed)
-            ingest(self._conformed(ahead, rows, columns, table))
+            ahead = pool.submit(conform, slices[0])
+            for piece, following in itertools.pairwise(slices):
+                conformed = self._conformed(ahead, piece[0])
+                ahead = pool.submit(conform, following)
+                ingest(piece, conformed)
+            ingest(slices[-1], self._conformed(ahead, slices[-1][0]))
 
-    def _conformed(
-        self,
-        ahead: Future[pa.Table],
-        rows: pa.Table,
-        columns: dict[str, ColumnType],
-        table: TableName,
-    ) -> pa.Table:
+    def _conformed(self, ahead: Future[pa.Table], copy: _Copy) -> pa.Table:
         try:
             return ahead.result()
         except SinkError:
-            # Say it as conforming every row at once says it (row positions in the group,
+            # Say it as conforming every row at once says it (row positions in the copy,
             # not in a slice): the same error, or, should that pass, the slice's.
-            self._conform(rows, columns, table)
+            self._conform(copy.rows, copy.columns, copy.table)
             raise
 
     def _prepare_table(

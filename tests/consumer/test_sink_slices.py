@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pytest
 from consumer_support import Database, arrow_batch
 
-from millpond.consumer.sinks import PostgresSink, SinkError
+from millpond.consumer.sinks import PostgresSink, SinkError, SinkTables, TableSettings
 
 ROWS = 23  # slices of 4: five whole ones and a short one
 
@@ -95,3 +96,22 @@ def test_a_bad_value_in_a_late_slice_names_its_row_in_the_write_and_writes_nothi
         assert sink.last_sequence("") is None
     assert postgres_database.count() == 0
     assert sliced[:5] == [4, 4, 4, 4, 4]  # the slices before it went in, then were rolled back
+
+
+def test_a_group_over_several_tables_makes_each_tables_rows_while_the_last_are_copied(
+    postgres_database: Database, sliced: list[int]
+) -> None:
+    """Issue 46: a group spread over tables holds a few rows per table, each table's fewer
+    than a slice; the next table's rows are still made on a thread while the database copies
+    the last table's (the fixture checks), as with one large table (bench many_tables)."""
+    from test_many_tables import _routed
+
+    tables = [f"sliced_{i}_{uuid.uuid4().hex[:6]}" for i in range(3)]
+    allowed = SinkTables({name: TableSettings() for name in tables})
+    group = [_routed(i, [(name, _rows(i * 3, 3))]) for i, name in enumerate(tables)]
+    with postgres_database.sink(sequence_column=None, tables=allowed) as sink:
+        assert sink.write_many(group) == [True, True, True]
+    assert sliced == [3, 3, 3]
+    for i, name in enumerate(tables):
+        found = postgres_database.query(f'SELECT id FROM "{name}" ORDER BY id')
+        assert found == [(i * 3,), (i * 3 + 1,), (i * 3 + 2,)]
