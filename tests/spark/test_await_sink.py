@@ -8,7 +8,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,26 +49,40 @@ def test_the_wait_fails_naming_the_consumer_when_none_writes(moto_s3: S3Endpoint
     await_sink(settings, (), what="millpond job j")  # nothing enqueued: nothing to wait for
 
 
+def _service(queue: Queue, sink: str) -> CliProcess:
+    """``millpond consume`` (a real process) writing ``queue`` into the table ``rows`` of
+    ``sink``, once it says it is consuming."""
+    options = [f"--store-option={k}={v}" for k, v in queue.endpoint.store_options().items()]
+    env = {**os.environ, "AWS_METADATA_ENDPOINT": f"http://127.0.0.1:{free_ports(1)[0]}"}
+    service = CliProcess(
+        *("--log-level", "INFO", "consume", queue.url, "--create", *options),
+        *("--sink", sink, "--table", "rows", "--poll-interval", "0.5"),
+        *("--report-interval", "1", "--no-gc"),
+        env=env,
+    )
+    _until(lambda: "consuming" in service.stderr or service.proc.poll() is not None, "a start")
+    assert service.proc.poll() is None, service.stderr
+    return service
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def consumer_service(moto_s3: S3Endpoint, tmp_path: Path) -> Iterator[tuple[Queue, Path]]:
     """A queue of its own and ``millpond consume`` writing it into a SQLite table ``rows``."""
     queue = Queue(moto_s3)
     database = tmp_path / "sink.db"
-    options = [f"--store-option={k}={v}" for k, v in moto_s3.store_options().items()]
-    env = {**os.environ, "AWS_METADATA_ENDPOINT": f"http://127.0.0.1:{free_ports(1)[0]}"}
-    service = CliProcess(
-        *("--log-level", "INFO", "consume", queue.url, "--create", *options),
-        *("--sink", sqlite_url(database), "--table", "rows", "--poll-interval", "0.5"),
-        "--no-gc",
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    while "consuming" not in service.stderr:
-        assert service.proc.poll() is None, service.stderr
-        assert time.monotonic() < deadline, service.stderr
-        time.sleep(0.05)
-    yield queue, database
-    assert service.stop() == 0, service.stderr
+    service = _service(queue, sqlite_url(database))
+    try:
+        yield queue, database
+        assert service.stop() == 0, service.stderr
+    finally:
+        service.kill()
 
 
 def _rows(database: Path) -> int:
@@ -102,3 +116,42 @@ def test_a_job_and_each_micro_batch_return_with_their_rows_in_the_database(
     )
     query.awaitTermination()
     assert _rows(database) == 5300  # the last micro-batch returned once its rows were in
+
+
+def test_a_job_fails_naming_the_consumer_when_it_is_behind_and_when_it_stopped(
+    spark: SparkSession, moto_s3: S3Endpoint, tmp_path: Path
+) -> None:
+    """The service behind (another transaction holds the SQLite database locked, so its write
+    fails and it retries), then stopped (SIGTERM): a job with ``await_sink`` fails when its
+    time runs out, saying which; its rows are in the queue all along."""
+    queue = Queue(moto_s3)
+    database = tmp_path / "sink.db"
+    service = _service(queue, f"{sqlite_url(database)}?busy_timeout_ms=100")
+    frame = spark.range(100, numPartitions=1).selectExpr("id", "id % 7 AS key")
+
+    def job(wait: str) -> None:
+        frame.write.format("millpond").options(**queue.options(await_sink=wait)).mode(
+            "append"
+        ).save()
+
+    try:
+        job("120s")
+        assert _rows(database) == 100
+        lock = sqlite3.connect(database, isolation_level=None)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            with pytest.raises(Exception, match="behind by") as behind:
+                job("3s")
+            lock.execute("ROLLBACK")
+        finally:
+            lock.close()
+        assert "not in the database after" in str(behind.value)
+        assert "retrying" in str(behind.value)  # the lock the service meets, in its words
+        _until(lambda: _rows(database) == 200, "the service to write the job once unlocked")
+        assert service.stop() == 0, service.stderr
+        with pytest.raises(Exception, match="the consumer is not running") as stopped:
+            job("2s")
+        assert "The entries are in the queue" in str(stopped.value)
+        assert _rows(database) == 200
+    finally:
+        service.kill()
