@@ -442,8 +442,8 @@ def one_size(base: Path, n: int, window: float, *, sides: bool) -> dict[str, Any
     row["gc"] = timed_command(_cli("gc", url, "--once", "--output", "json"))
     row["delete_ms_per_object"] = delete_cost(root, now_ms)
     on_queue, on_empty = paired_appends(base, root, now_ms)
-    row["append_s"] = [round(s, 4) for s in on_queue]
-    row["append_empty_s"] = [round(s, 4) for s in on_empty]
+    row["append_s"] = [round(s, 6) for s in on_queue]
+    row["append_empty_s"] = [round(s, 6) for s in on_empty]
     row["service"] = drain(root, n + APPENDS, window)
     logger.info("%s entries: %s", n, {k: row[k] for k in ("status", "gc", "service")})
     if sides:
@@ -667,7 +667,7 @@ def _result(
             "peak_rss_mb": base["service"]["peak_rss_mb"],
             "rows_per_s": base["service"]["rows_per_s"],
             "append_manifest_alone_s": {
-                fill: {key: [round(s, 4) for s in values] for key, values in paired.items()}
+                fill: {key: [round(s, 6) for s in values] for key, values in paired.items()}
                 for fill, paired in alone.items()
             },
         },
