@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ __all__ = [
     "LocalServers",
     "PageRun",
     "blocks",
+    "local_servers",
     "pages",
     "reader_environment",
     "run_page",
@@ -255,3 +257,13 @@ class LocalServers:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"millpond local still serves port {port}")
                 time.sleep(0.1)  # polling a condition, with a deadline
+
+
+@contextlib.contextmanager
+def local_servers() -> Iterator[LocalServers]:
+    """``millpond local --background`` in a reader's environment, stopped on the way out."""
+    running = LocalServers(reader_environment())
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -26,6 +26,7 @@ from tests.docs.snippets import (
     RUN,
     LocalServers,
     blocks,
+    local_servers,
     pages,
     reader_environment,
     run_page,
@@ -38,11 +39,8 @@ SPARK_PAGES = ("walkthrough.md", "user-guide/spark.md")
 @pytest.fixture(scope="module")
 def servers() -> Iterator[LocalServers]:
     """One ``millpond local`` for every page of this module, emptied before each page."""
-    running = LocalServers(reader_environment())
-    try:
+    with local_servers() as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _empty(servers: LocalServers) -> None:

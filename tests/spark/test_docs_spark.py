@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.snippets import LocalServers, reader_environment, run_page
+from tests.docs.snippets import LocalServers, local_servers, reader_environment, run_page
 
 # The walk-through starts `millpond local` itself and stops it at its end; when it fails
 # before that, the test stops it (the page's own variable, by PID).
@@ -37,11 +37,8 @@ def test_the_walkthrough_runs_as_written_and_counts_every_row_once(tmp_path: Pat
 
 @pytest.fixture
 def servers() -> Iterator[LocalServers]:
-    running = LocalServers(reader_environment())
-    try:
+    with local_servers() as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.mark.slow
