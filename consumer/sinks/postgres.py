@@ -97,16 +97,20 @@ class PostgresSink(AdbcSink):
     def _open(self) -> Any:
         import adbc_driver_postgresql.dbapi as pg_dbapi
 
-        return pg_dbapi.connect(self._url)
+        # Autocommit on, and the sink says BEGIN and COMMIT itself: with autocommit off the
+        # driver sends BEGIN before every bulk ingest, inside the transaction already open,
+        # and the server logs a warning ("there is already a transaction in progress") for
+        # every COPY, besides a round trip each.
+        return pg_dbapi.connect(self._url, autocommit=True)
 
     def _begin(self, conn: Any, cur: Any) -> None:
-        pass  # autocommit is off: the first statement opens the transaction
+        cur.execute("BEGIN")
 
     def _commit(self, conn: Any, cur: Any) -> None:
-        conn.commit()
+        cur.execute("COMMIT")
 
     def _rollback(self, conn: Any, cur: Any) -> None:
-        conn.rollback()
+        cur.execute("ROLLBACK")
 
     def _param(self, index: int) -> str:
         return f"${index}"

@@ -125,6 +125,30 @@ def test_three_tables_from_one_queue_with_schema_drift_in_one(database: Database
         assert owners[_resolved(database, table)] == "q"
 
 
+def test_copies_into_several_tables_warn_nothing_in_the_server_log(postgres_server: Any) -> None:
+    # With the connection's autocommit off, the driver sent BEGIN before every bulk copy,
+    # inside the sink's open transaction: the server logged "there is already a transaction
+    # in progress" once per COPY (a group over ten tables: ten warnings a transaction).
+    database = Database("postgres", postgres_server.url)
+    names = Names()
+    tables = [names.orders, names.customers, names.events]
+    log = Path(postgres_server.root) / "postgres.log"
+    before = log.stat().st_size
+    batches = [
+        _routed(n, [(table, pa.table({"n": [n, n + 100]})) for table in tables]) for n in range(3)
+    ]
+    with database.sink(tables=SinkTables({t: TableSettings() for t in tables})) as sink:
+        assert sink.write_many(batches[:2]) == [True, True]
+        assert sink.write(batches[2])
+    with log.open("rb") as text:
+        text.seek(before)
+        written = text.read().decode(errors="replace")
+    assert "already a transaction in progress" not in written
+    assert "COPY" not in written  # no statement failed either
+    for table in tables:
+        assert _rows(database, table, "n") == [(0,), (1,), (2,), (100,), (101,), (102,)]
+
+
 def _deleting(region: str, id_: int) -> pa.Table:
     return pa.table({"region": [region], "id": [id_], "deleted": [True]})
 
