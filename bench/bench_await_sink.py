@@ -140,6 +140,26 @@ def _spark_rounds(endpoint: Any, plan: dict[str, int], work: Path) -> dict[str, 
     return times
 
 
+def _counting_marks(store: Any, counts: dict[str, int]) -> Any:
+    """``store``, counting its writes of the queue's written-through mark in ``counts``."""
+    from millpond.queue.written import written_path
+    from millpond.storage import ForwardingStore
+
+    mark_path = written_path("ingest")
+
+    class Counting(ForwardingStore):
+        # The mark is a fenced object: written with put_if_absent, then put_if_match.
+        def put_if_absent(self, path: str, data: bytes) -> str | None:
+            counts["mark_puts"] += path == mark_path
+            return self.inner.put_if_absent(path, data)
+
+        def put_if_match(self, path: str, data: bytes, etag: str) -> str | None:
+            counts["mark_puts"] += path == mark_path
+            return self.inner.put_if_match(path, data, etag)
+
+    return Counting(store)
+
+
 def _drain(endpoint: Any, batches: int, *, with_mark: bool, work: Path) -> dict[str, Any]:
     """``ConsumerService`` drains ``batches`` small batches into SQLite: seconds, groups
     committed, and writes of the mark."""
@@ -155,17 +175,11 @@ def _drain(endpoint: Any, batches: int, *, with_mark: bool, work: Path) -> dict[
     from millpond.formats.batch import encode_batch
     from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue import QueueProducer
-    from millpond.storage import ForwardingStore, open_store
+    from millpond.storage import open_store
 
     counts = {"mark_puts": 0, "groups": 0}
-
-    class Counting(ForwardingStore):
-        def put(self, path: str, data: bytes) -> str | None:
-            counts["mark_puts"] += path.endswith("/written.json")
-            return self.inner.put(path, data)
-
     url = endpoint.url_for(f"bench-drain-{uuid.uuid4().hex[:8]}")
-    store = Counting(open_store(url, endpoint.store_options()))
+    store = _counting_marks(open_store(url, endpoint.store_options()), counts)
     minter = UlidMinter()
     body = encode_batch(encode_ipc(pa.table({"n": list(range(200)), "s": ["x" * 20] * 200})))
     entries = []
