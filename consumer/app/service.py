@@ -218,6 +218,11 @@ class ConsumerService:
         self._retry_max = max(retry_initial_delay, retry_max_delay)
         self._progress_interval = progress_interval
         self._clock = clock or SystemClock()
+        self._start_timeout = start_timeout
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What a run counts and carries from one group to the next."""
         self.stats = ServiceStats()
         self._window = ServiceStats()
         # The next group, being delivered while the current one is written.
@@ -225,7 +230,6 @@ class ConsumerService:
         # The last sequence written into the sink (acked with the next delivery).
         self._written_through: int | None = None
         self._manifest_failures = 0  # reads of the manifest that failed in a row
-        self._start_timeout = start_timeout
         self._started = self._window_start = self._clock.monotonic()
 
     def run(self, stop: threading.Event, *, until_idle: bool = False) -> ServiceStats:
