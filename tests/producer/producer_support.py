@@ -15,7 +15,7 @@ from millpond.errors import CommitStateUnknownError, NotFoundError, StorageError
 from millpond.formats.batch import decode_batch
 from millpond.formats.manifest import Metadata
 from millpond.producer import Producer, ProducerConfig
-from millpond.queue import read_manifest
+from millpond.queue import queue_view, read_indexed, read_manifest
 from millpond.storage import ForwardingStore, GetResult, ObjectStore, open_store
 
 MANIFEST = "ingest/manifest"
@@ -118,7 +118,10 @@ class Published:
 
 
 def read_back(store: ObjectStore, manifest_path: str = MANIFEST) -> list[Published]:
-    """Every entry in the manifest, with its batch object decoded."""
+    """Every entry in the queue, with its batch object decoded: the backlog index's segments,
+    then the manifest past them (a consumer moves a backlog of 1,000 entries or more into the
+    index by default; CI once lost the race below that and saw the moved entries as lost)."""
+    head, indexed = read_indexed(store, PREFIX)  # before the manifest, as a consumer reads
     try:
         manifest = read_manifest(store, manifest_path).manifest
     except NotFoundError:
@@ -130,7 +133,7 @@ def read_back(store: ObjectStore, manifest_path: str = MANIFEST) -> list[Publish
             entry.metadata,
             decode_batch(store.get(entry.location).data, name=entry.location),
         )
-        for entry in manifest.entries
+        for entry in queue_view(manifest, head, indexed).entries
     ]
 
 
