@@ -97,6 +97,7 @@ from millpond.coordinator.wire import (
 )
 from millpond.errors import (
     CommitStateUnknownError,
+    FencedError,
     InvalidInputError,
     MillpondError,
     StorageError,
@@ -167,19 +168,27 @@ class DequeueTicket:
         self.done.set()
 
 
-def write_dequeues(
-    queue: QueueProducer,
-    tickets: Sequence[DequeueTicket],
-    *,
-    deadline: float | None,
-) -> None:
+def write_dequeues(queue: QueueProducer, tickets: Sequence[DequeueTicket]) -> None:
     """Remove what ``tickets`` ask for in at most one write, then answer each.
 
-    Only the tickets holding the manifest's epoch count; the highest ``through`` among them is
-    removed. Any failure of the store answers every ticket ``refused`` (their consumers
+    The write goes through the fenced-object primitive with the consumers' epoch check
+    (:meth:`QueueProducer.rewrite`): a manifest read at another epoch than the newest among
+    the tickets fences every ticket and writes nothing. Of the tickets holding the manifest's
+    epoch, the highest ``through`` below ``next_sequence`` is removed; older tickets are
+    fenced. Any failure of the store answers every ticket ``refused`` (their consumers
     dequeue directly; a write that landed anyway makes theirs a no-op).
     """
-    seen: dict[str, int] = {}
+    epoch = max(ticket.epoch for ticket in tickets)
+    seen: dict[str, int] = {"epoch": epoch}
+
+    def check(data: bytes) -> None:
+        found = decode_footer(data, name=queue.path).epoch
+        if found != epoch:
+            raise FencedError(
+                f"{queue.path} has epoch {found}, the consumer holds {epoch}",
+                expected_epoch=epoch,
+                found_epoch=found,
+            )
 
     def change(data: bytes) -> bytes | None:
         footer = decode_footer(data, name=queue.path)
@@ -194,7 +203,11 @@ def write_dequeues(
         return out if removed else None
 
     try:
-        queue.rewrite(change, deadline=deadline)
+        queue.rewrite(change, check=check, what="dequeue for a consumer")
+    except FencedError as err:
+        for ticket in tickets:
+            ticket.answer(FENCED, str(err))
+        return
     except MillpondError as err:
         for ticket in tickets:
             ticket.answer(REFUSED, f"the dequeue was not written: {err}")
@@ -691,8 +704,7 @@ class AppendCoordinator:
         if not tickets:
             return
         conflicts = self.counters.get("cas_conflicts")
-        deadline = self._clock.monotonic() + self._policy.max_elapsed
-        write_dequeues(self._queue, tickets, deadline=deadline)
+        write_dequeues(self._queue, tickets)
         self.counters.add("dequeues", len(tickets))
         self._pauses.wrote(lost=self.counters.get("cas_conflicts") - conflicts)
 

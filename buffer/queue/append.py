@@ -38,6 +38,7 @@ from millpond.formats.manifest import (
     resume_after,
 )
 from millpond.queue.cas import CasLoop, RawManifest
+from millpond.queue.fenced import FencedObject, Version, raw_bytes
 from millpond.queue.landed import Landings, LandingStatus, resolve_landing
 from millpond.queue.peek import Peek
 from millpond.storage.store import ObjectStore
@@ -170,57 +171,53 @@ class QueueProducer:
         return attempt.run()
 
     def rewrite(
-        self, change: Callable[[bytes], bytes | None], *, deadline: float | None = None
+        self,
+        change: Callable[[bytes], bytes | None],
+        *,
+        check: Callable[[bytes], None],
+        what: str,
     ) -> bool:
-        """Write ``change(manifest)`` in one compare-and-swap; whether a write landed.
+        """Write ``change(manifest)`` on a consumer's behalf; whether a write landed.
 
-        For a writer that also writes on another's behalf what is not an append (a
-        coordinator dequeuing for the consumer): the manifest this writer last wrote is tried
-        first (no read), and a lost race reads and calls ``change`` again on what it found.
+        For a writer that also writes what is not an append (a coordinator dequeuing for a
+        consumer): the write goes through the fenced-object primitive
+        (:class:`~millpond.queue.fenced.FencedObject`) with the consumer's epoch ``check``,
+        as the consumer's own writes do. The manifest this writer last wrote is tried first
+        (no read); a lost race reads, checks and calls ``change`` again on what it found.
         ``change`` returns ``None`` when there is nothing to write; said of the cached bytes,
         that is confirmed on a fresh read. Nothing here appends, so a write of ours in doubt
         stays in doubt (the next append looks for it, as before).
 
         Raises:
             NotFoundError: no manifest.
-            StorageError: the retry budget or ``deadline`` ran out (a
-                ``CommitStateUnknownError`` when the last write may have landed); whatever
-                ``change`` raises, with nothing written for that call.
+            FencedError: ``check`` refused the manifest as read.
+            StorageError: the retry budget ran out; whatever ``change`` raises, with nothing
+                written for that call.
         """
         cas = self._cas
-        backoff = cas.retry.start(cas.clock)
-        current = self._cached
-        cached = current is not None
-        while True:
-            if current is None:
-                try:
-                    current = cas.read()
-                except StorageError as err:
-                    cas.backoff(backoff, "manifest read", err)
-                    continue
-                if current is None:
-                    raise NotFoundError(f"{cas.path}: manifest not found")
-                cached = False
-            data = change(current.data)
+        manifest = FencedObject(
+            cas.store,
+            cas.path,
+            decode=raw_bytes,
+            encode=raw_bytes,
+            check=check,
+            retry=cas.retry,
+            clock=cas.clock,
+            counters=cas.counters,
+            kind="manifest",
+        )
+
+        def prepare(data: bytes | None) -> bytes | None:
             if data is None:
-                if cached:
-                    current = None
-                    continue
-                return False
-            _check_deadline(cas, deadline)
-            try:
-                etag = cas.write(current, data)
-            except (ConflictError, CommitStateUnknownError) as err:
-                # Ours may have landed (a retried request): the re-read then finds it done.
-                self._cached = current = None
-                cas.backoff(backoff, "manifest write", err, at_once=isinstance(err, ConflictError))
-                continue
-            except StorageError as err:
-                self._cached = current = None
-                cas.backoff(backoff, "manifest write", err)
-                continue
-            self._cached = RawManifest(data, etag) if etag is not None else None
-            return True
+                raise NotFoundError(f"{cas.path}: manifest not found")
+            return change(data)
+
+        known, self._cached = self._cached, None  # whatever happens, the next append may read
+        known_version = None if known is None else Version(known.data, known.etag)
+        done = manifest.update(prepare, what=what, known=known_version, prove=True, at_once=True)
+        if done.wrote and done.version.value is not None and done.version.etag is not None:
+            self._cached = RawManifest(done.version.value, done.version.etag)
+        return done.wrote
 
     def _note_next_sequence(self, found: int) -> None:
         """Keep :attr:`seen_next_sequence` up to date with a manifest as read.

@@ -25,7 +25,7 @@ from millpond.formats.manifest import (
 )
 from millpond.queue.cas import CasLoop, ManifestSnapshot, RawManifest
 from millpond.queue.epoch_mark import is_replaced
-from millpond.queue.fenced import FencedObject, Version
+from millpond.queue.fenced import FencedObject, Version, raw_bytes
 from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueConsumer"]
@@ -59,8 +59,8 @@ class QueueConsumer:
         self._manifest = FencedObject(
             store,
             manifest_path,
-            decode=_same,
-            encode=_same,
+            decode=raw_bytes,
+            encode=raw_bytes,
             check=self._check_read,
             retry=self._cas.retry,
             clock=self._cas.clock,
@@ -316,10 +316,6 @@ class QueueConsumer:
                 expected_epoch=self._epoch,
                 found_epoch=found,
             )
-
-
-def _same(data: bytes) -> bytes:
-    return data
 
 
 def _version(raw: RawManifest | None) -> Version[bytes] | None:

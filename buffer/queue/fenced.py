@@ -31,7 +31,7 @@ from millpond.common.retry import Backoff, RetryPolicy
 from millpond.errors import ConflictError, NotFoundError, StorageError
 from millpond.storage.store import ObjectStore
 
-__all__ = ["FencedObject", "Updated", "Version"]
+__all__ = ["FencedObject", "Updated", "Version", "raw_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +179,8 @@ class FencedObject(Generic[T]):
     def _count(self, name: str) -> None:
         if self._counters is not None:
             self._counters.add(name)
+
+
+def raw_bytes(data: bytes) -> bytes:
+    """``decode`` and ``encode`` of a :class:`FencedObject` kept as its bytes."""
+    return data
