@@ -93,15 +93,6 @@ class TableWriter:
         @staticmethod
         def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
 
-    def _write_rows(self, cur: Any, target: Target, tables: Sequence[pa.Table]) -> None:
-        """Write ``tables`` (in queue order) into ``target`` as its settings say.
-
-        Raises:
-            FormatError: the tables' schemas clash.
-            SinkError: as :meth:`_prepare_table` and :meth:`_upsert`; the driver's errors.
-        """
-        self._write_targets(cur, [(target, tables)])
-
     def _write_targets(self, cur: Any, writes: Sequence[tuple[Target, Sequence[pa.Table]]]) -> None:
         """Write each target's tables (in queue order) as its settings say.
 
