@@ -58,6 +58,13 @@ class Appender(Protocol):
     ) -> tuple[int, ...]: ...
 
 
+class Tagged(Protocol):
+    """A version of an object, as far as a conditional write over it needs."""
+
+    @property
+    def etag(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ManifestSnapshot:
     """A decoded manifest with the ETag and size it was read at."""
@@ -88,7 +95,8 @@ def read_manifest(store: ObjectStore, path: str) -> ManifestSnapshot:
 
 
 class CasLoop:
-    """Shared machinery: read, transform, conditional write, back off on a lost race."""
+    """Shared machinery: read, conditional write, back off on a lost race — of the manifest,
+    or of any one object (``kind`` names its counters: ``{kind}_reads``, ``{kind}_writes``)."""
 
     def __init__(
         self,
@@ -98,26 +106,29 @@ class CasLoop:
         retry: RetryPolicy | None,
         clock: Clock | None,
         counters: Counters | None,
+        kind: str = "manifest",
     ) -> None:
         self.store = store
         self.path = manifest_path
         self.retry = retry or RetryPolicy()
         self.clock = clock or SystemClock()
         self.counters = counters or Counters(
-            "manifest_reads", "manifest_writes", "cas_conflicts", "cas_retries", "fence_checks"
+            f"{kind}_reads", f"{kind}_writes", "cas_conflicts", "cas_retries", "fence_checks"
         )
+        self._kind = kind
 
     def read(self) -> RawManifest | None:
-        self.counters.add("manifest_reads")
+        self.counters.add(f"{self._kind}_reads")
         try:
             got = self.store.get(self.path)
         except NotFoundError:
             return None
         return RawManifest(got.data, got.etag)
 
-    def write(self, current: RawManifest | None, data: bytes) -> str | None:
-        """One CAS attempt. Raises ConflictError, CommitStateUnknownError, StorageError."""
-        self.counters.add("manifest_writes")
+    def write(self, current: Tagged | None, data: bytes) -> str | None:
+        """One CAS attempt over ``current`` (``None``: there is no object). Raises
+        ConflictError, CommitStateUnknownError, StorageError."""
+        self.counters.add(f"{self._kind}_writes")
         if current is None:
             return self.store.put_if_absent(self.path, data)
         if current.etag is None:

@@ -20,20 +20,18 @@ condition, then its check.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from millpond.common.clock import Clock
 from millpond.common.metrics import Counters
-from millpond.common.retry import Backoff, RetryPolicy
-from millpond.errors import ConflictError, NotFoundError, StorageError
+from millpond.common.retry import RetryPolicy
+from millpond.errors import ConflictError, StorageError
+from millpond.queue.cas import CasLoop
 from millpond.storage.store import ObjectStore
 
 __all__ = ["FencedObject", "Updated", "Version", "raw_bytes"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -74,15 +72,12 @@ class FencedObject(Generic[T]):
         """``check`` raises ``FencedError`` for a value a newer holder wrote; ``counters``, if
         given, counts ``{kind}_reads``, ``{kind}_writes``, ``cas_conflicts`` and
         ``cas_retries``."""
+        self._cas = CasLoop(store, path, retry=retry, clock=clock, counters=counters, kind=kind)
         self.store = store
         self.path = path
         self._decode = decode
         self._encode = encode
         self._check = check
-        self._retry = retry
-        self._clock = clock
-        self._counters = counters
-        self._kind = kind
 
     def read(self) -> Version[T]:
         """The object as it is now, checked (steps 1 and 2).
@@ -92,10 +87,8 @@ class FencedObject(Generic[T]):
             FormatError: it is not what ``decode`` reads.
             StorageError: the store failed.
         """
-        self._count(f"{self._kind}_reads")
-        try:
-            got = self.store.get(self.path)
-        except NotFoundError:
+        got = self._cas.read()
+        if got is None:
             return Version(None, None)
         value = self._decode(got.data)
         self._check(value)
@@ -131,13 +124,14 @@ class FencedObject(Generic[T]):
             StorageError: the retry budget ran out.
             Whatever ``prepare`` raises.
         """
-        backoff = self._retry.start(self._clock)
+        cas = self._cas
+        backoff = cas.retry.start(cas.clock)
         while True:
             fresh = known is None
             try:
                 current = self.read() if known is None else known
             except (ConflictError, StorageError) as err:
-                self._retry_after(backoff, what, err, at_once=False)
+                cas.backoff(backoff, what, err)
                 continue
             known = None  # whatever becomes of this attempt, the next one reads
             new = prepare(current.value)
@@ -146,39 +140,11 @@ class FencedObject(Generic[T]):
                     return Updated(current, wrote=False)
                 continue  # an answer from an old version proves nothing: read
             try:
-                etag = self._write(current, new)
+                etag = cas.write(None if current.value is None else current, self._encode(new))
             except (ConflictError, StorageError) as err:
-                self._retry_after(backoff, what, err, at_once=at_once)
+                cas.backoff(backoff, what, err, at_once=at_once and isinstance(err, ConflictError))
                 continue
             return Updated(Version(new, etag), wrote=True)
-
-    def _write(self, current: Version[T], new: T) -> str | None:
-        """One conditional write. Raises ConflictError, CommitStateUnknownError, StorageError."""
-        self._count(f"{self._kind}_writes")
-        data = self._encode(new)
-        if current.value is None:
-            return self.store.put_if_absent(self.path, data)
-        if current.etag is None:
-            raise StorageError(f"{self.path}: the store returned no ETag; cannot compare-and-swap")
-        return self.store.put_if_match(self.path, data, current.etag)
-
-    def _retry_after(self, backoff: Backoff, what: str, err: Exception, *, at_once: bool) -> None:
-        """Count the failed attempt and wait before the next, or raise when the budget is
-        spent."""
-        conflict = isinstance(err, ConflictError)
-        if conflict:
-            self._count("cas_conflicts")
-        self._count("cas_retries")
-        again = backoff.again() if conflict and at_once else backoff.sleep(conflict=conflict)
-        if not again:
-            raise StorageError(
-                f"{self.path}: {what} gave up after {backoff.attempt} attempts: {err}"
-            ) from err
-        logger.debug("%s on %s: attempt %s after %s", what, self.path, backoff.attempt, err)
-
-    def _count(self, name: str) -> None:
-        if self._counters is not None:
-            self._counters.add(name)
 
 
 def raw_bytes(data: bytes) -> bytes:
