@@ -30,7 +30,7 @@ from millpond.consumer.app.service import ConsumerService
 from millpond.consumer.sinks import AdbcSink, SinkError, SinkTables, TableSettings, open_sink
 from millpond.consumer.takeover import take_over
 from millpond.coordinator.hosted import HostCoordinatedAppender
-from millpond.coordinator.rounds import AppendCoordinator
+from millpond.coordinator.rounds import AppendCoordinator, DequeueTicket
 from millpond.coordinator.server import CoordinatorServer
 from millpond.errors import FencedError, MillpondError
 from millpond.formats.batch import encode_batch
@@ -381,6 +381,13 @@ class CoordinatorRole:
             retry=RETRY,
             clock=self._clock,
         )
+        asked = coordinator.dequeue
+
+        def dequeue(epoch: int, through: int) -> DequeueTicket:
+            self._recorder.ask_dequeue(self.queue.manifest_path, epoch, through)
+            return asked(epoch, through)
+
+        coordinator.dequeue = dequeue  # type: ignore[method-assign]
         # With a token, as a coordinator off loopback must have: every role that talks to it
         # sends the one in its environment (test_whole_system sets TOKEN_ENV to it).
         self.server = CoordinatorServer(coordinator, port=self.port, token=TOKEN).start()

@@ -191,6 +191,15 @@ class Recorder(ForwardingStore):
         # manifest's, so a delete of one is a deleted live batch.
         self._indexed: dict[str, set[str]] = {}
         self.footers: dict[str, list[tuple[int, int]]] = {m: [] for m in self._manifests}
+        self._starts: dict[str, int] = {}
+        """Manifest path -> the first sequence its last written state holds (its
+        next_sequence when empty)."""
+        self._dequeue_asks: dict[str, list[tuple[int, int]]] = {m: [] for m in self._manifests}
+        """Manifest path -> every (epoch, through) a consumer asked the coordinator to
+        dequeue."""
+        self.unasked_dequeues: list[str] = []
+        """Coordinator writes that removed entries no consumer holding the manifest's epoch had
+        asked it to remove (a fenced consumer's dequeue, written on its behalf)."""
         self.objects: list[ObjectEvent] = []
         self.step = 0
         """The schedule's current step, stamped on every event."""
@@ -240,6 +249,27 @@ class Recorder(ForwardingStore):
             return f"failed:{result.path}"
         return str(result)
 
+    def ask_dequeue(self, manifest_path: str, epoch: int, through: int) -> None:
+        """A consumer holding ``epoch`` asked the coordinator to dequeue through ``through``."""
+        with self.lock:
+            self._dequeue_asks[manifest_path].append((epoch, through))
+
+    def coordinator_wrote(self, path: str, start_before: int | None) -> None:
+        """The coordinator's write of ``path`` landed, its first sequence ``start_before``
+        before: entries it removed must be what a consumer holding the epoch asked for."""
+        epoch = self.footers[path][-1][1]
+        removed_through = self._starts[path] - 1
+        if start_before is None or removed_through < start_before:
+            return  # nothing removed: an append
+        if not any(e == epoch and t >= removed_through for e, t in self._dequeue_asks[path]):
+            self.unasked_dequeues.append(
+                f"step {self.step}: the coordinator removed {path} entries through "
+                f"{removed_through} at epoch {epoch}; no consumer holding it asked"
+            )
+
+    def start_of(self, path: str) -> int | None:
+        return self._starts.get(path)
+
     def fence(self, roles: Iterable[str]) -> None:
         """A takeover returned: no conditional write of these consumers may land from now."""
         with self.lock:
@@ -253,6 +283,8 @@ class Recorder(ForwardingStore):
     def _manifest_written(self, path: str, data: bytes) -> None:
         manifest = decode_manifest(data, name=path)
         self.footers[path].append((manifest.next_sequence, manifest.epoch))
+        entries = manifest.entries
+        self._starts[path] = entries[0].sequence if entries else manifest.next_sequence
         now = {entry.location for entry in manifest.entries}
         if len(now) != len(manifest.entries):
             seen: set[str] = set()
@@ -525,9 +557,20 @@ class RoleStore(ForwardingStore):
 
     def _fenced_check(self, op: str, path: str, call: Callable[[], Any]) -> Callable[[], Any]:
         """``call``, noting it when it lands after a takeover fenced this role (decided under
-        the recorder's lock, which the landing and :meth:`Recorder.fence` both take)."""
+        the recorder's lock, which the landing and :meth:`Recorder.fence` both take); for the
+        coordinator, noting a dequeue it wrote that no consumer holding the epoch asked for."""
         if op != "cas" and not path.endswith("/_millpond/index/head"):
             return call
+        if self.name == "coordinator":
+
+            def land_for_consumers() -> Any:
+                with self.recorder.lock:
+                    before = self.recorder.start_of(path)
+                    result = call()
+                    self.recorder.coordinator_wrote(path, before)
+                    return result
+
+            return land_for_consumers
 
         def land() -> Any:
             with self.recorder.lock:

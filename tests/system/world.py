@@ -791,6 +791,9 @@ class World:
         assert not self.recorder.fenced_writes, (
             f"a fenced consumer's write landed after the takeover: {self.recorder.fenced_writes}"
         )
+        assert not self.recorder.unasked_dequeues, (
+            f"the coordinator dequeued for a fenced consumer: {self.recorder.unasked_dequeues}"
+        )
         assert not self.recorder.stale_heads, (
             f"an index head older than the current epoch was created: {self.recorder.stale_heads}"
         )
