@@ -213,17 +213,19 @@ def write_dequeues(queue: QueueProducer, tickets: Sequence[DequeueTicket]) -> No
             ticket.answer(REFUSED, f"the dequeue was not written: {err}")
         return
     for ticket in tickets:
-        if ticket.epoch != seen["epoch"]:
-            ticket.answer(
-                FENCED,
-                f"{queue.path} has epoch {seen['epoch']}, the consumer holds {ticket.epoch}",
-            )
-        elif ticket.through >= seen["next"]:
-            ticket.answer(
-                REFUSED, f"through {ticket.through} is not below next_sequence {seen['next']}"
-            )
-        else:
-            ticket.answer(DEQUEUED)
+        _answer(ticket, queue.path, epoch=seen["epoch"], next_sequence=seen["next"])
+
+
+def _answer(ticket: DequeueTicket, path: str, *, epoch: int, next_sequence: int) -> None:
+    """Answer ``ticket`` from the manifest its dequeue was written on (or found done on)."""
+    if ticket.epoch != epoch:
+        ticket.answer(FENCED, f"{path} has epoch {epoch}, the consumer holds {ticket.epoch}")
+    elif ticket.through >= next_sequence:
+        ticket.answer(
+            REFUSED, f"through {ticket.through} is not below next_sequence {next_sequence}"
+        )
+    else:
+        ticket.answer(DEQUEUED)
 
 
 class _Pauses:
