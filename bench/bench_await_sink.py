@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import make_result, plot_spec, seaweedfs_endpoint
+from bench.common import make_result, plot_spec, seaweedfs_endpoint, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,7 @@ def _service(store_url: str, options: dict[str, str], database: Path) -> Iterato
             time.sleep(0.05)
         yield
     finally:
-        child.terminate()
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_child(child)
         log.close()
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_spark_postgres import _jdbc_url, jdbc_jar
-from bench.common import make_result, plot_spec, seaweedfs_endpoint
+from bench.common import make_result, plot_spec, seaweedfs_endpoint, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,7 @@ def _service(
             time.sleep(0.05)
         yield port
     finally:
-        child.terminate()
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_child(child)
 
 
 def _scrape(port: int) -> dict[str, float]:

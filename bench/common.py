@@ -58,6 +58,16 @@ LATENCY_ENV = "MILLPOND_BENCH_LATENCY_MS"
 """Milliseconds of injected latency per store request (``python -m bench --latency-ms``)."""
 
 
+def stop_child(child: subprocess.Popen[Any], timeout: float = 60.0) -> None:
+    """Stop a child this benchmark started: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    child.terminate()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def latency_ms(default: float = 0.0) -> float:
     """The injected store latency for this run, in milliseconds (``default`` when unset)."""
     value = os.environ.get(LATENCY_ENV, "")
