@@ -78,15 +78,9 @@ class ReadAheadWindow:
         fits = int(self._max_bytes // max(1.0, self._batch_bytes))
         return max(self._least, min(self._size, fits))
 
-    def starved(self) -> None:
-        """A delivery waited for an object that was already in flight: fetch further ahead."""
-        self._grow()
-
-    def short(self) -> None:
-        """A delivery returned fewer batches than asked while more were in flight."""
-        self._grow()
-
-    def _grow(self) -> None:
+    def grow(self) -> None:
+        """Fetch further ahead: a delivery waited for an object already in flight, or returned
+        fewer batches than asked while more were in flight."""
         # Not past the memory budget: a window it caps would only grow on paper.
         if self._size < self._most and self.size == self._size:
             self._size = min(self._most, self._size * 2)
@@ -184,13 +178,9 @@ class ReadAhead:
         """
         size = self._window.size
         self._cursor.fill(max(0, 2 * size - len(self._inflight)))
-        self._submit()
+        self.submit()
 
     def submit(self) -> None:
-        """Submit entries already read until the window is full (no IO)."""
-        self._submit()
-
-    def _submit(self) -> None:
         """Submit entries already read until the window is full (no IO)."""
         pool = self._pool
         assert pool is not None
@@ -229,7 +219,7 @@ class ReadAhead:
                 if batches:
                     break
                 if self._ahead_at_return:
-                    self._window.starved()  # in flight since the last delivery, still not here
+                    self._window.grow()  # in flight since the last delivery, still not here
             try:
                 batch = future.result()
             except MillpondError:
@@ -241,11 +231,11 @@ class ReadAhead:
             self._counters.add("batches")
             self._counters.add("entries", len(batch.entries))
             self._window.delivered(sum(map(len, batch.entries)))
-            self._submit()  # what is read already: no IO between two deliveries
+            self.submit()  # what is read already: no IO between two deliveries
             batches.append(batch)
         if len(batches) < limit and self._inflight and not _ready(self._inflight[0][1]):
             # The caller wanted more than was fetched: fetch further ahead.
-            self._window.short()
+            self._window.grow()
         self._ahead_at_return = len(self._inflight)
         return batches
 
@@ -257,7 +247,7 @@ class ReadAhead:
             future.cancel()
         else:
             entry = self._cursor.take(1)[0]
-        self._submit()
+        self.submit()
         return entry
 
     def has_ready(self) -> bool:
@@ -265,7 +255,7 @@ class ReadAhead:
         if not self._inflight:
             return False
         future = self._inflight[0][1]
-        return future.done() and not future.cancelled() and future.exception() is None
+        return _ready(future) and future.exception() is None
 
     def reset(self, after: int = -1) -> None:
         """Forget every entry and stop the fetch threads; the next entry is ``after + 1``."""
@@ -305,38 +295,35 @@ class ReadAhead:
         return None
 
     def _fetch(self, entry: ManifestEntry) -> ConsumedBatch:
-        with self._fetch_latency.time():
-            return self._fetch_untimed(entry)
-
-    def _fetch_untimed(self, entry: ManifestEntry) -> ConsumedBatch:
         location = entry.location
-        try:
-            got = self._store.get(location)
-        except NotFoundError as err:
-            raise BatchNotFoundError(
-                f"{self._config.manifest_path}: sequence {entry.sequence}: batch object "
-                f"{location} is missing",
+        with self._fetch_latency.time():
+            try:
+                got = self._store.get(location)
+            except NotFoundError as err:
+                raise BatchNotFoundError(
+                    f"{self._config.manifest_path}: sequence {entry.sequence}: batch object "
+                    f"{location} is missing",
+                    sequence=entry.sequence,
+                    location=location,
+                ) from err
+            try:
+                records = decode_batch(got.data, name=location)
+            except FormatError as err:
+                raise CorruptBatchError(
+                    f"sequence {entry.sequence}: {err}",
+                    sequence=entry.sequence,
+                    location=location,
+                    field=err.field,
+                    offset=err.offset,
+                ) from err
+            self._counters.add("bytes", len(got.data))
+            return ConsumedBatch(
+                entries=tuple(records),
                 sequence=entry.sequence,
                 location=location,
-            ) from err
-        try:
-            records = decode_batch(got.data, name=location)
-        except FormatError as err:
-            raise CorruptBatchError(
-                f"sequence {entry.sequence}: {err}",
-                sequence=entry.sequence,
-                location=location,
-                field=err.field,
-                offset=err.offset,
-            ) from err
-        self._counters.add("bytes", len(got.data))
-        return ConsumedBatch(
-            entries=tuple(records),
-            sequence=entry.sequence,
-            location=location,
-            metadata=entry.metadata,
-            queue=self._queue,
-        )
+                metadata=entry.metadata,
+                queue=self._queue,
+            )
 
 
 def _ready(future: Future[ConsumedBatch]) -> bool:
