@@ -474,7 +474,9 @@ class Consumer:
                 raise InvalidInputError(
                     f"sequence: expected {expected} (acks are in order), found {sequence!r}"
                 )
-            self._ack_through_locked(sequence)
+            self._check_delivered(sequence)
+            self._guard(self._queue.check_fence)
+            self._record_ack(sequence)
 
     def ack_through(self, sequence: int) -> None:
         """Confirm every delivered batch up to ``sequence`` (one fencing check for them all).
@@ -502,11 +504,6 @@ class Consumer:
             raise InvalidInputError(
                 f"sequence: expected a delivered sequence (below {self._next}), found {sequence}"
             )
-
-    def _ack_through_locked(self, sequence: int) -> None:
-        self._check_delivered(sequence)
-        self._guard(self._queue.check_fence)
-        self._record_ack(sequence)
 
     def _record_ack(self, sequence: int) -> None:
         """Record an ack whose fencing check passed in this call; dequeue when due."""
