@@ -41,9 +41,11 @@ class BackgroundCollector(BackgroundTask):
         grace_period: float,
         clock: Clock,
         epoch: int,
-        counters: Counters | None = None,
-        latency: LatencySummary | None = None,
+        counters: Counters,
+        latency: LatencySummary,
     ) -> None:
+        """``counters``: ``gc_passes``, ``gc_deleted``, ``gc_failed_deletes``, ``gc_errors``;
+        ``latency``: seconds per completed pass (the consumer's, kept across its collectors)."""
         super().__init__(f"millpond-consumer-gc-{epoch}", self._run)
         self._store = store
         self._manifest_path = manifest_path
@@ -52,11 +54,8 @@ class BackgroundCollector(BackgroundTask):
         self._grace = grace_period
         self._clock = clock
         self._epoch = epoch
-        self.counters = counters or Counters(
-            "gc_passes", "gc_deleted", "gc_failed_deletes", "gc_errors"
-        )
-        self.latency = latency or LatencySummary()
-        """Seconds per completed pass."""
+        self.counters = counters
+        self.latency = latency
 
     def _check_epoch(self, footer: Footer) -> None:
         if footer.epoch != self._epoch:
