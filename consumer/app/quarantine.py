@@ -228,22 +228,23 @@ def set_aside(
     state = sink.record_quarantine(
         queue, sequence=sequence, location=location, reason=reason, dead_letter=batch_path
     )
+    kept: str | None = batch_path
     if state in (SetAside.WRITTEN, SetAside.DUPLICATE):
         # Its rows are in the table already (or set aside under another sequence): the copy
         # is not needed, and a dead-letter prefix holding it would say otherwise.
-        _delete_unneeded_copy(store, [batch_path, record_path])
-        return QuarantineOutcome(
-            sequence=sequence, location=location, state=state, dead_letter=None, reason=reason
+        kept = None
+        for failure in store.delete_many([batch_path, record_path]):
+            logger.warning("could not delete the unneeded copy %s: %s", failure.path, failure)
+    else:
+        logger.warning(
+            "sequence %s (%s) quarantined: copied to %s; reason: %s",
+            sequence,
+            location,
+            batch_path,
+            reason,
         )
-    logger.warning(
-        "sequence %s (%s) quarantined: copied to %s; reason: %s",
-        sequence,
-        location,
-        batch_path,
-        reason,
-    )
     return QuarantineOutcome(
-        sequence=sequence, location=location, state=state, dead_letter=batch_path, reason=reason
+        sequence=sequence, location=location, state=state, dead_letter=kept, reason=reason
     )
 
 
@@ -260,12 +261,6 @@ def _copy_batch(store: ObjectStore, location: str, batch_path: str, *, sequence:
             f"sequence {sequence}: batch object {location} is missing; there is nothing to "
             "set aside"
         ) from err
-
-
-def _delete_unneeded_copy(store: ObjectStore, paths: list[str]) -> None:
-    failures = store.delete_many(paths)
-    for failure in failures:
-        logger.warning("could not delete the unneeded copy %s: %s", failure.path, failure)
 
 
 def quarantine(
