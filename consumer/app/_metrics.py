@@ -122,14 +122,6 @@ class TimedSink:
         self.commit_latency = LatencySummary()
         self.counters = Counters("batches", "skipped")
 
-    @property
-    def rows_written(self) -> int:
-        return self.inner.rows_written
-
-    def last_sequence(self, queue: str) -> int | None:
-        """Raises: as the wrapped sink's."""
-        return self.inner.last_sequence(queue)
-
     def write(self, batch: ConsumedBatch) -> bool:
         """Raises: as the wrapped sink's."""
         with self.commit_latency.time():
@@ -144,11 +136,9 @@ class TimedSink:
         self._count(results)
         return results
 
-    def close(self) -> None:
-        self.inner.close()
-
     def __getattr__(self, name: str) -> Any:
-        # Whatever else a sink offers (a probe, its table) is the wrapped sink's.
+        # Whatever else a sink offers (its progress, rows written, a probe) is the wrapped
+        # sink's.
         return getattr(self.inner, name)
 
     def _count(self, results: Sequence[bool]) -> None:
@@ -179,6 +169,11 @@ class _Sample:
     oldest_ms: int | None
     bytes: int
     at: float
+
+    def waiting(self, acked: int | None) -> int:
+        """Entries past ``acked`` as of the sample."""
+        start = self.first if acked is None else max(self.first, acked + 1)
+        return max(0, self.next_sequence - start)
 
 
 class QueueSampler(BackgroundTask):
@@ -282,12 +277,7 @@ class QueueSampler(BackgroundTask):
             sample = self._sample
         if sample is None:
             return None
-        start = sample.first if acked is None else max(sample.first, acked + 1)
-        length = max(0, sample.next_sequence - start)
-        sampled_start = (
-            sample.first if sample.acked is None else max(sample.first, sample.acked + 1)
-        )
-        sampled = max(0, sample.next_sequence - sampled_start)
+        length, sampled = sample.waiting(acked), sample.waiting(sample.acked)
         nbytes = sample.bytes if length >= sampled else sample.bytes * length // max(1, sampled)
         return QueueGauges(
             length=length,
