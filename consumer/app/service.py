@@ -52,7 +52,7 @@ from typing import TypeVar
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.durations import check_count, check_duration
 from millpond.consumer._batch import ConsumedBatch
-from millpond.consumer._consumer import Consumer
+from millpond.consumer._consumer import Backlog, Consumer
 from millpond.consumer.app._report import ServiceReporter, ServiceState
 from millpond.consumer.app.quarantine import (
     default_dead_letter_prefix,
@@ -809,12 +809,6 @@ class ConsumerService:
     def _report_progress(self) -> None:
         if self._reporter is None:
             return
-        backlog = self._consumer.backlog()
-        lag = (
-            max(0.0, (self._clock.now_ms() - backlog.oldest_ingestion_ms) / 1000)
-            if backlog.oldest_ingestion_ms is not None
-            else 0.0
-        )
         stats = self.stats
         self._reporter.progress(
             rows=stats.rows,
@@ -822,8 +816,13 @@ class ConsumerService:
             skipped=stats.skipped,
             quarantined=stats.quarantined,
             last_sequence=stats.last_sequence,
-            lag_seconds=round(lag, 3),
+            lag_seconds=round(self._lag(self._consumer.backlog()), 3),
         )
+
+    def _lag(self, backlog: Backlog) -> float:
+        """Seconds since the oldest record of the next undelivered entry (0: none known)."""
+        oldest = backlog.oldest_ingestion_ms
+        return 0.0 if oldest is None else max(0.0, (self._clock.now_ms() - oldest) / 1000)
 
     def _with_retry(
         self,
@@ -885,11 +884,6 @@ class ConsumerService:
         stats = self.stats if final else self._window
         elapsed = max(now - (self._started if final else self._window_start), 1e-9)
         backlog = self._consumer.backlog()
-        lag = (
-            max(0.0, (self._clock.now_ms() - backlog.oldest_ingestion_ms) / 1000)
-            if backlog.oldest_ingestion_ms is not None
-            else 0.0
-        )
         logger.info(
             "%s%s batches (%.1f/s), %s rows (%.0f/s), %s skipped, last sequence %s, "
             "lag %.1f s, %s entries waiting",
@@ -900,7 +894,7 @@ class ConsumerService:
             stats.rows / elapsed,
             stats.skipped,
             self.stats.last_sequence,
-            lag,
+            self._lag(backlog),
             backlog.entries,
         )
         if not final:
