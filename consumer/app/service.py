@@ -271,14 +271,10 @@ class ConsumerService:
         consumer = self._consumer
         timeout = self._start_timeout
         deadline = None if timeout is None else self._clock.monotonic() + timeout
+        progress = functools.partial(self._sink.last_sequence, consumer.queue)
         # The sink refuses here, before this consumer takes over or dequeues anything, if it
         # holds another queue's progress.
-        start = self._with_retry(
-            stop,
-            "read the sink's last sequence",
-            functools.partial(self._sink.last_sequence, consumer.queue),
-            deadline=deadline,
-        )
+        start = self._with_retry(stop, "read the sink's last sequence", progress, deadline=deadline)
         if stop.is_set():
             return False
         # A store that is down at start-up is waited out like one that fails later. An
@@ -287,12 +283,7 @@ class ConsumerService:
         start = self._with_retry(
             stop,
             "take over the queue",
-            functools.partial(
-                take_over,
-                consumer,
-                functools.partial(self._sink.last_sequence, consumer.queue),
-                read=start,
-            ),
+            functools.partial(take_over, consumer, progress, read=start),
             deadline=deadline,
         )
         if stop.is_set():
@@ -308,7 +299,9 @@ class ConsumerService:
         return True
 
     def _dequeue_written(self, stop: threading.Event) -> None:
-        """After the loop: dequeue what was written, or, when stopped, ack it."""
+        """After the loop: dequeue what was written, or, when stopped, ack what was written and
+        not acked yet (the last group), retrying while the store is down and ``stop`` is not
+        set."""
         # A store that is down when the work is done is waited out like one that fails
         # mid-run: a clean exit leaves nothing written in the queue. The last group
         # written is acked with the dequeue (no delivery follows to carry it).
@@ -319,8 +312,13 @@ class ConsumerService:
                 lambda: self._consumer.flush(ack_through=self._to_ack()),
                 reads_manifest=True,
             )
-        else:
-            self._ack_written(stop)
+        elif (sequence := self._to_ack()) is not None:
+            self._with_retry(
+                stop,
+                f"ack sequence {sequence}",
+                functools.partial(self._consumer.ack_through, sequence),
+                reads_manifest=True,
+            )
 
     def _stopped_by(self, err: BaseException) -> None:
         """The run stops on ``err`` (not a fencing): log why, dequeue what was written, and
@@ -510,19 +508,7 @@ class ConsumerService:
         """
         rows_before = self._sink.rows_written
         try:
-            if len(group) > 1:
-                results = self._with_retry(
-                    stop,
-                    f"write sequences {group[0].sequence}..{group[-1].sequence}",
-                    functools.partial(self._sink.write_many, group),
-                )
-            else:
-                one = self._with_retry(
-                    stop,
-                    f"write sequence {group[0].sequence}",
-                    functools.partial(self._sink.write, group[0]),
-                )
-                results = None if one is None else [one]
+            results = self._write(group, stop)
         except (FormatError, SinkError) as err:  # permanent: transient ones are retried
             # What follows acks on its own and may set batches aside: the delivery under
             # way finishes first (its group is kept and written next).
@@ -545,38 +531,42 @@ class ConsumerService:
         self._count_rows(self._sink.rows_written - rows_before)
         return True
 
+    def _write(self, group: list[ConsumedBatch], stop: threading.Event) -> list[bool] | None:
+        """Write the group in one transaction (``write`` for one batch, ``write_many`` for
+        more), retried while the database is down; what each batch's write returned, or
+        ``None`` when stopped first.
+
+        Raises:
+            FormatError, SinkError: a permanent failure (transient ones are retried).
+        """
+        if len(group) > 1:
+            return self._with_retry(
+                stop,
+                f"write sequences {group[0].sequence}..{group[-1].sequence}",
+                functools.partial(self._sink.write_many, group),
+            )
+        one = self._with_retry(
+            stop,
+            f"write sequence {group[0].sequence}",
+            functools.partial(self._sink.write, group[0]),
+        )
+        return None if one is None else [one]
+
     def _write_one_by_one(self, group: list[ConsumedBatch], stop: threading.Event) -> bool:
         for batch in group:
             rows_before = self._sink.rows_written
             try:
-                one = self._with_retry(
-                    stop,
-                    f"write sequence {batch.sequence}",
-                    functools.partial(self._sink.write, batch),
-                )
+                results = self._write([batch], stop)
             except (FormatError, SinkError) as err:  # permanent: transient ones are retried
                 if not self._bad_batch(batch, err, stop):
                     return False
                 continue
-            if one is None:
+            if results is None:
                 return False
             if not self._ack(batch, stop):
                 return False
-            self._count(batch, one, self._sink.rows_written - rows_before)
+            self._count(batch, results[0], self._sink.rows_written - rows_before)
         return True
-
-    def _ack_written(self, stop: threading.Event) -> None:
-        """Ack what was written and not acked yet (the last group), retrying while the store
-        is down and ``stop`` is not set."""
-        sequence = self._to_ack()
-        if sequence is None:
-            return
-        self._with_retry(
-            stop,
-            f"ack sequence {sequence}",
-            functools.partial(self._consumer.ack_through, sequence),
-            reads_manifest=True,
-        )
 
     def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
         """Ack a written batch and every delivered one before it (one fencing check), retrying
