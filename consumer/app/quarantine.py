@@ -499,15 +499,11 @@ def quarantine_command(
         ("--manifest-path", manifest_path, "ingest/manifest"),
         ("--data-prefix", data_prefix, "ingest"),
         ("--dead-letter-prefix", dead_letter_prefix, None),
-    ):
-        if value is not None and value != default:
-            words += [flag, value]
-    words += ["--sink", sink]
-    for flag, value, default in (
+        ("--sink", sink, None),
         ("--table", table, "millpond_rows"),
         ("--progress-table", progress_table, "millpond_progress"),
     ):
-        if value != default:
+        if value is not None and value != default:
             words += [flag, value]
     return shlex.join(words)
 
