@@ -147,10 +147,7 @@ class ProgressReader:
                 return work(lambda sql, params: conn.execute(sql, params).fetchall())
             except sqlite3.OperationalError as err:
                 if "no such table" in str(err):
-                    raise NotFoundError(
-                        f"sink {self._url}: no progress table {self._progress} yet "
-                        "(no consumer has written there)"
-                    ) from err
+                    raise self._no_progress_table(self._url) from err
                 raise StorageError(f"sink {self._url}: {err}") from err
 
     def _postgres(self, work: Callable[[Fetch], tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -172,15 +169,17 @@ class ProgressReader:
                 return work(fetch)
         except pg_dbapi.Error as err:
             if "does not exist" in str(err):
-                raise NotFoundError(
-                    f"sink {where}: no progress table {self._progress} yet "
-                    "(no consumer has written there)"
-                ) from err
+                raise self._no_progress_table(where) from err
             raise StorageError(f"sink {where}: {err}") from err
         finally:
             with contextlib.suppress(pg_dbapi.Error):
                 conn.rollback()
             conn.close()
+
+    def _no_progress_table(self, where: str) -> NotFoundError:
+        return NotFoundError(
+            f"sink {where}: no progress table {self._progress} yet (no consumer has written there)"
+        )
 
 
 Fetch = Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]
