@@ -20,7 +20,6 @@ from typing import Any
 
 from millpond.cli.common import add_store_arguments, emit, open_store_from_args, require_queue
 from millpond.common.clock import Clock, SystemClock
-from millpond.common.ulids import parse_batch_name, ulid_time_ms
 from millpond.consumer.app._report import status_section
 from millpond.consumer.app._sink_progress import ProgressReader, SinkProgress
 from millpond.consumer.app._watch import watch
@@ -30,6 +29,7 @@ from millpond.formats.manifest import ManifestEntry
 from millpond.queue import (
     EntryReader,
     QueueLook,
+    batch_time_ms,
     entry_time_ms,
     is_replaced,
     look_at_queue,
@@ -107,11 +107,8 @@ def queue_status(
         store, manifest_path, data_path_prefix, consumed_through, measure_bytes=measure_bytes
     )
     now_ms = (clock or SystemClock()).now_ms()
-    age: float | None = None
-    if oldest is not None:
-        ulid = parse_batch_name(oldest.location.rpartition("/")[2])
-        if ulid is not None:
-            age = max(0.0, (now_ms - ulid_time_ms(ulid)) / 1000)
+    # The ULID time of its name, not its metadata's (oldest_entry_age_seconds).
+    born_ms = batch_time_ms((), oldest.location) if oldest is not None else None
     lagging_ms = entry_time_ms(lagging) if lagging is not None else None
     return QueueStatus(
         manifest_path=manifest_path,
@@ -123,7 +120,7 @@ def queue_status(
         bytes_referenced=total,
         missing_objects=missing,
         oldest_location=oldest.location if oldest else None,
-        oldest_entry_age_seconds=age,
+        oldest_entry_age_seconds=None if born_ms is None else max(0.0, (now_ms - born_ms) / 1000),
         consumer_lag_seconds=(
             max(0.0, (now_ms - lagging_ms) / 1000) if lagging_ms is not None else 0.0
         ),
