@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         require_queue_unless_create(args)  # every option is checked first: a typo is usage
         consumer = Consumer(config)
-        reporter = _reporter(args, consumer, config, sink_description=sink.description)
+        reporter = _reporter(args, consumer, sink_description=sink.description)
         timed = _metrics.TimedSink(sink)
         metrics = _metrics.ConsumerMetrics(consumer, timed, interval=args.metrics_interval)
         service = ConsumerService(
@@ -288,11 +288,7 @@ def _consumer_config(args: argparse.Namespace) -> ConsumerConfig:
 
 
 def _reporter(
-    args: argparse.Namespace,
-    consumer: Consumer,
-    config: ConsumerConfig,
-    *,
-    sink_description: str,
+    args: argparse.Namespace, consumer: Consumer, *, sink_description: str
 ) -> ServiceReporter:
     """The report ``millpond status`` reads, naming the ``millpond quarantine`` command line
     that sets aside the batch the service stopped on, with the written-through mark
@@ -310,16 +306,17 @@ def _reporter(
             dead_letter_prefix=args.dead_letter_prefix,
         )
 
+    prefix = consumer.config.data_path_prefix
     return ServiceReporter(
         consumer.store,
-        data_path_prefix=config.data_path_prefix,
+        data_path_prefix=prefix,
         queue=consumer.queue,
         interval=args.report_interval,
         quarantine_command=command,
         # What producers wait on (wait_written, await_sink), kept in step with the report.
         written=WrittenPublisher(
             consumer.store,
-            data_path_prefix=config.data_path_prefix,
+            data_path_prefix=prefix,
             queue=consumer.queue,
             interval=args.report_interval,
         ),
