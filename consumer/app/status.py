@@ -228,13 +228,11 @@ def status_record(
         record["metrics"] |= {
             "millpond_consumer_rows_total": progress.rows,
             "millpond_consumer_batches_total": progress.batches,
-            "millpond_consumer_last_sequence": _or(progress.last_sequence, -1),
+            "millpond_consumer_last_sequence": (
+                -1 if progress.last_sequence is None else progress.last_sequence
+            ),
         }
     return record
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
 def run(args: argparse.Namespace) -> int:
