@@ -122,14 +122,17 @@ class ReadAhead:
         self._cursor = QueueCursor(store)
         # Submitted fetches, in sequence order; the head is delivered next.
         self._inflight: deque[tuple[ManifestEntry, Future[ConsumedBatch]]] = deque()
-        self._window = self._new_window()
+        self._window: ReadAheadWindow  # by start()
         # Fetches in flight when the last delivery returned: the head of the next delivery
         # was among them if any (a wait for it then means the window is too small).
         self._ahead_at_return = 0
 
     def start(self) -> None:
         """A fresh window and the fetch threads (after :meth:`reset`)."""
-        self._window = self._new_window()
+        config = self._config
+        self._window = ReadAheadWindow(
+            least=config.read_ahead, most=config.read_ahead_max, max_bytes=config.read_ahead_bytes
+        )
         self._pool = ThreadPoolExecutor(self._window.most, thread_name_prefix="millpond-read")
 
     @property
@@ -271,12 +274,6 @@ class ReadAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
-    def _new_window(self) -> ReadAheadWindow:
-        config = self._config
-        return ReadAheadWindow(
-            least=config.read_ahead, most=config.read_ahead_max, max_bytes=config.read_ahead_bytes
-        )
 
     def _rewind(self) -> None:
         """Put every submitted entry back in front of the waiting ones, to be fetched again."""
