@@ -117,7 +117,6 @@ class Consumer:
         self._clock: Clock = config.clock or SystemClock()
         self._opened = Queue.open(config)
         self._store: ObjectStore = self._opened.store
-        self._prefix = config.data_path_prefix.strip("/")
         self.counters = Counters(*_COUNTERS)
         self.fetch_latency = LatencySummary()
         """Seconds to read and decode one batch object."""
@@ -305,7 +304,7 @@ class Consumer:
         self._gc = BackgroundCollector(
             self._store,
             manifest_path=config.manifest_path,
-            data_path_prefix=self._prefix,
+            data_path_prefix=config.data_path_prefix.strip("/"),
             interval=config.gc_interval,
             grace_period=config.gc_grace_period,
             clock=self._clock,
