@@ -70,6 +70,7 @@ __all__ = [
     "add_sink_arguments",
     "config_from_args",
     "dead_letter_paths",
+    "dead_letter_prefix_for",
     "default_dead_letter_prefix",
     "quarantine",
     "quarantine_command",
@@ -96,7 +97,13 @@ def dead_letter_paths(dead_letter_prefix: str, sequence: int) -> tuple[str, str]
     return f"{base}.batch", f"{base}.json"
 
 
-def _dead_letter_prefix(config: ConsumerConfig, given: str | None) -> str:
+def dead_letter_prefix_for(config: ConsumerConfig, given: str | None) -> str:
+    """The dead-letter prefix to use: ``given``, or the default; never empty, never the data
+    prefix (``millpond replay`` could not tell the copies from the queue's batches).
+
+    Raises:
+        ConfigError: ``given`` is empty or the data prefix.
+    """
     data = config.data_path_prefix.strip("/")
     prefix = (given if given is not None else default_dead_letter_prefix(data)).strip("/")
     if not prefix or prefix == data:
@@ -292,7 +299,7 @@ def quarantine(
     """
     if not reason.strip():
         raise ConfigError("reason", "expected why the batch is set aside, found ''")
-    prefix = _dead_letter_prefix(config, dead_letter_prefix)
+    prefix = dead_letter_prefix_for(config, dead_letter_prefix)
     store = open_store(config.store, config.store_options)
     queue = queue_identity(store.url, config.manifest_path)
     snapshot = read_manifest(store, config.manifest_path)
@@ -435,7 +442,7 @@ def replay(
             quarantined), or failed.
         StorageError: the store failed.
     """
-    prefix = _dead_letter_prefix(config, dead_letter_prefix)
+    prefix = dead_letter_prefix_for(config, dead_letter_prefix)
     store = open_store(config.store, config.store_options)
     queue = queue_identity(store.url, config.manifest_path)
     _batch_path, record_path = dead_letter_paths(prefix, sequence)

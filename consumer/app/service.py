@@ -55,7 +55,7 @@ from millpond.consumer._batch import ConsumedBatch
 from millpond.consumer._consumer import Backlog, Consumer
 from millpond.consumer.app._report import ServiceReporter, ServiceState
 from millpond.consumer.app.quarantine import (
-    default_dead_letter_prefix,
+    dead_letter_prefix_for,
     set_aside,
 )
 from millpond.consumer.sinks import QuarantineLedger, Sink, SinkError
@@ -203,9 +203,7 @@ class ConsumerService:
             retry_max_delay=retry_max_delay,
         )
         self._on_bad_batch, self._ledger = _bad_batch_handling(on_bad_batch, sink, ledger)
-        self._dead_letter = dead_letter_prefix or default_dead_letter_prefix(
-            consumer.config.data_path_prefix
-        )
+        self._dead_letter = dead_letter_prefix_for(consumer.config, dead_letter_prefix)
         self._quarantine_limit = quarantine_limit
         self._bad_in_a_row = 0
         self._reporter = reporter
