@@ -98,6 +98,9 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
     rows go into each table through :class:`TableWriter`.
     """
 
+    _dialect: Dialect
+    """How this database spells column types (each subclass sets it)."""
+
     def __init__(
         self,
         *,
@@ -293,23 +296,13 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         """A new DB-API connection, configured."""
 
     @abstractmethod
-    def _begin(self, conn: Any, cur: Any) -> None:
-        """Start a write transaction."""
-
-    @abstractmethod
-    def _commit(self, conn: Any, cur: Any) -> None: ...
-
-    @abstractmethod
-    def _rollback(self, conn: Any, cur: Any) -> None: ...
+    def _begin(self, cur: Any) -> None:
+        """Start a write transaction (the connection is in autocommit mode: the sink says
+        ``COMMIT`` and ``ROLLBACK`` itself)."""
 
     @abstractmethod
     def _param(self, index: int) -> str:
         """The placeholder of the 1-based parameter ``index``."""
-
-    @property
-    @abstractmethod
-    def _dialect(self) -> Dialect:
-        """How this database spells column types."""
 
     @abstractmethod
     def _name_key(self, name: str) -> str:
@@ -380,9 +373,11 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         else:
             cur.adbc_ingest(table.name, rows, mode="append", db_schema_name=table.schema)
 
-    @abstractmethod
     def _driver_errors(self) -> tuple[type[Exception], ...]:
         """The driver's exception classes, translated into :class:`SinkError`."""
+        import adbc_driver_manager
+
+        return (adbc_driver_manager.Error,)
 
     # -- the transaction -------------------------------------------------------------------
 
@@ -795,7 +790,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
             self._drop_connection()
             raise self._translate(err) from err
         try:
-            self._begin(conn, cur)
+            self._begin(cur)
             self._after_commit = []
             self._writing = None
             if not self._set_up:
@@ -805,7 +800,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                 self._after_commit.append(lambda: setattr(self, "_set_up", True))
             self._identify(cur)
             result = work(cur)
-            self._commit(conn, cur)
+            cur.execute("COMMIT")
             for done in self._after_commit:
                 done()
             return result
@@ -814,7 +809,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                 target.columns = None  # DDL that rolled back must not stay cached
             self._after_commit = []
             try:
-                self._rollback(conn, cur)
+                cur.execute("ROLLBACK")
             except Exception:  # the connection is unusable; reopen next time
                 self._drop_connection()
             if isinstance(err, self._driver_errors()):

@@ -11,7 +11,6 @@ error classes: :mod:`millpond.consumer.sinks.errors`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,17 +25,16 @@ from millpond.consumer.sinks._url import postgres_url, redact, secrets
 from millpond.consumer.sinks._values import for_postgres
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass, classify_postgres
-from millpond.consumer.sinks.types import POSTGRES, ColumnType, Dialect
+from millpond.consumer.sinks.types import POSTGRES, ColumnType
 from millpond.errors import ConfigError
 
 __all__ = ["PostgresSink", "redact", "resolve_postgres_table"]
-
-logger = logging.getLogger(__name__)
 
 
 class PostgresSink(AdbcSink):
     """Writes batches into a PostgreSQL table."""
 
+    _dialect = POSTGRES
     # Binary COPY runs in the driver without the GIL: a slice of this many rows is made into
     # what the columns take while the one before is copied.
     _INSERT_SLICE_ROWS = 32_768
@@ -103,21 +101,11 @@ class PostgresSink(AdbcSink):
         # every COPY, besides a round trip each.
         return pg_dbapi.connect(self._url, autocommit=True)
 
-    def _begin(self, conn: Any, cur: Any) -> None:
+    def _begin(self, cur: Any) -> None:
         cur.execute("BEGIN")
-
-    def _commit(self, conn: Any, cur: Any) -> None:
-        cur.execute("COMMIT")
-
-    def _rollback(self, conn: Any, cur: Any) -> None:
-        cur.execute("ROLLBACK")
 
     def _param(self, index: int) -> str:
         return f"${index}"
-
-    @property
-    def _dialect(self) -> Dialect:
-        return POSTGRES
 
     def _name_key(self, name: str) -> str:
         return postgres_identifier(name)
@@ -227,11 +215,6 @@ class PostgresSink(AdbcSink):
             constraint=constraint.decode(errors="replace") if constraint else None,
             message=str(err),
         )
-
-    def _driver_errors(self) -> tuple[type[Exception], ...]:
-        import adbc_driver_manager
-
-        return (adbc_driver_manager.Error,)
 
 
 def resolve_postgres_table(

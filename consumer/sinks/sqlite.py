@@ -9,7 +9,6 @@ durable before the consumer acks it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,18 +24,18 @@ from millpond.consumer.sinks._url import DEFAULT_BUSY_TIMEOUT_MS, sqlite_databas
 from millpond.consumer.sinks._values import for_sqlite
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass, classify_sqlite
-from millpond.consumer.sinks.types import SQLITE, ColumnType, Dialect
+from millpond.consumer.sinks.types import SQLITE, ColumnType
 from millpond.errors import ConfigError
 
 __all__ = ["DEFAULT_BUSY_TIMEOUT_MS", "SQLiteSink"]
-
-logger = logging.getLogger(__name__)
 
 _MAX_PARAMS = 500  # bound parameters per statement, well under SQLite's limit
 
 
 class SQLiteSink(AdbcSink):
     """Writes batches into a table of a SQLite database file."""
+
+    _dialect = SQLITE
 
     def __init__(
         self,
@@ -105,21 +104,11 @@ class SQLiteSink(AdbcSink):
             cur.close()
         return conn
 
-    def _begin(self, conn: Any, cur: Any) -> None:
+    def _begin(self, cur: Any) -> None:
         cur.execute("BEGIN IMMEDIATE")
-
-    def _commit(self, conn: Any, cur: Any) -> None:
-        cur.execute("COMMIT")
-
-    def _rollback(self, conn: Any, cur: Any) -> None:
-        cur.execute("ROLLBACK")
 
     def _param(self, index: int) -> str:
         return "?"
-
-    @property
-    def _dialect(self) -> Dialect:
-        return SQLITE
 
     def _name_key(self, name: str) -> str:
         return ascii_casefold(name)
@@ -242,8 +231,3 @@ class SQLiteSink(AdbcSink):
 
     def _classify(self, err: Exception) -> ErrorClass:
         return classify_sqlite(getattr(err, "vendor_code", None), str(err))
-
-    def _driver_errors(self) -> tuple[type[Exception], ...]:
-        import adbc_driver_manager
-
-        return (adbc_driver_manager.Error,)
