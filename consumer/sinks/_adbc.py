@@ -87,10 +87,6 @@ LOCATION_INDEX_SUFFIX = "_location"
 _SECRET_ANYWHERE = 4  # characters; a secret this long is hidden wherever a message has it
 
 
-class _RolledBack(Exception):
-    """Ends a probe transaction: it must roll back."""
-
-
 class AdbcSink(QuarantineLedger, TableWriter, ABC):
     """A sink over an ADBC DB-API connection; subclasses supply the dialect.
 
@@ -272,9 +268,9 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         def work(cur: Any) -> None:
             cur.execute(f"CREATE TABLE {scratch.sql} (probe BIGINT NOT NULL)")
             cur.execute(f"INSERT INTO {scratch.sql} (probe) VALUES (1)")
-            raise _RolledBack
+            raise _Undone(None)
 
-        with contextlib.suppress(_RolledBack):
+        with contextlib.suppress(_Undone):
             self._transaction_once(work)
 
     def close(self) -> None:
@@ -420,20 +416,19 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                     f"{target.owners} VALUES ('{table}', '{queue}', 0)",
                     transient=False,
                 )
-            self._after_commit.append(lambda: setattr(target, "owned_by", queue))
-            return
-        owner = self._fetch(
-            cur, f"SELECT queue FROM {target.owners.sql} WHERE target_table = {p(1)}", (table,)
-        )
-        found = str(owner[0][0]) if owner else None
-        if found is None or not same_queue(found, queue):
-            raise SinkError(
-                f"{self._description}: table {table} holds the rows and progress of queue "
-                f"{found}; this consumer reads queue {queue}. Sequences of one queue mean "
-                "nothing to another: give this queue its own table (--table); queues share a "
-                "database side by side, never a table",
-                transient=False,
+        else:
+            owner = self._fetch(
+                cur, f"SELECT queue FROM {target.owners.sql} WHERE target_table = {p(1)}", (table,)
             )
+            found = str(owner[0][0]) if owner else None
+            if found is None or not same_queue(found, queue):
+                raise SinkError(
+                    f"{self._description}: table {table} holds the rows and progress of queue "
+                    f"{found}; this consumer reads queue {queue}. Sequences of one queue mean "
+                    "nothing to another: give this queue its own table (--table); queues share "
+                    "a database side by side, never a table",
+                    transient=False,
+                )
         self._after_commit.append(lambda: setattr(target, "owned_by", queue))
 
     def _own_target(self) -> Target:
@@ -644,34 +639,27 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         resolved name, and drop its owner records (the caller records the owner)."""
         table = str(target.table)
         p = self._param
-        progress, quarantine = self._progress.sql, self._quarantine.sql
-        # A sequence recorded under both: the resolved name's row stands.
-        cur.execute(
-            f"DELETE FROM {progress} WHERE target_table = {p(1)} AND sequence IN "
-            f"(SELECT sequence FROM {progress} WHERE target_table = {p(2)})",
-            (spelled, table),
-        )
-        # A location written under both: its rows are in the table twice already; the
-        # second record becomes a duplicate of the first, as the unique index requires.
-        cur.execute(
-            f"UPDATE {progress} SET duplicate = TRUE WHERE target_table = {p(1)} AND NOT "
-            f"duplicate AND location IN (SELECT location FROM {progress} WHERE "
-            f"target_table = {p(2)} AND NOT duplicate)",
-            (spelled, table),
-        )
-        cur.execute(
-            f"UPDATE {progress} SET target_table = {p(1)} WHERE target_table = {p(2)}",
-            (table, spelled),
-        )
-        cur.execute(
-            f"DELETE FROM {quarantine} WHERE target_table = {p(1)} AND sequence IN "
-            f"(SELECT sequence FROM {quarantine} WHERE target_table = {p(2)})",
-            (spelled, table),
-        )
-        cur.execute(
-            f"UPDATE {quarantine} SET target_table = {p(1)} WHERE target_table = {p(2)}",
-            (table, spelled),
-        )
+        for kept in (self._progress.sql, self._quarantine.sql):
+            # A sequence recorded under both: the resolved name's row stands.
+            cur.execute(
+                f"DELETE FROM {kept} WHERE target_table = {p(1)} AND sequence IN "
+                f"(SELECT sequence FROM {kept} WHERE target_table = {p(2)})",
+                (spelled, table),
+            )
+            if kept == self._progress.sql:
+                # A location written under both: its rows are in the table twice already;
+                # the second record becomes a duplicate of the first, as the unique index
+                # requires.
+                cur.execute(
+                    f"UPDATE {kept} SET duplicate = TRUE WHERE target_table = {p(1)} AND NOT "
+                    f"duplicate AND location IN (SELECT location FROM {kept} WHERE "
+                    f"target_table = {p(2)} AND NOT duplicate)",
+                    (spelled, table),
+                )
+            cur.execute(
+                f"UPDATE {kept} SET target_table = {p(1)} WHERE target_table = {p(2)}",
+                (table, spelled),
+            )
         for owners in owner_tables:
             cur.execute(f"DELETE FROM {owners.sql} WHERE target_table = {p(1)}", (spelled,))
 
@@ -686,19 +674,18 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         for queue in queues:
             self._own(cur, queue)
         # A location repeated inside the group is a duplicate of its first occurrence.
-        seen: set[str] = set()
-        candidates: list[ConsumedBatch] = []
+        first: dict[str, ConsumedBatch] = {}
         for batch in batches:
-            if batch.location not in seen:
-                candidates.append(batch)
-            seen.add(batch.location)
+            first.setdefault(batch.location, batch)
         counts = {
             batch.sequence: sum(part.rows.num_rows for part in routed)
             for batch, routed in zip(batches, parts, strict=True)
         }
         claimed = {
             int(row[0])
-            for row in self._insert_progress(cur, candidates, counts, now_ms, duplicate=False)
+            for row in self._insert_progress(
+                cur, list(first.values()), counts, now_ms, duplicate=False
+            )
         }
         skipped = [batch for batch in batches if batch.sequence not in claimed]
         if skipped:
@@ -819,10 +806,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
                 raise translated from err
             raise
         finally:
-            try:
-                cur.close()
-            except Exception:  # closing a cursor of a dead connection
-                logger.debug("closing a cursor failed", exc_info=True)
+            _close_quietly(cur, "cursor")
 
     def _translate(self, err: Exception) -> SinkError:
         error_class = self._classify(err)
@@ -879,7 +863,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         self._routes = {}
         self._set_up = False
         if conn is not None:
-            _close_quietly(conn)
+            _close_quietly(conn, "connection")
 
     @staticmethod
     def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
@@ -889,7 +873,8 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
 
 
 class _Undone(Exception):
-    """Ends a transaction whose work is only read: rolled back, carrying its ``value``."""
+    """Ends a transaction that must roll back (its work only read, or a probe), carrying
+    its ``value``."""
 
     def __init__(self, value: int | None) -> None:
         super().__init__("rolled back on purpose")
@@ -902,8 +887,8 @@ def _describe(batches: Sequence[ConsumedBatch]) -> str:
     return f"sequences {batches[0].sequence}..{batches[-1].sequence}"
 
 
-def _close_quietly(conn: Any) -> None:
+def _close_quietly(closing: Any, what: str) -> None:
     try:
-        conn.close()
-    except Exception:  # closing a dead connection
-        logger.debug("closing a connection failed", exc_info=True)
+        closing.close()
+    except Exception:  # closing a dead connection, or a cursor of one
+        logger.debug("closing a %s failed", what, exc_info=True)
