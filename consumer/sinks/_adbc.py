@@ -674,24 +674,20 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         for queue in queues:
             self._own(cur, queue)
         # A location repeated inside the group is a duplicate of its first occurrence.
-        first: dict[str, ConsumedBatch] = {}
-        for batch in batches:
-            first.setdefault(batch.location, batch)
-        counts = {
-            batch.sequence: sum(part.rows.num_rows for part in routed)
+        progress = [
+            (batch.sequence, batch.location, sum(part.rows.num_rows for part in routed))
             for batch, routed in zip(batches, parts, strict=True)
-        }
-        claimed = {
-            int(row[0])
-            for row in self._insert_progress(
-                cur, list(first.values()), counts, now_ms, duplicate=False
-            )
-        }
-        skipped = [batch for batch in batches if batch.sequence not in claimed]
+        ]
+        first: dict[str, tuple[int, str, int]] = {}
+        for row in progress:
+            first.setdefault(row[1], row)
+        inserted = self._insert_progress(cur, list(first.values()), now_ms, duplicate=False)
+        claimed = {int(row[0]) for row in inserted}
+        skipped = [row for row in progress if row[0] not in claimed]
         if skipped:
             # Record skips under their own sequence too (unless the sequence itself is what
             # is recorded), so last_sequence() moves past them.
-            self._insert_progress(cur, skipped, counts, now_ms, duplicate=True)
+            self._insert_progress(cur, skipped, now_ms, duplicate=True)
         written = [
             part
             for batch, routed in zip(batches, parts, strict=True)
@@ -723,15 +719,10 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         self._write_targets(cur, [(target, tables) for target, tables in routed.items() if tables])
 
     def _insert_progress(
-        self,
-        cur: Any,
-        batches: Sequence[ConsumedBatch],
-        counts: dict[int, int],
-        now_ms: int,
-        *,
-        duplicate: bool,
+        self, cur: Any, rows: Sequence[tuple[int, str, int]], now_ms: int, *, duplicate: bool
     ) -> list[tuple[Any, ...]]:
-        """One multi-row INSERT of progress rows; returns the sequences actually inserted.
+        """One multi-row INSERT of progress rows ``(sequence, location, row_count)``; returns
+        the sequences actually inserted.
 
         Rows go in sequence order, so two consumers racing on overlapping groups take the
         row locks in the same order and cannot deadlock.
@@ -739,13 +730,11 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         flag = "TRUE" if duplicate else "FALSE"
         groups: list[str] = []
         params: list[Any] = []
-        for batch in batches:
+        p = self._param
+        for sequence, location, count in rows:
             n = len(params)
-            p = self._param
             groups.append(f"({p(n + 1)}, {p(n + 2)}, {p(n + 3)}, {p(n + 4)}, {flag}, {p(n + 5)})")
-            params.extend(
-                (str(self._table), batch.sequence, batch.location, counts[batch.sequence], now_ms)
-            )
+            params.extend((str(self._table), sequence, location, count, now_ms))
         return self._fetch(
             cur,
             f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "

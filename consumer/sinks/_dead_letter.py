@@ -86,6 +86,9 @@ class QuarantineLedger:
         def _transaction(self, work: Callable[[Any], _T]) -> _T: ...
         def _own(self, cur: Any, queue: str) -> None: ...
         def _param(self, index: int) -> str: ...
+        def _insert_progress(
+            self, cur: Any, rows: Sequence[tuple[int, str, int]], now_ms: int, *, duplicate: bool
+        ) -> list[tuple[Any, ...]]: ...
         def _write_parts(
             self, cur: Any, queues: Sequence[str], parts: Sequence[RoutedRows]
         ) -> None: ...
@@ -120,14 +123,7 @@ class QuarantineLedger:
             self._own(cur, queue)
             table = str(self._table)  # as resolved by _own: what progress is keyed by
             p = self._param
-            claimed = self._fetch(
-                cur,
-                f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
-                f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, FALSE, {p(4)}) "
-                "ON CONFLICT DO NOTHING RETURNING sequence",
-                (table, sequence, location, now_ms),
-            )
-            if claimed:
+            if self._insert_progress(cur, [(sequence, location, 0)], now_ms, duplicate=False):
                 cur.execute(
                     f"INSERT INTO {self._quarantine.sql} (target_table, sequence, location, "
                     f"reason, dead_letter, quarantined_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, "
@@ -147,7 +143,7 @@ class QuarantineLedger:
                 self._check_location(row, location)
                 return SetAside.ALREADY_QUARANTINED
             # The sequence is free but the location is not: recorded elsewhere already.
-            self._record_duplicate(cur, sequence, location, now_ms)
+            self._insert_progress(cur, [(sequence, location, 0)], now_ms, duplicate=True)
             return SetAside.DUPLICATE
 
         return self._transaction(work)
@@ -179,20 +175,10 @@ class QuarantineLedger:
             )
             if not earlier or earlier[0][0] is None:
                 return None
-            self._record_duplicate(cur, sequence, location, now_ms)
+            self._insert_progress(cur, [(sequence, location, 0)], now_ms, duplicate=True)
             return int(earlier[0][0])
 
         return self._transaction(work)
-
-    def _record_duplicate(self, cur: Any, sequence: int, location: str, now_ms: int) -> None:
-        """A progress row marking ``sequence`` a duplicate of ``location``'s recorded one."""
-        p = self._param
-        cur.execute(
-            f"INSERT INTO {self._progress.sql} (target_table, sequence, location, row_count, "
-            f"duplicate, committed_at_ms) VALUES ({p(1)}, {p(2)}, {p(3)}, 0, TRUE, {p(4)}) "
-            "ON CONFLICT DO NOTHING",
-            (str(self._table), sequence, location, now_ms),
-        )
 
     def quarantined(self, queue: str, *, sequence: int | None = None) -> list[QuarantineRow]:
         """The quarantined batches of this table (replayed ones too), in sequence order.
