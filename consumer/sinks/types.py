@@ -174,11 +174,7 @@ def reconcile(existing: ColumnType, incoming: ColumnType) -> ColumnType | None:
         return existing
     kinds = {existing.kind, incoming.kind}
     if kinds <= set(_INTEGERS):
-        return (
-            existing
-            if _INTEGERS.index(existing.kind) > _INTEGERS.index(incoming.kind)
-            else (incoming)
-        )
+        return max(existing, incoming, key=lambda column: _INTEGERS.index(column.kind))
     if kinds <= {*_INTEGERS, Kind.FLOAT32, Kind.FLOAT64}:
         return ColumnType(Kind.FLOAT64)
     if kinds <= {*_INTEGERS, Kind.DECIMAL}:
@@ -422,17 +418,12 @@ def mapping_markdown() -> str:
         if column is None:
             cells = ["no column until a batch brings values", "—"] * 2
         else:
-            example = (
-                ColumnType(Kind.DECIMAL, precision=None, scale=None)
-                if column.kind is Kind.DECIMAL
-                else column
-            )
             cells = []
             for dialect in (POSTGRES, SQLITE):
                 sql = (
                     dialect.types[Kind.DECIMAL].format(p="p", s="s")
-                    if example.kind is Kind.DECIMAL
-                    else dialect.sql_type(example)
+                    if column.kind is Kind.DECIMAL
+                    else dialect.sql_type(column)
                 )
                 cells += [f"`{sql}`", dialect.values[column.kind]]
         arrow = f"`{row.arrow_text or row.arrow}`"
