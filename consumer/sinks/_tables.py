@@ -146,16 +146,14 @@ class TablePattern:
                 f"'events_*', found {text!r}",
             )
         schema = found.group("schema")
-        return cls(text=text, name=found.group("name").strip('"'), schema=_unquote(schema))
+        return cls(
+            text=text, name=found.group("name").strip('"'), schema=schema and schema.strip('"')
+        )
 
     @property
     def wild(self) -> bool:
         """Whether the name part is a pattern (else it names one table)."""
         return bool(_WILDCARDS & set(self.name))
-
-
-def _unquote(part: str | None) -> str | None:
-    return part.strip('"') if part is not None else None
 
 
 @dataclass(frozen=True)

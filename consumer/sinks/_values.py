@@ -128,11 +128,8 @@ def json_text(values: pa.ChunkedArray) -> pa.ChunkedArray:
     if columnar(dtype):
         chunks = [json_column(chunk) for chunk in values.chunks]
         return pa.chunked_array(chunks, pa.string())
-    rows = values.to_pylist()
-    if not _encodable(dtype):
-        out = [None if value is None else _dumps(value, dtype) for value in rows]
-    else:
-        out = [None if value is None else _encode(value, dtype) for value in rows]
+    write = _encode if _encodable(dtype) else _dumps
+    out = [None if value is None else write(value, dtype) for value in values.to_pylist()]
     return pa.chunked_array([pa.array(out, pa.string())], pa.string())
 
 
@@ -266,13 +263,9 @@ def _write(value: Any, dtype: pa.DataType, out: list[str]) -> None:
             _write(item, dtype.value_type, out)
         out.append("]")
     else:
-        out.append(_scalar(value, dtype))
+        out.append(scalar_json(value, dtype))
 
 
 def _key_text(key: Any, dtype: pa.DataType) -> str:
-    text = _scalar(key, dtype)
+    text = scalar_json(key, dtype)
     return json.loads(text) if text.startswith('"') else text
-
-
-def _scalar(value: Any, dtype: pa.DataType) -> str:
-    return scalar_json(value, dtype)
