@@ -528,7 +528,7 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
             SinkError: as :meth:`_own` and :meth:`TableWriter._check_key`.
         """
         assert self._router is not None
-        for table, _ in self._router.exact():
+        for table in self._router.exact():
             target = self._target(cur, table)
             assert target is not None
             if target is not self._home:

@@ -124,11 +124,9 @@ class Router:
                 return settings
         return None
 
-    def exact(self) -> list[tuple[TableName, TableSettings]]:
-        """The sink's own table and every table named exactly, with their settings."""
-        home = [(self._home, self.settings(self._home, lambda t: t))]
-        others = [(table, s) for table, (_, s) in self._exact.items() if table != self._home]
-        return [(t, s) for t, s in home if s is not None] + others
+    def exact(self) -> list[TableName]:
+        """The sink's own table and every table named exactly."""
+        return [self._home, *(table for table in self._exact if table != self._home)]
 
     def describe(self) -> str:
         """What may be written, for messages: ``events (its own), orders, audit_*``."""

@@ -121,8 +121,7 @@ class PostgresSink(AdbcSink):
             (table.sql,),
         )
         if not rows:
-            exists = self._fetch(cur, "SELECT to_regclass($1) IS NOT NULL", (table.sql,))
-            return {} if exists and exists[0][0] else None
+            return {} if self._exists(cur, table) else None
         return {str(name): POSTGRES.parse(str(sql)) for name, sql in rows}
 
     def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
