@@ -55,7 +55,7 @@ import contextlib
 import logging
 import time
 import uuid
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -71,7 +71,6 @@ from millpond.consumer.sinks._tables import SinkTables
 from millpond.consumer.sinks._targets import Router, Target
 from millpond.consumer.sinks.base import EntryFormat, SinkError
 from millpond.consumer.sinks.errors import ErrorClass
-from millpond.consumer.sinks.types import ColumnType, Dialect
 from millpond.errors import ConfigError
 from millpond.queue import same_queue
 
@@ -87,15 +86,12 @@ LOCATION_INDEX_SUFFIX = "_location"
 _SECRET_ANYWHERE = 4  # characters; a secret this long is hidden wherever a message has it
 
 
-class AdbcSink(QuarantineLedger, TableWriter, ABC):
+class AdbcSink(QuarantineLedger, TableWriter):
     """A sink over an ADBC DB-API connection; subclasses supply the dialect.
 
     Quarantined batches (set aside, replayed) are recorded by :class:`QuarantineLedger`;
     rows go into each table through :class:`TableWriter`.
     """
-
-    _dialect: Dialect
-    """How this database spells column types (each subclass sets it)."""
 
     def __init__(
         self,
@@ -301,10 +297,6 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         """The placeholder of the 1-based parameter ``index``."""
 
     @abstractmethod
-    def _name_key(self, name: str) -> str:
-        """A column name as the database compares names (two names, one key: one column)."""
-
-    @abstractmethod
     def _resolve(self, cur: Any, table: TableName) -> TableName:
         """``table`` as the database resolves it: one spelling per table (see
         :mod:`millpond.consumer.sinks._names`)."""
@@ -317,57 +309,14 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
     def _exists(self, cur: Any, table: TableName) -> bool:
         """Whether ``table`` exists."""
 
-    @abstractmethod
-    def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None:
-        """``table``'s columns in order, or ``None`` when it does not exist."""
-
-    @abstractmethod
-    def _lock_schema(self, cur: Any, table: TableName) -> None:
-        """Serialize DDL on ``table`` with other writers until the transaction ends."""
-
-    @abstractmethod
-    def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
-        """The column sets (as :meth:`_name_key` gives names) of ``table``'s unique indexes
-        and constraints that ``ON CONFLICT`` can use: not partial, not on expressions, not
-        deferred."""
-
-    @abstractmethod
-    def _stage(self, cur: Any, table: TableName, names: Sequence[str], name: str) -> TableName:
-        """A new temporary table ``name`` with ``table``'s columns ``names`` (the same
-        types), dropped when the transaction ends or by :meth:`_unstage`."""
-
-    def _unstage(self, cur: Any, stage: TableName) -> None:
-        """Drop a temporary table of :meth:`_stage` (none needed where it drops itself)."""
-
     def _lock_setup(self, cur: Any) -> None:
         """Serialize the creation of the progress, owners and quarantine tables with other
         sinks setting up, until the transaction ends (none needed where the transaction
         itself already does)."""
 
     @abstractmethod
-    def _retype(
-        self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
-    ) -> None:
-        """Change a column's type (``empty``: it holds only NULLs, nothing to convert)."""
-
-    @abstractmethod
-    def _conform(
-        self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
-    ) -> pa.Table:
-        """The rows (already named as ``table``'s columns) in what the columns take."""
-
-    @abstractmethod
     def _classify(self, err: Exception) -> ErrorClass:
         """A driver error's class: transient (retry) or permanent (stop)."""
-
-    def _ingest(
-        self, cur: Any, rows: pa.Table, table: TableName, *, temporary: bool = False
-    ) -> None:
-        """Bulk-insert conformed rows into ``table`` (``temporary``: one of :meth:`_stage`)."""
-        if temporary:
-            cur.adbc_ingest(table.name, rows, mode="append", temporary=True)
-        else:
-            cur.adbc_ingest(table.name, rows, mode="append", db_schema_name=table.schema)
 
     def _driver_errors(self) -> tuple[type[Exception], ...]:
         """The driver's exception classes, translated into :class:`SinkError`."""
@@ -853,12 +802,6 @@ class AdbcSink(QuarantineLedger, TableWriter, ABC):
         self._set_up = False
         if conn is not None:
             _close_quietly(conn, "connection")
-
-    @staticmethod
-    def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        cur.execute(sql, params)
-        rows: list[tuple[Any, ...]] = cur.fetchall()
-        return rows
 
 
 class _Undone(Exception):

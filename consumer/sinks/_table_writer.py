@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,37 +61,19 @@ class _Copy:
     into: TableName | None = None
 
 
-class TableWriter:
-    """Create, evolve and fill one table in the caller's transaction."""
+class TableWriter(ABC):
+    """Create, evolve and fill one table in the caller's transaction; the dialect supplies
+    the statements (the abstract methods at the end)."""
 
     _INSERT_SLICE_ROWS: int | None = None
     """Rows conformed at a time while the slice before is inserted (:meth:`_copy`);
     ``None``: every row at once."""
+    _dialect: Dialect
+    """How this database spells column types (each dialect sets it)."""
 
     if TYPE_CHECKING:
         _after_commit: list[Callable[[], None]]
         _writing: TableName | None
-        _dialect: Dialect
-
-        def _name_key(self, name: str) -> str: ...
-        def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None: ...
-        def _lock_schema(self, cur: Any, table: TableName) -> None: ...
-        def _retype(
-            self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
-        ) -> None: ...
-        def _conform(
-            self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
-        ) -> pa.Table: ...
-        def _ingest(
-            self, cur: Any, rows: pa.Table, table: TableName, *, temporary: bool = False
-        ) -> None: ...
-        def _stage(
-            self, cur: Any, table: TableName, names: Sequence[str], name: str
-        ) -> TableName: ...
-        def _unstage(self, cur: Any, stage: TableName) -> None: ...
-        def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]: ...
-        @staticmethod
-        def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
 
     def _write_targets(self, cur: Any, writes: Sequence[tuple[Target, Sequence[pa.Table]]]) -> None:
         """Write each target's tables (in queue order) as its settings say.
@@ -329,3 +312,58 @@ class TableWriter:
             cur, f"SELECT 1 FROM {table.sql} WHERE {quote(column)} IS NOT NULL LIMIT 1", ()
         )
         return not rows
+
+    # -- dialect ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def _name_key(self, name: str) -> str:
+        """A column name as the database compares names (two names, one key: one column)."""
+
+    @abstractmethod
+    def _reflect(self, cur: Any, table: TableName) -> dict[str, ColumnType] | None:
+        """``table``'s columns in order, or ``None`` when it does not exist."""
+
+    @abstractmethod
+    def _lock_schema(self, cur: Any, table: TableName) -> None:
+        """Serialize DDL on ``table`` with other writers until the transaction ends."""
+
+    @abstractmethod
+    def _unique_keys(self, cur: Any, table: TableName) -> list[frozenset[str]]:
+        """The column sets (as :meth:`_name_key` gives names) of ``table``'s unique indexes
+        and constraints that ``ON CONFLICT`` can use: not partial, not on expressions, not
+        deferred."""
+
+    @abstractmethod
+    def _stage(self, cur: Any, table: TableName, names: Sequence[str], name: str) -> TableName:
+        """A new temporary table ``name`` with ``table``'s columns ``names`` (the same
+        types), dropped when the transaction ends or by :meth:`_unstage`."""
+
+    def _unstage(self, cur: Any, stage: TableName) -> None:  # noqa: B027 - optional hook
+        """Drop a temporary table of :meth:`_stage` (none needed where it drops itself)."""
+
+    @abstractmethod
+    def _retype(
+        self, cur: Any, table: TableName, column: str, new: ColumnType, *, empty: bool
+    ) -> None:
+        """Change a column's type (``empty``: it holds only NULLs, nothing to convert)."""
+
+    @abstractmethod
+    def _conform(
+        self, rows: pa.Table, columns: dict[str, ColumnType], table: TableName
+    ) -> pa.Table:
+        """The rows (already named as ``table``'s columns) in what the columns take."""
+
+    def _ingest(
+        self, cur: Any, rows: pa.Table, table: TableName, *, temporary: bool = False
+    ) -> None:
+        """Bulk-insert conformed rows into ``table`` (``temporary``: one of :meth:`_stage`)."""
+        if temporary:
+            cur.adbc_ingest(table.name, rows, mode="append", temporary=True)
+        else:
+            cur.adbc_ingest(table.name, rows, mode="append", db_schema_name=table.schema)
+
+    @staticmethod
+    def _fetch(cur: Any, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        cur.execute(sql, params)
+        rows: list[tuple[Any, ...]] = cur.fetchall()
+        return rows
