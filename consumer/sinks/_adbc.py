@@ -488,15 +488,10 @@ class AdbcSink(QuarantineLedger, TableWriter):
     def _spellings(self, cur: Any, owner_tables: Sequence[TableName], target: Target) -> list[str]:
         """The other spellings of ``target`` that progress, quarantine or owner rows are
         recorded under (by versions that kept the name as typed)."""
-        recorded: list[Any] = []
-        for kept in (self._progress, self._quarantine):
-            recorded += [row[0] for row in self._fetch(cur, spellings_sql(kept), ())]
-        for owners in owner_tables:
-            recorded += [
-                row[0] for row in self._fetch(cur, f"SELECT target_table FROM {owners.sql}", ())
-            ]
+        queries = [spellings_sql(kept) for kept in (self._progress, self._quarantine)]
+        queries += [f"SELECT target_table FROM {owners.sql}" for owners in owner_tables]
         return same_table(
-            recorded,
+            [row[0] for sql in queries for row in self._fetch(cur, sql, ())],
             target.table,
             resolve=lambda spelled: self._resolve(cur, spelled),
             name_key=self._name_key,
@@ -709,8 +704,9 @@ class AdbcSink(QuarantineLedger, TableWriter):
 
     def _transaction_once(self, work: Callable[[Any], _T]) -> _T:
         try:
-            conn = self._connection()
-            cur = conn.cursor()
+            if self._conn is None:
+                self._conn = self._open()
+            cur = self._conn.cursor()
         except self._driver_errors() as err:
             self._drop_connection()
             raise self._translate(err) from err
@@ -761,11 +757,6 @@ class AdbcSink(QuarantineLedger, TableWriter):
             f"[{error_class}]",
             transient=error_class.transient,
         )
-
-    def _connection(self) -> Any:
-        if self._conn is None:
-            self._conn = self._open()
-        return self._conn
 
     def _setup(self, cur: Any) -> None:
         """Create the progress, quarantine and owners tables where missing, in the caller's
