@@ -71,7 +71,7 @@ def json_keys(metadata: bytes) -> tuple[str, ...]:
     Raises:
         FormatError: the bytes are not a dictionary this decoder knows.
     """
-    return _json_keys(metadata) if len(metadata) <= _CACHED_METADATA else _quote(metadata)
+    return _json_keys(metadata) if len(metadata) <= _CACHED_METADATA else _keys(metadata)
 
 
 _CACHED_METADATA = 4096  # bytes: a column's rows mostly share a few small dictionaries
@@ -80,14 +80,10 @@ _CACHED_METADATA = 4096  # bytes: a column's rows mostly share a few small dicti
 @functools.lru_cache(maxsize=256)
 def _json_keys(metadata: bytes) -> tuple[str, ...]:
     """The dictionary's keys as JSON strings, decoded once for every row that shares it."""
-    return _quote(metadata)
+    return _keys(metadata)
 
 
-def _quote(metadata: bytes) -> tuple[str, ...]:
-    return tuple(scalar_json(key) for key in _keys(metadata))
-
-
-def _keys(metadata: bytes) -> list[str]:
+def _keys(metadata: bytes) -> tuple[str, ...]:
     if not metadata:
         raise FormatError("variant metadata: expected a header byte, found none")
     header = metadata[0]
@@ -103,10 +99,8 @@ def _keys(metadata: bytes) -> list[str]:
     end = strings_at + offsets[-1]
     if end > len(metadata):
         raise FormatError(f"variant metadata: expected {end} bytes, found {len(metadata)}")
-    return [
-        bytes(metadata[strings_at + offsets[i] : strings_at + offsets[i + 1]]).decode("utf-8")
-        for i in range(count)
-    ]
+    keys = (metadata[strings_at + offsets[i] : strings_at + offsets[i + 1]] for i in range(count))
+    return tuple(scalar_json(bytes(key).decode("utf-8")) for key in keys)
 
 
 def _write(data: memoryview, at: int, keys: tuple[str, ...], out: list[str]) -> None:
