@@ -198,22 +198,14 @@ def classify_postgres(
 
 def classify_sqlite(vendor_code: int | None, message: str) -> ErrorClass:
     """The class of a SQLite error, from its result code or SQLite's text for it."""
-    code = None
     if vendor_code is not None and (vendor_code & 0xFF) in SQLITE_CODES:
         code = vendor_code & 0xFF  # an extended code's low byte is its primary code
     else:
         text = message.lower()
-        for fragment, candidate in _SQLITE_MESSAGES:
-            if fragment in text:
-                code = candidate
-                break
-        else:
-            for candidate, (_name, errstr, _transient) in SQLITE_CODES.items():
-                if candidate != 1 and errstr.lower() in text:
-                    code = candidate
-                    break
-    # Anything else (a prepare error: "duplicate column name", "no such table") is
-    # SQLITE_ERROR, the generic code SQLite gives to statements that cannot run.
-    code = code if code is not None else 1
+        errstrs = [(errstr.lower(), n) for n, (_, errstr, _) in SQLITE_CODES.items() if n != 1]
+        texts = [*_SQLITE_MESSAGES, *errstrs]
+        # Anything else (a prepare error: "duplicate column name", "no such table") is
+        # SQLITE_ERROR, the generic code SQLite gives to statements that cannot run.
+        code = next((candidate for fragment, candidate in texts if fragment in text), 1)
     name, _errstr, transient = SQLITE_CODES[code]
     return ErrorClass(f"result code {code}", name, transient)
