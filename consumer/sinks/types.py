@@ -228,14 +228,8 @@ class Dialect:
         """The column type of a reflected SQL type (``OTHER`` when it is none of ours)."""
         text = " ".join(declared.strip().lower().split())
         match = re.fullmatch(r"(.*?)\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)(.*)", text)
-        base, args = (
-            (text, ())
-            if match is None
-            else (
-                f"{match.group(1)}{match.group(4)}".strip(),
-                tuple(int(g) for g in match.groups()[1:3] if g is not None),
-            )
-        )
+        base = text if match is None else f"{match.group(1)}{match.group(4)}".strip()
+        args = [] if match is None else [int(g) for g in match.groups()[1:3] if g is not None]
         kind = self._reverse().get(base)
         if kind is None:
             return ColumnType(Kind.OTHER, sql=declared)
