@@ -212,7 +212,7 @@ class CoordinatedAppender:
                 return self._with_chain(endpoint, entries, outcome, chain, lower, deadline, more)
             if outcome is None:
                 # No reply, nobody to ask, the coordinator's promise has run out: look first.
-                return self._after_lost(entries, lower, more, deadline)
+                return self._direct_append(entries, lower, more, deadline, lost=True)
             outcome = fitting(outcome, len(entries))
             assert outcome is not None
             if outcome.status == APPENDED:
@@ -228,35 +228,26 @@ class CoordinatedAppender:
         # carries an older ETag, and a manifest read since is searched for the entries anyway.
         return self._direct_append(entries, lower, more, deadline)
 
-    def _after_lost(
-        self,
-        entries: Sequence[PendingEntry],
-        lower: int,
-        more: Callable[[], Sequence[PendingEntry]] | None,
-        deadline: float | None,
-    ) -> tuple[int, ...]:
-        """Append directly what no coordinator could say anything of, looking for it first
-        from ``lower`` on."""
-        self.counters.add("coordinator_lost")
-        return self._direct.append(
-            entries,
-            maybe_landed_from=lower,
-            present_from=lower,
-            more=more,
-            deadline=deadline,
-        )
-
     def _direct_append(
         self,
         entries: Sequence[PendingEntry],
         lower: int,
         more: Callable[[], Sequence[PendingEntry]] | None,
         deadline: float | None,
+        *,
+        lost: bool = False,
     ) -> tuple[int, ...]:
         """Append directly what no coordinator took (entries it finds from ``lower`` on count
-        as in)."""
-        self.counters.add("direct_appends")
-        return self._direct.append(entries, present_from=lower, more=more, deadline=deadline)
+        as in); ``lost``: what no coordinator could say anything of, looked for first from
+        ``lower`` on."""
+        self.counters.add("coordinator_lost" if lost else "direct_appends")
+        return self._direct.append(
+            entries,
+            maybe_landed_from=lower if lost else None,
+            present_from=lower,
+            more=more,
+            deadline=deadline,
+        )
 
     def _refused(self, endpoint: Endpoint) -> None:
         """Leave a coordinator that refused an append alone for ``retry_after`` seconds."""
@@ -410,7 +401,7 @@ class CoordinatedAppender:
         # The first is not known to be in, so the second was never written without it.
         both = [*entries, *chain.entries]
         if first is None or (second is None and first.status == REFUSED):
-            return self._after_lost(both, lower, more, deadline)
+            return self._direct_append(both, lower, more, deadline, lost=True)
         if first.status == REFUSED and second is not None and second.status == REFUSED:
             self._refused(endpoint)
             return self._direct_append(both, lower, more, deadline)
@@ -474,12 +465,10 @@ class CoordinatedAppender:
         lower: int,
         deadline: float | None,
     ) -> tuple[int, ...]:
-        known: list[int | None] = list(outcome.sequences) or [None] * len(entries)
-        if len(known) != len(entries):
-            known = [None] * len(entries)
-        rest = [i for i, sequence in enumerate(known) if sequence is None]
+        sequences = list(known(outcome, len(entries)))
+        rest = [i for i, sequence in enumerate(sequences) if sequence is None]
         if not rest:
-            return tuple(s for s in known if s is not None)
+            return tuple(s for s in sequences if s is not None)
         start = max(lower, outcome.maybe_landed_from or 0)
         logger.warning(
             "coordinator append of %s entries may or may not have landed (%s); checking the "
@@ -498,20 +487,20 @@ class CoordinatedAppender:
         except CommitStateUnknownError as err:
             inner = err.sequences or (None,) * len(rest)
             for index, sequence in zip(rest, inner, strict=True):
-                known[index] = sequence
+                sequences[index] = sequence
             raise CommitStateUnknownError(
-                str(err), sequences=tuple(known), maybe_landed_from=err.maybe_landed_from
+                str(err), sequences=tuple(sequences), maybe_landed_from=err.maybe_landed_from
             ) from err
         except StorageError as err:
             if len(rest) == len(entries):
                 raise
             # A prefix is known to be in; the rest provably is not: say so.
             raise CommitStateUnknownError(
-                str(err), sequences=tuple(known), maybe_landed_from=start
+                str(err), sequences=tuple(sequences), maybe_landed_from=start
             ) from err
         for index, sequence in zip(rest, found, strict=True):
-            known[index] = sequence
-        return tuple(s for s in known if s is not None)
+            sequences[index] = sequence
+        return tuple(s for s in sequences if s is not None)
 
 
 class Chain:
