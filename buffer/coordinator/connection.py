@@ -119,11 +119,18 @@ class Endpoint:
         except OSError:
             conn.close()
             return None
-        assert conn.sock is not None
-        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
-        conn.sock.settimeout(self._options.budget + self._options.grace)
         self._conn = conn
+        # A reply later than the coordinator's promise plus the grace is lost: ask instead.
+        self._set_timeout(self._reply_timeout)
         return conn
+
+    @property
+    def _reply_timeout(self) -> float:
+        return self._options.budget + self._options.grace
+
+    def _set_timeout(self, seconds: float) -> None:
+        if self._conn is not None and self._conn.sock is not None:
+            self._conn.sock.settimeout(seconds)
 
     def connected(self) -> bool:
         """Whether a keep-alive connection is open (the next request reuses it)."""
@@ -140,11 +147,12 @@ class Endpoint:
         one does. Nothing is appended by asking."""
         # A coordinator answers this at once (no round is waited for): one that does not in
         # the time a connection may take is frozen or swamped, and the appends go directly.
-        kind, status, data = self._exchange(
-            "GET", HEALTH_PATH, timeout=self._options.connect_timeout
-        )
+        kind = self.send(HEALTH_PATH, None, {}, method="GET", timeout=self._options.connect_timeout)
+        if kind == SENT:
+            kind, status, data = self._response()
         if kind != SENT:
             return kind, None if kind == UNSENT else f"gave no answer to GET {HEALTH_PATH}"
+        self._set_timeout(self._reply_timeout)
         return SENT, not_serving(status, data, queue)
 
     def call(
@@ -165,14 +173,25 @@ class Endpoint:
             return LOST, None
         return self.receive()
 
-    def send(self, path: str, body: bytes, headers: dict[str, str]) -> str:
+    def send(
+        self,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        *,
+        method: str = "POST",
+        timeout: float | None = None,
+    ) -> str:
         """Send a request without waiting for the reply (:meth:`receive`): ``unsent`` or
-        ``lost`` (nothing usable will come) or ``sent``."""
+        ``lost`` (nothing usable will come) or ``sent``. ``timeout`` replaces the reply
+        timeout (the coordinator's promise plus the grace) until it is set back."""
         conn = self._connect()
         if conn is None:
             return UNSENT
+        if timeout is not None:
+            self._set_timeout(timeout)
         try:
-            conn.request("POST", path, body, {**headers, **self._auth})
+            conn.request(method, path, body, {**headers, **self._auth})
         except (OSError, http.client.HTTPException):
             self.close()
             return LOST
@@ -180,7 +199,7 @@ class Endpoint:
 
     def receive(self) -> tuple[str, Outcome | None]:
         """The reply to the request :meth:`send` sent: as :meth:`call`."""
-        kind, _, data = self._response(self._conn)
+        kind, _, data = self._response()
         if kind != SENT:
             return kind, None
         try:
@@ -195,7 +214,7 @@ class Endpoint:
         conn = self._conn
         assert conn is not None
         assert conn.sock is not None
-        until = time.monotonic() + self._options.budget + self._options.grace
+        until = time.monotonic() + self._reply_timeout
         # A selector, not select(): a process with more than 1,024 descriptors (a Spark
         # executor) would have select() refuse the socket.
         with selectors.DefaultSelector() as selector:
@@ -210,39 +229,12 @@ class Endpoint:
                     self.close()
                     return False
 
-    def _exchange(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> tuple[str, int, bytes]:
-        """One request on the keep-alive connection: ``(kind, status, body)``. ``timeout``
-        replaces the reply timeout (the coordinator's promise plus the grace) for it alone."""
-        conn = self._connect()
-        if conn is None:
-            return UNSENT, 0, b""
-        reply_timeout = self._options.budget + self._options.grace
-        if timeout is not None and conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        try:
-            conn.request(method, path, body, {**(headers or {}), **self._auth})
-        except (OSError, http.client.HTTPException):
-            self.close()
-            return LOST, 0, b""
-        kind, status, data = self._response(conn)
-        if kind == SENT and timeout is not None and conn.sock is not None:
-            conn.sock.settimeout(reply_timeout)
-        return kind, status, data
-
-    def _response(self, conn: http.client.HTTPConnection | None) -> tuple[str, int, bytes]:
-        """Read the reply to the request just sent on ``conn``."""
-        if conn is None:
+    def _response(self) -> tuple[str, int, bytes]:
+        """Read the reply to the request just sent."""
+        if self._conn is None:
             return LOST, 0, b""
         try:
-            response = conn.getresponse()
+            response = self._conn.getresponse()
             data = response.read()
         except (OSError, http.client.HTTPException):
             self.close()
