@@ -666,26 +666,20 @@ class AppendCoordinator:
             return round_
 
     def _pace(self) -> None:
-        """Now and then leave the manifest alone for a while (module docstring, Fencing)."""
-        if self._make_way():
-            return
-        pause = self._pauses.due()
-        if pause is None:
-            return
-        self.counters.add("yields")
-        self._clock.sleep(pause)
-
-    def _make_way(self) -> bool:
-        """The pause :meth:`make_way` asked for, if any (:meth:`_Pauses.made_way`)."""
+        """Leave the manifest alone for the pause :meth:`make_way` asked for, if any
+        (:meth:`_Pauses.made_way`), else now and then (module docstring, Fencing)."""
         with self._lock:
             waiters, self._way_waiters = self._way_waiters, []
-            if not waiters:
-                return False
             for event in waiters:
                 event.set()
-        self.counters.add("ways_made")
-        self._clock.sleep(self._pauses.made_way())
-        return True
+        if waiters:
+            self.counters.add("ways_made")
+            self._clock.sleep(self._pauses.made_way())
+            return
+        pause = self._pauses.due()
+        if pause is not None:
+            self.counters.add("yields")
+            self._clock.sleep(pause)
 
     def _refuse_waiting(self, reason: str) -> None:
         """Refuse every request and dequeue still waiting and answer every :meth:`make_way`
