@@ -228,65 +228,56 @@ def _answer(ticket: DequeueTicket, path: str, *, epoch: int, next_sequence: int)
         ticket.answer(DEQUEUED)
 
 
+@dataclass(eq=False)
 class _Pauses:
     """When the round thread leaves the manifest alone (module docstring, Fencing).
 
-    The pacing arguments of :class:`AppendCoordinator`, checked, and what the round thread has
-    seen of the store and of the other writers. Round thread only, but for
-    ``consumer_seen_at``, which request threads set holding the coordinator's lock.
+    The pacing arguments of :class:`AppendCoordinator` (of the same names), checked, and what
+    the round thread has seen of the store and of the other writers. Round thread only, but
+    for ``consumer_seen_at``, which request threads set holding the coordinator's lock.
+
+    Raises:
+        ConfigError: a pacing value that is not a finite number (``yield_every`` an
+            integer >= 1; the rest >= 0).
     """
 
-    def __init__(
-        self,
-        clock: Clock,
-        *,
-        yield_every: int,
-        yield_slots: float,
-        quiet_yield_interval: float,
-        busy_seconds: float,
-        consumer_yield_interval: float,
-    ) -> None:
-        """Check the pacing arguments (:class:`AppendCoordinator`'s, of the same names).
+    clock: Clock
+    yield_every: int
+    yield_slots: float
+    quiet_yield_interval: float
+    busy_seconds: float
+    consumer_yield_interval: float
+    slot: float = 0.05
+    """Seconds one store request takes, as measured on uncontended rounds."""
+    consumer_seen_at: float = float("-inf")  # when a consumer last sent a dequeue here
+    _back_to_back: int = 0
+    _last_round_end: float = float("-inf")
+    _manifest_free_at: float = float("-inf")  # when the last pause (or idle gap) began
+    _foreign_write_at: float = float("-inf")  # when a round last lost to another writer
+    _way_made: bool = False  # a pause was made on request: the next lost race is expected
 
-        Raises:
-            ConfigError: a pacing value that is not a finite number (``yield_every`` an
-                integer >= 1; the rest >= 0).
-        """
-        check_count("yield_every", yield_every)
-        check_duration("yield_slots", yield_slots, allow_zero=True, unit="store requests")
-        check_duration("quiet_yield_interval", quiet_yield_interval, allow_zero=True)
-        check_duration("busy_seconds", busy_seconds, allow_zero=True)
-        check_duration("consumer_yield_interval", consumer_yield_interval, allow_zero=True)
-        self._clock = clock
-        self._yield_every = yield_every
-        self._yield_slots = yield_slots
-        self._quiet_yield_interval = quiet_yield_interval
-        self._busy_seconds = busy_seconds
-        self._consumer_yield_interval = consumer_yield_interval
-        self.slot = 0.05
-        """Seconds one store request takes, as measured on uncontended rounds."""
-        self._back_to_back = 0
-        self._last_round_end = float("-inf")
-        self._manifest_free_at = float("-inf")  # when the last pause (or idle gap) began
-        self._foreign_write_at = float("-inf")  # when a round last lost to another writer
-        self.consumer_seen_at = float("-inf")  # when a consumer last sent a dequeue here
-        self._way_made = False  # a pause was made on request: the next lost race is expected
+    def __post_init__(self) -> None:
+        check_count("yield_every", self.yield_every)
+        check_duration("yield_slots", self.yield_slots, allow_zero=True, unit="store requests")
+        check_duration("quiet_yield_interval", self.quiet_yield_interval, allow_zero=True)
+        check_duration("busy_seconds", self.busy_seconds, allow_zero=True)
+        check_duration("consumer_yield_interval", self.consumer_yield_interval, allow_zero=True)
 
     def due(self) -> float | None:
         """Seconds to leave the manifest alone before the next round, or ``None`` when no pause
         is due (or the manifest was left alone anyway, until now)."""
-        gap = self._yield_slots * self.slot
-        now = self._clock.monotonic()
+        gap = self.yield_slots * self.slot
+        now = self.clock.monotonic()
         idle = now - self._last_round_end
         if idle >= gap:  # the manifest was left alone anyway, until now
             self._back_to_back = 0
             self._manifest_free_at = now
             return None
-        if now - self._foreign_write_at < self._busy_seconds:
-            due = self._back_to_back >= self._yield_every
+        if now - self._foreign_write_at < self.busy_seconds:
+            due = self._back_to_back >= self.yield_every
         else:
             known = now - self.consumer_seen_at < _CONSUMER_KNOWN
-            interval = self._consumer_yield_interval if known else self._quiet_yield_interval
+            interval = self.consumer_yield_interval if known else self.quiet_yield_interval
             due = now - self._manifest_free_at >= interval
         if not due:
             return None
@@ -299,9 +290,9 @@ class _Pauses:
         its writer's read and write fit in it after the answer's way there (one store request
         more than a quiet pause)."""
         self._back_to_back = 0
-        self._manifest_free_at = self._clock.monotonic()
+        self._manifest_free_at = self.clock.monotonic()
         self._way_made = True
-        return self._yield_slots * self.slot + self.slot
+        return self.yield_slots * self.slot + self.slot
 
     def wrote(self, lost: int) -> None:
         """After a write of the round thread: ``lost`` races mean someone else wrote meanwhile,
@@ -310,9 +301,9 @@ class _Pauses:
             lost -= 1
         self._way_made = False
         if lost > 0:
-            self._foreign_write_at = self._clock.monotonic()
+            self._foreign_write_at = self.clock.monotonic()
         self._back_to_back += 1
-        self._last_round_end = self._clock.monotonic()
+        self._last_round_end = self.clock.monotonic()
 
     def measured(self, sample: float) -> None:
         """One store request of an uncontended round took ``sample`` seconds."""
