@@ -78,6 +78,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
@@ -724,7 +725,6 @@ class AppendCoordinator:
         and gets theirs); each request's outcome."""
         deadline = min(ticket.deadline for ticket in round_)
         started = self._clock.monotonic()
-        outcomes: list[Outcome]
         try:
             if todo:
                 sequences: tuple[int | None, ...] = self._queue.append(
@@ -736,8 +736,8 @@ class AppendCoordinator:
                 self._remember([entries[i] for i in todo], sequences)
                 _merge(known, todo, sequences)
             next_sequence = self._queue.seen_next_sequence
-            outcomes = [Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(known, round_)]
             self.counters.add("entries_appended", len(todo))
+            return [Outcome(APPENDED, seqs, next_sequence) for seqs in _slices(known, round_)]
         except CommitStateUnknownError as err:
             _merge(known, todo, err.sequences or (None,) * len(todo))
             logger.warning(
@@ -746,12 +746,20 @@ class AppendCoordinator:
                 len(round_),
                 err,
             )
-            outcomes = self._in_doubt(err, _slices(known, round_))
+            # A request whose every entry is known to be in is appended.
+            return [
+                Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
+                if all(s is not None for s in seqs)
+                else Outcome(
+                    UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err)
+                )
+                for seqs in _slices(known, round_)
+            ]
         except StorageError as err:
             # No write of the round can have landed: the clients append directly (what is
             # known to be in already is said, and the rest is looked for first).
             logger.warning("round of %s entries refused: %s", len(todo), err)
-            outcomes = [
+            return [
                 Outcome(UNKNOWN, seqs, reason=str(err))
                 if any(s is not None for s in seqs)
                 else Outcome(REFUSED, reason=str(err))
@@ -759,20 +767,7 @@ class AppendCoordinator:
             ]
         except MillpondError as err:
             logger.exception("round of %s entries failed", len(todo))
-            outcomes = [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
-        return outcomes
-
-    def _in_doubt(
-        self, err: CommitStateUnknownError, slices: list[tuple[int | None, ...]]
-    ) -> list[Outcome]:
-        """Each request's outcome after a round's write that may or may not have landed:
-        ``appended`` for a request whose every entry is known to be in."""
-        return [
-            Outcome(APPENDED, seqs, self._queue.seen_next_sequence)
-            if all(s is not None for s in seqs)
-            else Outcome(UNKNOWN, seqs, maybe_landed_from=err.maybe_landed_from, reason=str(err))
-            for seqs in slices
-        ]
+            return [Outcome(UNKNOWN, seqs, reason=str(err)) for seqs in _slices(known, round_)]
 
     def _measure(self, started: float, before: dict[str, int]) -> None:
         after = self.counters.snapshot()
@@ -829,9 +824,6 @@ def _merge(known: list[int | None], todo: list[int], sequences: Sequence[int | N
 
 
 def _slices(sequences: Sequence[int | None], round_: list[_Ticket]) -> list[tuple[int | None, ...]]:
-    out: list[tuple[int | None, ...]] = []
-    begin = 0
-    for ticket in round_:
-        out.append(tuple(sequences[begin : begin + len(ticket.entries)]))
-        begin += len(ticket.entries)
-    return out
+    """``sequences`` cut into each request's own, in the round's order."""
+    rest = iter(sequences)
+    return [tuple(islice(rest, len(ticket.entries))) for ticket in round_]
