@@ -64,14 +64,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from millpond.common.clock import Clock
-from millpond.common.metrics import Counters
 from millpond.coordinator.client import CoordinatedAppender
-from millpond.coordinator.connection import CoordinatorOptions
+from millpond.coordinator.connection import CoordinatorOptions, Endpoint
 from millpond.coordinator.rounds import AppendCoordinator
 from millpond.coordinator.server import CoordinatorServer
 from millpond.formats.manifest import PendingEntry
 from millpond.queue.append import QueueProducer
-from millpond.queue.landed import Landings
 from millpond.storage.store import NETWORK_SCHEMES, ObjectStore
 
 __all__ = [
@@ -312,7 +310,7 @@ class HostCoordinator:
         )
 
 
-class HostCoordinatedAppender:
+class HostCoordinatedAppender(CoordinatedAppender):
     """Appends through this machine's coordinator of the queue (:class:`HostCoordinator`),
     directly whenever it cannot help; the contract of ``QueueProducer.append``."""
 
@@ -324,24 +322,9 @@ class HostCoordinatedAppender:
         queue: str,
         clock: Clock,
     ) -> None:
-        self._direct = direct
+        super().__init__(direct, (), queue=queue, clock=clock)
         self._host = host
-        self._queue = queue
-        self._clock = clock
         self._at: tuple[str, str] | None = None
-        self._through = self._make(None)
-        self._seen_next = 0
-
-    @property
-    def counters(self) -> Counters:
-        return self._direct.counters
-
-    @property
-    def seen_next_sequence(self) -> int:
-        return max(self._seen_next, self._through.seen_next_sequence)
-
-    def landings(self, *, recovered: bool = False) -> Landings:
-        return self._direct.landings(recovered=recovered)
 
     def append(
         self,
@@ -353,30 +336,18 @@ class HostCoordinatedAppender:
     ) -> tuple[int, ...]:
         at = self._host.endpoint()
         if at != self._at:
-            # Another host now (or none known): what the old appender saw still bounds where
-            # our entries can be, so it is carried over.
-            self._seen_next = self.seen_next_sequence
-            self._through.close()
+            # Another host now (or none known): what was seen through the old one still bounds
+            # where our entries can be, so it is kept.
+            super().close()
             self._at = at
-            self._through = self._make(at)
-        return self._through.append(
-            entries, more=more, deadline=deadline, in_doubt_from=in_doubt_from
-        )
-
-    def _make(self, at: tuple[str, str] | None) -> CoordinatedAppender:
-        """Through the host at ``at`` (URL, token), or directly when there is none."""
-        if at is None:
-            return CoordinatedAppender(self._direct, (), queue=self._queue, clock=self._clock)
-        url, token = at
-        return CoordinatedAppender(
-            self._direct,
-            (url,),
-            queue=self._queue,
-            clock=self._clock,
-            options=CoordinatorOptions(token=token),
-            gone=partial(self._host.gone, at),
-        )
+            self._endpoints = []
+            if at is not None:
+                url, token = at
+                self._options = CoordinatorOptions(token=token)
+                self._endpoints = [Endpoint(url, self._options)]
+                self._gone = partial(self._host.gone, at)
+        return super().append(entries, more=more, deadline=deadline, in_doubt_from=in_doubt_from)
 
     def close(self) -> None:
-        self._through.close()
+        super().close()
         self._host.close()
