@@ -197,8 +197,7 @@ class CoordinatedAppender:
         lower = self.seen_next_sequence
         body: bytes | None = None
         for endpoint in self._endpoints:
-            now = self._clock.monotonic()
-            if now < endpoint.down_until:
+            if self._clock.monotonic() < endpoint.down_until:
                 continue
             if not self._may_send(deadline):
                 break  # a coordinator could write them after the deadline
