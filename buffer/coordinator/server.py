@@ -7,6 +7,7 @@ except outcomes of requests already answered (see :mod:`millpond.coordinator.rou
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -79,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._refused_unless_authorized():
             return
         if self.path != HEALTH_PATH:
-            self._reply(404, {"status": REFUSED, "reason": f"no such path {self.path}"})
+            self._reply(404, _refused(f"no such path {self.path}"))
             return
         coordinator = self.server.coordinator
         self._reply(
@@ -117,8 +118,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, _refused(f"expected a {REQUEST_HEADER} header, found none"))
             return
         if self.path == OUTCOME_PATH:
-            outcome = coordinator.outcome(request_id, _OUTCOME_WAIT)
-            self._answer(outcome)
+            self._answer(coordinator.outcome(request_id, _OUTCOME_WAIT))
             return
         if self.path != APPEND_PATH:
             self._reply(404, _refused(f"no such path {self.path}"))
@@ -144,10 +144,7 @@ class _Handler(BaseHTTPRequestHandler):
         while not ticket.done.wait(0.5):
             if coordinator.dead is not None:
                 break
-        if ticket.outcome is None:
-            # The rounds died with this request in one: no reply, as from a crashed process.
-            self.close_connection = True
-            return
+        # None when the rounds died with this request in one: no reply, as from a crashed process.
         self._answer(ticket.outcome)
 
     def _other_queue(self) -> bool:
@@ -212,13 +209,11 @@ def _budget(value: str | None) -> float:
     """
     if value is None:
         return DEFAULT_BUDGET
-    try:
+    with contextlib.suppress(ValueError):
         budget = float(value)
-    except ValueError:
-        budget = math.nan
-    if math.isnan(budget):
-        raise ValueError(f"{BUDGET_HEADER}: expected a number of seconds, found {value!r}")
-    return budget
+        if not math.isnan(budget):
+            return budget
+    raise ValueError(f"{BUDGET_HEADER}: expected a number of seconds, found {value!r}")
 
 
 def _refused(reason: str) -> dict[str, Any]:
