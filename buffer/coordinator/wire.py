@@ -150,11 +150,9 @@ class Outcome:
         """
         try:
             record = json.loads(data)
-            status = _status(record["status"])
-            sequences = tuple(None if s is None else int(s) for s in record.get("sequences", ()))
             return cls(
-                status=status,
-                sequences=sequences,
+                status=_status(record["status"]),
+                sequences=tuple(_opt_int(s) for s in record.get("sequences", ())),
                 next_sequence=_opt_int(record.get("next_sequence")),
                 maybe_landed_from=_opt_int(record.get("maybe_landed_from")),
                 reason=str(record.get("reason", "")),
