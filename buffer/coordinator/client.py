@@ -280,10 +280,7 @@ class CoordinatedAppender:
 
     def _may_send(self, deadline: float | None) -> bool:
         """Whether a coordinator's promise for a request sent now ends before ``deadline``."""
-        options = self._options
-        return deadline is None or (
-            self._clock.monotonic() + options.budget + options.grace < deadline
-        )
+        return deadline is None or self._clock.monotonic() + self._options.promise < deadline
 
     def _through(
         self,
@@ -361,7 +358,7 @@ class CoordinatedAppender:
     def _ask(self, endpoint: Endpoint, request_id: str, sent_at: float) -> Outcome | None:
         """What became of a request whose reply was lost, or ``None`` when the coordinator
         could not say before its promise for the request ran out."""
-        promise = sent_at + self._options.budget + self._options.grace
+        promise = sent_at + self._options.promise
         ask = {REQUEST_HEADER: request_id, "Content-Length": "0"}
         while self._clock.monotonic() < promise:
             kind, outcome = endpoint.call(OUTCOME_PATH, b"", ask)

@@ -75,6 +75,12 @@ class CoordinatorOptions:
     """Sent with every request (``X-Millpond-Token``) to a coordinator that wants one (a
     producer-hosted coordinator). Default none."""
 
+    @property
+    def promise(self) -> float:
+        """Seconds after a request is sent during which a write of it may start: ``budget``
+        plus ``grace``."""
+        return self.budget + self.grace
+
 
 class Endpoint:
     """One coordinator: a keep-alive connection, and when to try it again."""
@@ -121,12 +127,8 @@ class Endpoint:
             return None
         self._conn = conn
         # A reply later than the coordinator's promise plus the grace is lost: ask instead.
-        self._set_timeout(self._reply_timeout)
+        self._set_timeout(self._options.promise)
         return conn
-
-    @property
-    def _reply_timeout(self) -> float:
-        return self._options.budget + self._options.grace
 
     def _set_timeout(self, seconds: float) -> None:
         if self._conn is not None and self._conn.sock is not None:
@@ -152,7 +154,7 @@ class Endpoint:
             kind, status, data = self._response()
         if kind != SENT:
             return kind, None if kind == UNSENT else f"gave no answer to GET {HEALTH_PATH}"
-        self._set_timeout(self._reply_timeout)
+        self._set_timeout(self._options.promise)
         return SENT, not_serving(status, data, queue)
 
     def call(
@@ -214,7 +216,7 @@ class Endpoint:
         conn = self._conn
         assert conn is not None
         assert conn.sock is not None
-        until = time.monotonic() + self._reply_timeout
+        until = time.monotonic() + self._options.promise
         # A selector, not select(): a process with more than 1,024 descriptors (a Spark
         # executor) would have select() refuse the socket.
         with selectors.DefaultSelector() as selector:
