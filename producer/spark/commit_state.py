@@ -46,15 +46,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import math
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from hashlib import sha256
 from typing import Any
 
-from millpond.common.clock import Clock, SystemClock
+from millpond.common.clock import Clock
 from millpond.errors import (
     ConflictError,
     FormatError,
@@ -75,11 +73,11 @@ from millpond.queue import (
 from millpond.storage.store import ObjectStore
 
 __all__ = [
-    "DEFAULT_LEASE",
     "CommitOutcome",
     "CommitState",
     "HoldTooLate",
     "commit_with_state",
+    "read_state",
     "state_path",
 ]
 
@@ -89,8 +87,6 @@ _VERSION = 2
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 PENDING = "pending"
 COMMITTED = "committed"
-DEFAULT_LEASE = 60.0
-"""Seconds a commit owns the pending state it wrote (module docstring)."""
 # The most a commit waiting out another's lease goes without reading the state.
 _POLL = 1.0
 # Decisions made again within one attempt because the state changed under a write of ours or
@@ -216,11 +212,11 @@ def commit_with_state(
     key: str,
     batch_id: int,
     fresh: tuple[PendingEntry, ...],
-    hold_by: float | None = None,
-    clock: Clock | None = None,
-    owner: str | None = None,
-    lease: float = DEFAULT_LEASE,
-    on_wait: Callable[[], None] | None = None,
+    hold_by: float,
+    clock: Clock,
+    owner: str,
+    lease: float,
+    on_wait: Callable[[], None],
 ) -> CommitOutcome:
     """One attempt at committing ``fresh`` under ``key`` (see the module docstring).
 
@@ -228,11 +224,11 @@ def commit_with_state(
     appended): until its hold is written nothing keeps a collector from its uploads, and by
     then the oldest may be past the grace period.
 
-    ``owner``: this commit, the same in each of its attempts (default: a new one), so that it
-    goes on with a pending state it claimed in an earlier attempt. ``lease``: seconds after a
-    claim during which its append may be sent, and for which another commit's pending state
-    must stay unchanged before this one takes it over. ``on_wait``: called after each wait for
-    another commit's outcome.
+    ``owner``: this commit, the same in each of its attempts, so that it goes on with a pending
+    state it claimed in an earlier attempt. ``lease``: seconds after a claim during which its
+    append may be sent, and for which another commit's pending state must stay unchanged
+    before this one takes it over. ``on_wait``: called after each wait for another commit's
+    outcome.
 
     Raises:
         HoldTooLate: ``hold_by`` passed before ``fresh`` was held (nothing written).
@@ -244,17 +240,7 @@ def commit_with_state(
         StorageError: the store failed.
     """
     return _Attempt(
-        store,
-        queue,
-        path,
-        key,
-        batch_id,
-        fresh,
-        math.inf if hold_by is None else hold_by,
-        clock or SystemClock(),
-        owner or uuid.uuid4().hex,
-        lease,
-        on_wait,
+        store, queue, path, key, batch_id, fresh, hold_by, clock, owner, lease, on_wait
     ).run()
 
 
@@ -272,7 +258,7 @@ class _Attempt:
     clock: Clock
     owner: str
     lease: float
-    on_wait: Callable[[], None] | None
+    on_wait: Callable[[], None]
     etag: str | None = None
     seen: bytes | None = None
     manifest: Landings = Landings(b"")  # noqa: RUF009 - frozen; each decision reads it
@@ -306,7 +292,7 @@ class _Attempt:
     def _decide(self) -> CommitOutcome | None:
         """The outcome, or ``None`` when another commit's state changed while this one waited
         for it (decide again)."""
-        state, self.etag, self.seen = _read(self.store, self.path)
+        state, self.etag, self.seen = read_state(self.store, self.path)
         # The owner's claim was sent before this moment: its lease ends a lease from now at
         # the latest.
         seen_at = self.clock.monotonic()
@@ -363,7 +349,7 @@ class _Attempt:
         sequences = self._append(self.fresh, deadline, next_sequence)
         self.appended = CommitOutcome("appended", sequences)
         self._write(replace(pending, status=COMMITTED, sequences=sequences))
-        return CommitOutcome("appended", sequences)
+        return self.appended
 
     def _append(self, todo: Sequence[PendingEntry], deadline: float, since: int) -> tuple[int, ...]:
         """Append under a claim whose lease ends at ``deadline``; an earlier write of them may
@@ -424,8 +410,7 @@ class _Attempt:
                 if got.data != self.seen:
                     return False
         finally:
-            if self.on_wait is not None:
-                self.on_wait()
+            self.on_wait()
 
     def _claim(self, state: CommitState) -> tuple[CommitState, float]:
         """Write ``state`` claimed by this commit; the claimed state, and the deadline of an
@@ -498,7 +483,15 @@ class _Attempt:
         self.seen = data
 
 
-def _read(store: ObjectStore, path: str) -> tuple[CommitState | None, str | None, bytes | None]:
+def read_state(
+    store: ObjectStore, path: str
+) -> tuple[CommitState | None, str | None, bytes | None]:
+    """The state at ``path`` (``None`` when there is none), its ETag and its bytes.
+
+    Raises:
+        FormatError: not a commit state of this version.
+        StorageError: the store failed.
+    """
     try:
         got = store.get(path)
     except NotFoundError:

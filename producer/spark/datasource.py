@@ -27,7 +27,7 @@ from pyspark.sql.datasource import (
 )
 
 from millpond.common.metrics import Counters
-from millpond.errors import CommitStateUnknownError, ConfigError, NotFoundError, StorageError
+from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
 from millpond.formats.manifest import PendingEntry
 from millpond.formats.routing import with_table
 from millpond.producer.spark.commit import (
@@ -37,7 +37,7 @@ from millpond.producer.spark.commit import (
     spark_payload,
     write_state_path,
 )
-from millpond.producer.spark.commit_state import COMMITTED, CommitState
+from millpond.producer.spark.commit_state import COMMITTED, read_state
 from millpond.producer.spark.executor import (
     partition_producer,
 )
@@ -116,13 +116,10 @@ def _landed(settings: SparkWriteSettings) -> tuple[int, ...] | None:
     if settings.commit != "job" or settings.write_id is None:
         return None
     path = write_state_path(settings.data_path_prefix, settings.write_id)
-    store = settings.open_store()
-    try:
-        got = store.get(path)
-    except NotFoundError:
+    state, _etag, _data = read_state(settings.open_store(), path)
+    if state is None or state.status != COMMITTED:
         return None
-    state = CommitState.decode(got.data, name=f"{store.url}/{path}")
-    return (state.sequences or ()) if state.status == COMMITTED else None
+    return state.sequences or ()
 
 
 STREAM_PROBE_INTERVAL = 60.0
