@@ -30,8 +30,9 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,8 @@ __all__ = [
     "fresh_copies",
     "spark_payload",
     "stream_state_path",
+    "sum_stats",
+    "task_entries",
     "write_state_path",
 ]
 
@@ -84,6 +87,22 @@ MicroBatchOutcome = CommitOutcome
 def spark_payload(**fields: object) -> bytes:
     """The metadata payload of a Spark-written entry: compact JSON under a ``spark`` key."""
     return json.dumps({"spark": fields}, separators=(",", ":"), sort_keys=True).encode()
+
+
+def task_entries(messages: Sequence[TaskCommitMessage], **fields: object) -> list[PendingEntry]:
+    """Every batch of ``messages``, in partition order, each with the Spark payload of
+    ``fields`` and the task that uploaded it."""
+    ordered = sorted(messages, key=lambda m: (m.partition_id, m.attempt))
+    return [
+        upload.pending_entry(spark_payload(partition=m.partition_id, attempt=m.attempt, **fields))
+        for m in ordered
+        for upload in m.uploads
+    ]
+
+
+def sum_stats(messages: Sequence[TaskCommitMessage]) -> UploadStats:
+    """What the tasks of ``messages`` uploaded, summed."""
+    return sum((m.stats for m in messages), UploadStats())
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,21 +221,9 @@ class _Job:
         """
         if any(message is None for message in messages):
             raise MillpondError(f"job {job_id}: a task has no commit message; refusing to commit")
-        ordered = sorted(
-            (m for m in messages if m is not None), key=lambda m: (m.partition_id, m.attempt)
-        )
-        entries: list[PendingEntry] = []
-        stats = UploadStats()
-        for message in ordered:
-            stats += message.stats
-            payload = spark_payload(
-                job=job_id,
-                partition=message.partition_id,
-                attempt=message.attempt,
-                **(extra_payload or {}),
-            )
-            entries.extend(upload.pending_entry(payload) for upload in message.uploads)
-        return cls(job_id, write_id, len(ordered), entries, stats)
+        tasks = [m for m in messages if m is not None]
+        entries = task_entries(tasks, job=job_id, **(extra_payload or {}))
+        return cls(job_id, write_id, len(tasks), entries, sum_stats(tasks))
 
     def append(
         self,
@@ -422,7 +429,6 @@ def commit_micro_batch(
         )
 
 
-@contextlib.contextmanager
 def _appender(
     store: ObjectStore,
     manifest_path: str,
@@ -431,20 +437,15 @@ def _appender(
     clock: Clock,
     counters: Counters | None = None,
     coordinator: Sequence[str] = (),
-) -> Iterator[Appender]:
+) -> AbstractContextManager[Appender]:
     """The driver's appender: through ``coordinator`` when given (appending directly whenever
-    none answers, with the same contract), else straight to the manifest."""
+    none answers, with the same contract; closed when the block ends), else straight to the
+    manifest."""
     direct = QueueProducer(store, manifest_path, retry=retry, clock=clock, counters=counters)
     if not coordinator:
-        yield direct
-        return
-    appender = CoordinatedAppender(
-        direct, coordinator, queue=queue_identity(store.url, manifest_path), clock=clock
-    )
-    try:
-        yield appender
-    finally:
-        appender.close()
+        return contextlib.nullcontext(direct)
+    queue = queue_identity(store.url, manifest_path)
+    return contextlib.closing(CoordinatedAppender(direct, coordinator, queue=queue, clock=clock))
 
 
 def _commit_keyed(

@@ -35,6 +35,8 @@ from millpond.producer.spark.commit import (
     commit_job,
     commit_micro_batch,
     spark_payload,
+    sum_stats,
+    task_entries,
     write_state_path,
 )
 from millpond.producer.spark.commit_state import COMMITTED, read_state
@@ -241,10 +243,10 @@ class MillpondBatchWriter(DataSourceArrowWriter):
                 raise
             self.outcome = receipt.status
         else:
-            stats = sum((m.stats for m in task_messages if m is not None), UploadStats())
-            sequences = tuple(s for m in task_messages if m is not None for s in m.sequences)
+            tasks = [m for m in task_messages if m is not None]
+            sequences = tuple(s for m in tasks for s in m.sequences)
             receipt = JobReceipt(
-                self.job_id, None, None, len(task_messages), stats, sequences=sequences
+                self.job_id, None, None, len(task_messages), sum_stats(tasks), sequences=sequences
             )
             self.outcome = "published by the tasks"
         if settings.receipt_path:
@@ -338,22 +340,9 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             await_sink(settings, tuple(sequences), what=f"micro-batch {batchId}")
             return
         stream_id = settings.stream_id()
-        task_messages = sorted(
-            (m for m in messages if isinstance(m, TaskCommitMessage)),
-            key=lambda m: m.partition_id,
-        )
-        entries = tuple(
-            upload.pending_entry(
-                spark_payload(
-                    query=stream_id,
-                    batch=batchId,
-                    partition=m.partition_id,
-                    attempt=m.attempt,
-                    **settings.payload_fields(),
-                )
-            )
-            for m in task_messages
-            for upload in m.uploads
+        task_messages = [m for m in messages if isinstance(m, TaskCommitMessage)]
+        entries = task_entries(
+            task_messages, query=stream_id, batch=batchId, **settings.payload_fields()
         )
         ensure_summary_output()
         counters = Counters()
@@ -371,7 +360,7 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
         )
         log_summary(
             f"stream {stream_id} batch {batchId}",
-            stats=sum((m.stats for m in task_messages), UploadStats()),
+            stats=sum_stats(task_messages),
             status=outcome.status,
             sequences=outcome.sequences or (),
             manifest=counters.snapshot(),
