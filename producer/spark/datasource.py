@@ -40,9 +40,7 @@ from millpond.producer.spark.commit import (
     write_state_path,
 )
 from millpond.producer.spark.commit_state import COMMITTED, read_state
-from millpond.producer.spark.executor import (
-    partition_producer,
-)
+from millpond.producer.spark.executor import produce_partition
 from millpond.producer.spark.options import SparkWriteSettings
 from millpond.producer.spark.schema import refuse_unwritable
 from millpond.producer.spark.summary import ensure_summary_output, log_summary
@@ -210,7 +208,7 @@ class MillpondBatchWriter(DataSourceArrowWriter):
             for _ in iterator:
                 pass
             return TaskCommitMessage(0, 0, (), UploadStats())
-        return _write_task(self.settings, iterator, spark_payload(job=self.job_id))
+        return _write_task(self.settings, iterator, job=self.job_id)
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         """Append every batch of the job in one CAS (``commit="job"``) and write the receipt.
@@ -323,7 +321,7 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
         self.settings = settings
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
-        return _write_task(self.settings, iterator, spark_payload())
+        return _write_task(self.settings, iterator)
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
         """Enqueue the micro-batch unless this batch id is already enqueued.
@@ -378,15 +376,22 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
 
 
 def _write_task(
-    settings: SparkWriteSettings, batches: Iterator[pa.RecordBatch], payload: bytes
+    settings: SparkWriteSettings, batches: Iterator[pa.RecordBatch], **fields: object
 ) -> TaskCommitMessage:
+    """The task's batches uploaded (``commit="job"``), or produced through its worker's
+    producer (``commit="task"``, with the payload of ``fields`` and the task)."""
     from pyspark import TaskContext
 
     context = TaskContext.get()
     partition = context.partitionId() if context else 0
     attempt = context.attemptNumber() if context else 0
     if settings.commit == "task":
-        return _write_through_producer(settings, batches, partition, attempt, payload)
+        payload = spark_payload(partition=partition, attempt=attempt, **fields)
+        rows, entries, sequences = produce_partition(
+            settings.producer_options, batches, payload, settings.table
+        )
+        stats = UploadStats(rows=rows, entries=entries)
+        return TaskCommitMessage(partition, attempt, (), stats, sequences)
     uploader = BatchUploader(
         settings.open_store(),
         data_path_prefix=settings.data_path_prefix,
@@ -422,32 +427,6 @@ class _TableUpload(UploadedBatch):
         return UploadedBatch.pending_entry(self, with_table(payload, self.table))
 
 
-def _write_through_producer(
-    settings: SparkWriteSettings,
-    batches: Iterator[pa.RecordBatch],
-    partition: int,
-    attempt: int,
-    payload: bytes,
-) -> TaskCommitMessage:
-    rows = entries = 0
-    metadata = _with_task(payload, partition, attempt)
-    with partition_producer(_executor_options(settings)) as producer:
-        handles = []
-        for batch in batches:
-            if batch.num_rows:
-                handles.append(
-                    producer.produce_arrow(batch, metadata=metadata, table=settings.table)
-                )
-                rows += batch.num_rows
-                entries += 1
-    for handle in handles:
-        handle.wait()
-    sequences = tuple(h.sequence for h in handles if h.sequence is not None)
-    return TaskCommitMessage(
-        partition, attempt, (), UploadStats(rows=rows, entries=entries), sequences
-    )
-
-
 def await_sink(settings: SparkWriteSettings, sequences: Collection[int], *, what: str) -> None:
     """With the ``await_sink`` option: wait until the consumer service has written
     ``sequences`` into its database (none: nothing to wait for).
@@ -475,13 +454,3 @@ def await_sink(settings: SparkWriteSettings, sequences: Collection[int], *, what
         last,
         time.monotonic() - started,
     )
-
-
-def _executor_options(settings: SparkWriteSettings) -> dict[str, str]:
-    return dict(settings.producer_options)
-
-
-def _with_task(payload: bytes, partition: int, attempt: int) -> bytes:
-    record = json.loads(payload)
-    record["spark"].update(partition=partition, attempt=attempt)
-    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode()

@@ -139,16 +139,7 @@ def write_arrow_partitions(
         partition = context.partitionId() if context else -1
         attempt = context.attemptNumber() if context else 0
         payload = spark_payload(partition=partition, attempt=attempt)
-        rows = calls = 0
-        with partition_producer(checked) as producer:
-            handles = []
-            for batch in batches:
-                if batch.num_rows:
-                    handles.append(producer.produce_arrow(batch, metadata=payload, table=table))
-                    rows += batch.num_rows
-                    calls += 1
-        for handle in handles:
-            handle.wait()
+        rows, calls, _sequences = produce_partition(checked, batches, payload, table)
         yield pa.RecordBatch.from_pydict(
             {
                 "partition": [partition],
@@ -167,6 +158,34 @@ def write_arrow_partitions(
         )
 
     return write
+
+
+def produce_partition(
+    options: Mapping[str, str],
+    batches: Iterator[pa.RecordBatch],
+    metadata: bytes,
+    table: str | None,
+) -> tuple[int, int, tuple[int, ...]]:
+    """Produce every non-empty record batch through :func:`partition_producer` and wait for
+    each one's entries.
+
+    Returns:
+        The rows, the ``produce_arrow`` calls, and the sequences the entries got.
+
+    Raises:
+        As :func:`partition_producer`.
+    """
+    rows = calls = 0
+    with partition_producer(options) as producer:
+        handles = []
+        for batch in batches:
+            if batch.num_rows:
+                handles.append(producer.produce_arrow(batch, metadata=metadata, table=table))
+                rows += batch.num_rows
+                calls += 1
+    for handle in handles:
+        handle.wait()
+    return rows, calls, tuple(h.sequence for h in handles if h.sequence is not None)
 
 
 def close_executor_producers(timeout: float = _CLOSE_TIMEOUT) -> None:
