@@ -140,21 +140,14 @@ def write_arrow_partitions(
         attempt = context.attemptNumber() if context else 0
         payload = spark_payload(partition=partition, attempt=attempt)
         rows, calls, _sequences = produce_partition(checked, batches, payload, table)
-        yield pa.RecordBatch.from_pydict(
-            {
-                "partition": [partition],
-                "attempt": [attempt],
-                "rows": [rows],
-                "produce_calls": [calls],
-            },
-            schema=pa.schema(
-                [
-                    ("partition", pa.int32()),
-                    ("attempt", pa.int32()),
-                    ("rows", pa.int64()),
-                    ("produce_calls", pa.int64()),
-                ]
-            ),
+        yield pa.record_batch(
+            [
+                pa.array([partition], pa.int32()),
+                pa.array([attempt], pa.int32()),
+                pa.array([rows], pa.int64()),
+                pa.array([calls], pa.int64()),
+            ],
+            names=["partition", "attempt", "rows", "produce_calls"],
         )
 
     return write
@@ -197,13 +190,7 @@ def close_executor_producers(timeout: float = _CLOSE_TIMEOUT) -> None:
     with _guard:
         slots = [slot for slot in _slots.values() if slot.pid == os.getpid()]
         _slots.clear()
-    for slot in slots:
-        try:
-            slot.producer.close(timeout=timeout)
-        except MillpondError as err:
-            logger.warning("closing the producer of %s: %s", slot.path, err)
-        finally:
-            os.close(slot.lock_fd)
+    _close(slots, timeout, "producer")
 
 
 atexit.register(close_executor_producers)
@@ -213,11 +200,16 @@ def _discard(producer: Producer) -> None:
     with _guard:
         found = [key for key, slot in _slots.items() if slot.producer is producer]
         slots = [_slots.pop(key) for key in found]
+    _close(slots, 0, "failed producer")
+
+
+def _close(slots: list[_Slot], timeout: float, what: str) -> None:
+    """Close the producers of ``slots``, releasing each slot's lock even when its close fails."""
     for slot in slots:
         try:
-            slot.producer.close(timeout=0)
+            slot.producer.close(timeout=timeout)
         except MillpondError as err:
-            logger.warning("closing the failed producer of %s: %s", slot.path, err)
+            logger.warning("closing the %s of %s: %s", what, slot.path, err)
         finally:
             os.close(slot.lock_fd)
 
