@@ -41,8 +41,8 @@ def log_summary(
     status: str,
     sequences: Sequence[int],
     manifest: Mapping[str, int],
-) -> str:
-    """Log (and return) the summary line of one commit.
+) -> None:
+    """Log the summary line of one commit.
 
     Args:
         what: ``job <id>`` or ``stream <id> batch <n>``.
@@ -58,4 +58,3 @@ def log_summary(
         f"{manifest.get('manifest_writes', 0)} manifest writes)"
     )
     logger.info("%s", line)
-    return line
