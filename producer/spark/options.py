@@ -45,26 +45,28 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 from millpond.common.retry import RetryPolicy
-from millpond.errors import ConfigError, InvalidInputError, NotFoundError, StorageError
+from millpond.errors import ConfigError, NotFoundError, StorageError
 from millpond.formats.batch import CompressionType
 from millpond.formats.manifest import decode_footer
+from millpond.formats.routing import with_table
 from millpond.queue import QueueLocation, open_claim
 
 if TYPE_CHECKING:
-    from millpond.producer.config import ProducerConfig
     from millpond.storage.store import ObjectStore
 
 __all__ = ["EXECUTOR_WAL_DIR", "SPARK_ONLY_KEYS", "SparkWriteSettings"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _COMMIT_MODES = ("job", "task")
 _DEFAULT_GRACE = 600.0
@@ -150,12 +152,14 @@ class SparkWriteSettings(QueueLocation):
         Raises:
             ConfigError: naming the first bad key and what it accepts.
         """
+        from millpond.producer.config import ProducerConfig, parse_bool
+
         opts = {str(k).lower(): str(v) for k, v in options.items()}
         spark = {k: opts.pop(k) for k in list(opts) if k in SPARK_ONLY_KEYS}
         provided = {k: opts.pop(k) for k in list(opts) if k in _SPARK_PROVIDED}
         _take_store(opts, spark.get("path"))
         producer_options = _as_producer_options(opts)
-        config = _producer_config(producer_options)
+        config = ProducerConfig.from_options(producer_options)
         commit = spark.get("commit", "job").lower()
         if commit not in _COMMIT_MODES:
             raise ConfigError("commit", f"expected 'job' or 'task', found {commit!r}")
@@ -180,17 +184,15 @@ class SparkWriteSettings(QueueLocation):
             commit=commit,
             query_id=spark.get("query_id"),
             checkpoint_location=provided.get("checkpointlocation") or None,
-            gc_grace_period=_seconds(
-                "gc_grace_period", spark.get("gc_grace_period"), _DEFAULT_GRACE
-            ),
-            check_store=_boolean("check_store", spark.get("check_store"), default=True),
+            gc_grace_period=_parsed(spark, "gc_grace_period", _seconds, _DEFAULT_GRACE),
+            check_store=_parsed(spark, "check_store", parse_bool, True),
             receipt_path=receipt_path.strip("/") if receipt_path else None,
             tag=spark.get("metadata"),
             write_id=spark.get("write_id"),
-            table=_table(spark.get("table")),
+            table=_parsed(spark, "table", _table, None),
             coordinator=tuple(config.coordinator or ()),
             host_coordinator=config.host_coordinator,
-            await_sink=_duration("await_sink", spark.get("await_sink")),
+            await_sink=_parsed(spark, "await_sink", _duration, 0.0),
         )
 
     @property
@@ -308,12 +310,6 @@ def _take_store(opts: dict[str, str], path: str | None) -> None:
         )
 
 
-def _producer_config(options: Mapping[str, str]) -> ProducerConfig:
-    from millpond.producer.config import ProducerConfig
-
-    return ProducerConfig.from_options(options)
-
-
 def _as_producer_options(options: Mapping[str, str]) -> dict[str, str]:
     """Spark-style keys into ``ProducerConfig.from_options`` keys.
 
@@ -345,52 +341,44 @@ def _checkpoint_query_id(location: str) -> str | None:
     return str(value) if value else None
 
 
-def _seconds(key: str, value: str | None, default: float) -> float:
+def _parsed(spark: Mapping[str, str], key: str, parse: Callable[[str], _T], default: _T) -> _T:
+    """Option ``key`` of ``spark`` through ``parse``, whose ``ValueError`` says what is wrong;
+    ``default`` when not given.
+
+    Raises:
+        ConfigError: naming ``key``.
+    """
+    value = spark.get(key)
     if value is None:
         return default
     try:
-        seconds = float(value)
+        return parse(value)
+    except ValueError as err:
+        # A message that names the key already (the table's) does not name it twice.
+        raise ConfigError(key, str(err).removeprefix(f"{key}: ")) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
     except ValueError:
         seconds = math.nan
     if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(key, f"expected seconds >= 0, found {value!r}")
+        raise ValueError(f"expected seconds >= 0, found {text!r}")
     return seconds
 
 
-def _duration(key: str, value: str | None) -> float:
-    """Seconds from ``600``, ``600s``, ``10m``, ``1h``; 0 when not given."""
-    if value is None:
-        return 0.0
+def _duration(text: str) -> float:
+    """Seconds from ``600``, ``600s``, ``10m``, ``1h``."""
     from millpond.producer.config import parse_duration
 
-    try:
-        seconds = parse_duration(value)
-    except ValueError as err:
-        raise ConfigError(key, str(err)) from None
+    seconds = parse_duration(text)
     if not math.isfinite(seconds):
-        raise ConfigError(key, f"expected a finite duration, found {value!r}")
+        raise ValueError(f"expected a finite duration, found {text!r}")
     return seconds
 
 
-def _table(value: str | None) -> str | None:
+def _table(text: str) -> str:
     """The ``table`` option, checked as the metadata line that carries it checks it."""
-    if value is None:
-        return None
-    from millpond.formats.routing import with_table
-
-    try:
-        with_table(b"", value)
-    except InvalidInputError as err:
-        raise ConfigError("table", str(err).removeprefix("table: ")) from None
-    return value
-
-
-def _boolean(key: str, value: str | None, *, default: bool) -> bool:
-    if value is None:
-        return default
-    from millpond.producer.config import parse_bool
-
-    try:
-        return parse_bool(value)
-    except ValueError:
-        raise ConfigError(key, f"expected true or false, found {value!r}") from None
+    with_table(b"", text)
+    return text
