@@ -28,8 +28,6 @@ from pyspark.sql.datasource import (
 
 from millpond.common.metrics import Counters
 from millpond.errors import CommitStateUnknownError, ConfigError, StorageError
-from millpond.formats.manifest import PendingEntry
-from millpond.formats.routing import with_table
 from millpond.producer.spark.commit import (
     JobReceipt,
     commit_job,
@@ -48,7 +46,6 @@ from millpond.producer.spark.summary import logger as summary_logger
 from millpond.producer.spark.upload import (
     BatchUploader,
     TaskCommitMessage,
-    UploadedBatch,
     UploadStats,
 )
 from millpond.queue import SinkWatch, queue_identity
@@ -395,36 +392,20 @@ def _write_task(
     uploader = BatchUploader(
         settings.open_store(),
         data_path_prefix=settings.data_path_prefix,
+        table=settings.table,
         flush_size_bytes=settings.flush_size_bytes,
         compression=settings.compression,
         concurrency=settings.upload_concurrency,
         retry=settings.retry,
     )
     try:
-        uploader.add_all(batches)
+        for batch in batches:
+            uploader.add(batch)
         uploads, stats = uploader.finish()
     except BaseException:
         uploader.close()
         raise
-    if settings.table is not None:
-        uploads = tuple(_TableUpload.of(upload, settings.table) for upload in uploads)
     return TaskCommitMessage(partition, attempt, uploads, stats)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _TableUpload(UploadedBatch):
-    """An upload whose manifest entry names the ``table`` option's table (the driver's commit
-    builds every entry, batch job and micro-batch alike, from :meth:`pending_entry`)."""
-
-    table: str = ""
-
-    @classmethod
-    def of(cls, upload: UploadedBatch, table: str) -> _TableUpload:
-        fields = {f.name: getattr(upload, f.name) for f in dataclasses.fields(upload)}
-        return cls(**fields, table=table)
-
-    def pending_entry(self, payload: bytes) -> PendingEntry:
-        return UploadedBatch.pending_entry(self, with_table(payload, self.table))
 
 
 def await_sink(settings: SparkWriteSettings, sequences: Collection[int], *, what: str) -> None:

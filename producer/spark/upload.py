@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import pyarrow as pa
 from pyspark.sql.datasource import WriterCommitMessage
@@ -33,17 +32,17 @@ from millpond.errors import (
     StorageError,
 )
 from millpond.formats.arrow import encode_ipc
-from millpond.formats.batch import CompressionType, encode_batch
+from millpond.formats.batch import BATCH_FOOTER_SIZE, CompressionType, encode_batch
 from millpond.formats.manifest import Metadata, PendingEntry
+from millpond.formats.routing import with_table
 from millpond.storage.store import ObjectStore
 
 __all__ = ["BatchUploader", "TaskCommitMessage", "UploadStats", "UploadedBatch", "put_new_object"]
 
 logger = logging.getLogger(__name__)
 
-# Per record: the u32 length prefix; per batch object: the 7-byte footer.
+# Per record: the u32 length prefix (and per batch object its footer, BATCH_FOOTER_SIZE).
 _RECORD_OVERHEAD = 4
-_BATCH_FOOTER = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +61,7 @@ class UploadStats:
     """PUT requests sent for batch objects, retries included."""
 
     def __add__(self, other: UploadStats) -> UploadStats:
-        return UploadStats(
-            rows=self.rows + other.rows,
-            entries=self.entries + other.entries,
-            batches=self.batches + other.batches,
-            bytes=self.bytes + other.bytes,
-            put_requests=self.put_requests + other.put_requests,
-        )
+        return UploadStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +76,14 @@ class UploadedBatch:
     """Rows in the batch."""
     entries: int
     """Entries (Arrow IPC streams) in the batch."""
+    table: str | None = None
+    """The ``table`` option's table, named in the manifest entry (``None``: the consumer's)."""
 
     def pending_entry(self, payload: bytes) -> PendingEntry:
-        """The manifest entry for this batch: one metadata item covering every entry."""
+        """The manifest entry for this batch: one metadata item covering every entry. The
+        driver's commit builds every entry, batch job and micro-batch alike, from here."""
+        if self.table is not None:
+            payload = with_table(payload, self.table)
         return PendingEntry(self.location, (Metadata(0, self.ingestion_time_ms, payload),))
 
 
@@ -162,6 +160,7 @@ class BatchUploader:
         store: ObjectStore,
         *,
         data_path_prefix: str,
+        table: str | None = None,
         flush_size_bytes: int,
         compression: CompressionType,
         concurrency: int = 4,
@@ -170,10 +169,11 @@ class BatchUploader:
     ) -> None:
         self._store = store
         self._prefix = data_path_prefix
-        self._entry_limit = flush_size_bytes - _RECORD_OVERHEAD - _BATCH_FOOTER
+        self._table = table
+        self._entry_limit = flush_size_bytes - _RECORD_OVERHEAD - BATCH_FOOTER_SIZE
         if self._entry_limit <= 0:
             raise InvalidInputError(
-                f"flush_size_bytes: expected more than {_RECORD_OVERHEAD + _BATCH_FOOTER}, "
+                f"flush_size_bytes: expected more than {_RECORD_OVERHEAD + BATCH_FOOTER_SIZE}, "
                 f"found {flush_size_bytes}"
             )
         self._flush_size = flush_size_bytes
@@ -199,16 +199,11 @@ class BatchUploader:
         """
         for entry, rows in self._encode(batch):
             size = len(entry) + _RECORD_OVERHEAD
-            if self._pending and self._pending_bytes + size + _BATCH_FOOTER > self._flush_size:
+            if self._pending and self._pending_bytes + size + BATCH_FOOTER_SIZE > self._flush_size:
                 self._seal()
             self._pending.append(entry)
             self._pending_bytes += size
             self._pending_rows += rows
-
-    def add_all(self, batches: Iterable[pa.RecordBatch]) -> None:
-        """:meth:`add` each record batch."""
-        for batch in batches:
-            self.add(batch)
 
     def finish(self) -> tuple[tuple[UploadedBatch, ...], UploadStats]:
         """Upload what is left and wait for every upload.
@@ -225,9 +220,7 @@ class BatchUploader:
             results = [future.result() for future in self._futures]
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        total = UploadStats()
-        for _upload, stats in results:
-            total += stats
+        total = sum((stats for _upload, stats in results), UploadStats())
         return tuple(upload for upload, _stats in results), total
 
     def close(self) -> None:
@@ -276,7 +269,7 @@ class BatchUploader:
             )
         finally:
             self._slots.release()
-        upload = UploadedBatch(location, ingested_ms, rows, len(records))
+        upload = UploadedBatch(location, ingested_ms, rows, len(records), self._table)
         stats = UploadStats(
             rows=rows, entries=len(records), batches=1, bytes=len(data), put_requests=requests
         )
