@@ -177,8 +177,12 @@ def commit_job(
             message says so, and how to make a rerun safe.
         StorageError: the store failed before anything could have been enqueued.
     """
+    if any(message is None for message in messages):
+        raise MillpondError(f"job {job_id}: a task has no commit message; refusing to commit")
+    tasks = [m for m in messages if m is not None]
+    entries = task_entries(tasks, job=job_id, **(extra_payload or {}))
+    job = _Job(job_id, write_id, len(tasks), entries, sum_stats(tasks))
     clock = clock or SystemClock()
-    job = _Job.collect(messages, job_id=job_id, write_id=write_id, extra_payload=extra_payload)
     with _appender(
         store, manifest_path, retry=retry, clock=clock, coordinator=coordinator
     ) as queue:
@@ -204,26 +208,6 @@ class _Job:
     entries: list[PendingEntry]
     """Every batch of every task, in partition order, with the Spark payload."""
     stats: UploadStats
-
-    @classmethod
-    def collect(
-        cls,
-        messages: Sequence[TaskCommitMessage | None],
-        *,
-        job_id: str,
-        write_id: str | None,
-        extra_payload: Mapping[str, object] | None,
-    ) -> _Job:
-        """The job of these task commit messages.
-
-        Raises:
-            MillpondError: a message is missing (Spark should never commit then).
-        """
-        if any(message is None for message in messages):
-            raise MillpondError(f"job {job_id}: a task has no commit message; refusing to commit")
-        tasks = [m for m in messages if m is not None]
-        entries = task_entries(tasks, job=job_id, **(extra_payload or {}))
-        return cls(job_id, write_id, len(tasks), entries, sum_stats(tasks))
 
     def append(
         self,
