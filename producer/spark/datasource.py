@@ -328,14 +328,12 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
             StorageError: the store failed past the retry budget.
         """
         settings = self.settings
+        task_messages = [m for m in messages if isinstance(m, TaskCommitMessage)]
         if settings.commit == "task":
-            sequences = (
-                s for m in messages if isinstance(m, TaskCommitMessage) for s in m.sequences
-            )
-            await_sink(settings, tuple(sequences), what=f"micro-batch {batchId}")
+            sequences = tuple(s for m in task_messages for s in m.sequences)
+            await_sink(settings, sequences, what=f"micro-batch {batchId}")
             return
         stream_id = settings.stream_id()
-        task_messages = [m for m in messages if isinstance(m, TaskCommitMessage)]
         entries = task_entries(
             task_messages, query=stream_id, batch=batchId, **settings.payload_fields()
         )
