@@ -324,7 +324,7 @@ class MillpondStreamWriter(DataSourceStreamArrowWriter):
         """Enqueue the micro-batch unless this batch id is already enqueued.
 
         Raises:
-            MillpondError: the batch id cannot be resolved (see ``spark_commit``).
+            MillpondError: the batch id cannot be resolved (see ``commit_micro_batch``).
             StorageError: the store failed past the retry budget.
         """
         settings = self.settings
