@@ -393,9 +393,20 @@ def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manif
     """
     footer = decode_footer(raw, name=name)
     view = memoryview(raw)
-    entries: list[ManifestEntry] = []
+    entries = [
+        _decode_entry(view, start, end, sequence, name)
+        for start, end, sequence in _contiguous_spans(view, footer, name)
+    ]
+    return Manifest(footer=footer, entries=tuple(entries))
+
+
+def _contiguous_spans(
+    raw: bytes | memoryview, footer: Footer, name: str
+) -> Iterator[tuple[int, int, int]]:
+    """:func:`_entry_spans`, checking also that the sequences are contiguous and end at
+    ``next_sequence - 1``."""
     previous: int | None = None
-    for start, end, sequence in _entry_spans(view, footer, name=name):
+    for start, end, sequence in _entry_spans(raw, footer, name=name):
         if previous is not None and sequence != previous + 1:
             raise FormatError(
                 f"{name}: sequence at byte {start + 4}: expected {previous + 1} "
@@ -404,7 +415,7 @@ def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manif
                 offset=start + 4,
             )
         previous = sequence
-        entries.append(_decode_entry(view, start, end, sequence, name))
+        yield start, end, sequence
     if previous is not None and previous + 1 != footer.next_sequence:
         offset = len(raw) - FOOTER_SIZE + 4
         raise FormatError(
@@ -413,7 +424,6 @@ def decode_manifest(raw: bytes | memoryview, *, name: str = "manifest") -> Manif
             field="next_sequence",
             offset=offset,
         )
-    return Manifest(footer=footer, entries=tuple(entries))
 
 
 def _entry_spans(
@@ -589,26 +599,7 @@ def view_manifest(raw: bytes, *, name: str = "manifest") -> ManifestView:
         FormatError: naming the field and byte offset of the first inconsistency.
     """
     footer = decode_footer(raw, name=name)
-    offsets = array("Q")
-    previous: int | None = None
-    for start, _end, sequence in _entry_spans(raw, footer, name=name):
-        if previous is not None and sequence != previous + 1:
-            raise FormatError(
-                f"{name}: sequence at byte {start + 4}: expected {previous + 1} "
-                f"(contiguous), found {sequence}",
-                field="sequence",
-                offset=start + 4,
-            )
-        previous = sequence
-        offsets.append(start)
-    if previous is not None and previous + 1 != footer.next_sequence:
-        offset = len(raw) - FOOTER_SIZE + 4
-        raise FormatError(
-            f"{name}: next_sequence at byte {offset}: expected {previous + 1} "
-            f"(one past the last entry), found {footer.next_sequence}",
-            field="next_sequence",
-            offset=offset,
-        )
+    offsets = array("Q", (start for start, _end, _seq in _contiguous_spans(raw, footer, name)))
     offsets.append(len(raw) - FOOTER_SIZE)
     return ManifestView(raw, footer, offsets, name)
 
