@@ -155,20 +155,13 @@ def _access_checks(store: ObjectStore) -> list[CheckResult]:
     try:
         store.list(PROBE_PREFIX, recursive=False)
     except StoreAccessError as err:
-        if err.problem == "bucket":
+        if err.problem not in ("bucket", "permission"):
             return [
-                _result("credentials", True, f"{source}; accepted"),
-                _result("bucket", False, err.message, err.hint),
+                _result("credentials", False, err.message, err.hint),
+                _skip("bucket", "credentials failed"),
             ]
-        if err.problem == "permission":
-            return [
-                _result("credentials", True, f"{source}; accepted"),
-                _result("bucket", False, f"cannot list {bucket}: {err.message}", err.hint),
-            ]
-        return [
-            _result("credentials", False, err.message, err.hint),
-            _skip("bucket", "credentials failed"),
-        ]
+        said = err.message if err.problem == "bucket" else f"cannot list {bucket}: {err.message}"
+        found = _result("bucket", False, said, err.hint)
     except StorageError as err:
         return [
             _result(
@@ -179,10 +172,9 @@ def _access_checks(store: ObjectStore) -> list[CheckResult]:
             ),
             _skip("bucket", "the store did not answer"),
         ]
-    return [
-        _result("credentials", True, f"{source}; accepted"),
-        _result("bucket", True, f"{bucket} exists and lists"),
-    ]
+    else:
+        found = _result("bucket", True, f"{bucket} exists and lists")
+    return [_result("credentials", True, f"{source}; accepted"), found]
 
 
 def _permissions(store: ObjectStore, path: str) -> CheckResult:
@@ -489,7 +481,9 @@ def _judge_probe(store: ObjectStore, path: str, etag: str | None, clock: Clock) 
         updated = store.put_if_match(path, _PROBE_UPDATED, etag)
     except ConflictError:
         if store.get(path).data == b"second":
-            _refuse_created_anyway(store)
+            _refuse_conditional(
+                store, "a refused create-if-absent (If-None-Match: *) overwrote the object anyway"
+            )
         _refuse_conditional(
             store,
             "an update conditional on the object's current ETag (If-Match) was refused: the "
@@ -510,12 +504,6 @@ def _judge_probe(store: ObjectStore, path: str, etag: str | None, clock: Clock) 
     if info.last_modified is None:
         return None
     return StoreTime.from_write(info.last_modified, before, after)
-
-
-def _refuse_created_anyway(store: ObjectStore) -> NoReturn:
-    _refuse_conditional(
-        store, "a refused create-if-absent (If-None-Match: *) overwrote the object anyway"
-    )
 
 
 def _refuse_conditional(store: ObjectStore, detail: str) -> NoReturn:
