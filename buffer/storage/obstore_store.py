@@ -15,6 +15,7 @@ for update-if-unchanged (S3 and Azure ``If-Match: <etag>``; S3 needs
 from __future__ import annotations
 
 import builtins
+import itertools
 import logging
 import os
 import re
@@ -22,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -258,22 +260,16 @@ class ObstoreStore(ObjectStore):
         version = head.meta.get("e_tag")
         if size == 0 or version is None:
             # Nothing to range over, or no ETag to pin the range to: read it whole.
-            return self._changed_whole(path, length, etag)
+            return super().get_tail(path, length, etag)
         bounded: dict[str, Any] = {"range": (max(0, size - length), size), "if_match": version}
         try:
             result = obstore.get(self._store, path, options=cast("Any", bounded))
         except obx.PreconditionError:
-            return self._changed_whole(path, length, etag)
+            return super().get_tail(path, length, etag)
         except _STORE_ERRORS as err:
             self._translate(path, err)
         data = self._call(path, lambda: bytes(result.bytes()))
         return GetResult(data=data, etag=self._token(result.meta))
-
-    def _changed_whole(self, path: str, length: int, etag: str | None) -> GetResult | None:
-        got = self.get_if_changed(path, etag)
-        if got is None:
-            return None
-        return GetResult(data=got.data[-length:], etag=got.etag)
 
     def head(self, path: str) -> ObjectInfo:
         meta = self._call(path, lambda: obstore.head(self._store, path))
@@ -352,7 +348,8 @@ class ObstoreStore(ObjectStore):
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         failures: builtins.list[DeleteFailure] = []
-        for chunk in _chunks(paths, _DELETE_CHUNK):
+        source = iter(paths)
+        while chunk := builtins.list(itertools.islice(source, _DELETE_CHUNK)):
             try:
                 obstore.delete(self._store, chunk)
             except _STORE_ERRORS as err:
@@ -384,17 +381,14 @@ class ObstoreStore(ObjectStore):
             return [f for f in pool.map(one, paths) if f is not None]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild,
-            (
-                self._store,
-                self.url,
-                self._backend,
-                self._credential_source,
-                self._hint,
-                self._parts,
-            ),
+        rebuild = partial(
+            ObstoreStore,
+            backend=self._backend,
+            credential_source=self._credential_source,
+            credential_hint=self._hint,
+            credential_parts=self._parts,
         )
+        return (rebuild, (self._store, self.url))
 
     # -- tokens and errors -----------------------------------------------------------------
 
@@ -506,19 +500,6 @@ def _answer(err: BaseException) -> tuple[str, str]:
     return (status.group(1) if status else "", code.group(1) if code else "")
 
 
-def _rebuild(
-    store: Any, url: str, backend: str, credential_source: str, hint: str, parts: dict[str, str]
-) -> ObstoreStore:
-    return ObstoreStore(
-        store,
-        url,
-        backend=backend,
-        credential_source=credential_source,
-        credential_hint=hint,
-        credential_parts=parts,
-    )
-
-
 _MEMORY_STORES: dict[str, Any] = {}
 _MEMORY_LOCK = threading.Lock()
 
@@ -531,17 +512,6 @@ def _named_memory_store(name: str) -> Any:
         if store is None:
             store = _MEMORY_STORES[name] = MemoryStore()
         return store
-
-
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 def _first_line(err: BaseException) -> str:
