@@ -38,7 +38,7 @@ from millpond.formats.manifest import (
     resume_after,
 )
 from millpond.queue.cas import CasLoop, RawManifest
-from millpond.queue.fenced import FencedObject, Version, raw_bytes
+from millpond.queue.fenced import Version, fenced_manifest
 from millpond.queue.landed import Landings, LandingStatus, resolve_landing
 from millpond.queue.peek import Peek
 from millpond.storage.store import ObjectStore
@@ -194,22 +194,11 @@ class QueueProducer:
             StorageError: the retry budget ran out; whatever ``change`` raises, with nothing
                 written for that call.
         """
-        cas = self._cas
-        manifest = FencedObject(
-            cas.store,
-            cas.path,
-            decode=raw_bytes,
-            encode=raw_bytes,
-            check=check,
-            retry=cas.retry,
-            clock=cas.clock,
-            counters=cas.counters,
-            kind="manifest",
-        )
+        manifest = fenced_manifest(self._cas, check)
 
         def prepare(data: bytes | None) -> bytes | None:
             if data is None:
-                raise NotFoundError(f"{cas.path}: manifest not found")
+                raise NotFoundError(f"{self.path}: manifest not found")
             return change(data)
 
         known, self._cached = self._cached, None  # whatever happens, the next append may read

@@ -25,7 +25,7 @@ from millpond.formats.manifest import (
 )
 from millpond.queue.cas import CasLoop, ManifestSnapshot, RawManifest
 from millpond.queue.epoch_mark import is_replaced
-from millpond.queue.fenced import FencedObject, Version, raw_bytes
+from millpond.queue.fenced import Version, fenced_manifest
 from millpond.storage.store import ObjectStore
 
 __all__ = ["QueueConsumer"]
@@ -56,17 +56,7 @@ class QueueConsumer:
         # then is the manifest read). Only trusted while their ETag is the newest seen.
         self._raw: RawManifest | None = None
         self._confirmations = 0
-        self._manifest = FencedObject(
-            store,
-            manifest_path,
-            decode=raw_bytes,
-            encode=raw_bytes,
-            check=self._check_read,
-            retry=self._cas.retry,
-            clock=self._cas.clock,
-            counters=self._cas.counters,
-            kind="manifest",
-        )
+        self._manifest = fenced_manifest(self._cas, self._check_read)
 
     @property
     def epoch(self) -> int | None:

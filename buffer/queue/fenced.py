@@ -31,7 +31,7 @@ from millpond.errors import ConflictError, StorageError
 from millpond.queue.cas import CasLoop
 from millpond.storage.store import ObjectStore
 
-__all__ = ["FencedObject", "Updated", "Version", "raw_bytes"]
+__all__ = ["FencedObject", "Updated", "Version", "fenced_manifest", "raw_bytes"]
 
 T = TypeVar("T")
 
@@ -150,3 +150,19 @@ class FencedObject(Generic[T]):
 def raw_bytes(data: bytes) -> bytes:
     """``decode`` and ``encode`` of a :class:`FencedObject` kept as its bytes."""
     return data
+
+
+def fenced_manifest(cas: CasLoop, check: Callable[[bytes], None]) -> FencedObject[bytes]:
+    """The manifest ``cas`` writes as a :class:`FencedObject` of its bytes, with ``cas``'s
+    policy and counters (``manifest_reads``, ``manifest_writes``)."""
+    return FencedObject(
+        cas.store,
+        cas.path,
+        decode=raw_bytes,
+        encode=raw_bytes,
+        check=check,
+        retry=cas.retry,
+        clock=cas.clock,
+        counters=cas.counters,
+        kind="manifest",
+    )
