@@ -47,7 +47,6 @@ from millpond.common.ulids import ulid_time_ms
 from millpond.errors import ConfigError
 
 __all__ = [
-    "FAIRNESS_STRATEGIES",
     "STRATEGIES",
     "AgingPacer",
     "Backoff",
@@ -58,8 +57,6 @@ __all__ = [
 
 STRATEGIES = ("exponential", "aging")
 """Every value of :attr:`RetryPolicy.strategy`."""
-FAIRNESS_STRATEGIES = ("aging",)
-"""The strategies that pace contended compare-and-swap for fairness."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

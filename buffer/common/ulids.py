@@ -26,7 +26,6 @@ __all__ = [
 BATCH_SUFFIX = ".batch"
 _BATCH_NAME = re.compile(r"^([0-7][0-9A-HJKMNP-TV-Z]{25})\.batch$")
 _RANDOM_BITS = 80
-_RANDOM_MASK = (1 << _RANDOM_BITS) - 1
 
 
 class UlidMinter:
