@@ -18,7 +18,6 @@ from millpond.storage.store import (
     GetResult,
     ObjectInfo,
     ObjectStore,
-    s3_options_from_env,
 )
 
 __all__ = [
@@ -28,5 +27,4 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "open_store",
-    "s3_options_from_env",
 ]

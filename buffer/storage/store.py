@@ -13,13 +13,13 @@ from __future__ import annotations
 import builtins
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
 
 from millpond.errors import ConfigError
-from millpond.storage._backends import AWS_ENV, BACKENDS, check_bucket_name
+from millpond.storage._backends import BACKENDS, check_bucket_name
 
 __all__ = [
     "NETWORK_SCHEMES",
@@ -31,7 +31,6 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "check_store_url",
-    "s3_options_from_env",
 ]
 
 
@@ -271,20 +270,6 @@ class ForwardingStore(ObjectStore):
 
     def location(self) -> str:
         return self.inner.location()
-
-
-def s3_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """obstore S3 options from the standard AWS variables (``AWS_ENDPOINT_URL``, ...)."""
-    env = os.environ if environ is None else environ
-    options: dict[str, str] = {}
-    for variable, key in AWS_ENV.items():
-        value = env.get(variable)
-        if value and key not in options:
-            options[key] = value
-    endpoint = options.get("aws_endpoint", "")
-    if endpoint.startswith("http://"):
-        options.setdefault("aws_allow_http", "true")
-    return options
 
 
 STORE_URL_FORMS = (
