@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from millpond.common.metrics import LatencySummary
@@ -72,7 +72,6 @@ from millpond.wal.recovery import (
     file_name,
     fsync_dir,
     quarantine,
-    replace_ref,
     scan_directory,
 )
 
@@ -166,7 +165,7 @@ class Wal:
             placed = self._append_raw([(raw,) for _, raw in salvage], [s for s, _ in salvage])
             self._sync_locked()
             for (seq, _), ref in zip(salvage, placed, strict=True):
-                found[seq] = (replace_ref(found[seq][0], ref), None)
+                found[seq] = (found[seq][0]._replace(ref=ref), None)
         quarantined = [quarantine(path) for path in outcome.corrupt]
         # Files holding only released records (a crash before their deletion) go now, so
         # they do not count against wal_max_bytes until the next release.
@@ -237,11 +236,7 @@ class Wal:
         Raises:
             StorageError: the write failed.
         """
-        with self._lock:
-            self._check_open()
-            seq = self._next_seq
-            self._append_raw([(encode_bind(seq, body),)], [seq])
-            return seq
+        return self._append_one(lambda seq: encode_bind(seq, body))
 
     def append_drop(self, body: DropBody) -> int:
         """Append a DROP record; returns its sequence. Not durable until :meth:`sync`.
@@ -249,10 +244,13 @@ class Wal:
         Raises:
             StorageError: the write failed.
         """
+        return self._append_one(lambda seq: encode_drop(seq, body))
+
+    def _append_one(self, encode: Callable[[int], bytes]) -> int:
         with self._lock:
             self._check_open()
             seq = self._next_seq
-            self._append_raw([(encode_drop(seq, body),)], [seq])
+            self._append_raw([(encode(seq),)], [seq])
             return seq
 
     def sync(self) -> None:
@@ -427,8 +425,7 @@ class Wal:
             StorageError: the file cannot be read.
         """
         raw, head, name = self._read_record(ref)
-        views: list[memoryview] = decode_data_views(raw, 0, head, name=name)
-        return views
+        return decode_data_views(raw, 0, head, name=name)
 
     def _read_record(self, ref: WalRef) -> tuple[bytes, RecordHead, str]:
         path = self.directory / file_name(ref.file_no)

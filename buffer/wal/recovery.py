@@ -31,7 +31,7 @@ from millpond.formats.wal import (
     Sidecar,
     decode_sidecar,
 )
-from millpond.wal.scan import BadRegion, ScannedRecord, scan_file
+from millpond.wal.scan import LostRegion, ScannedRecord, scan_file
 
 __all__ = [
     "QUARANTINE_DIR",
@@ -45,7 +45,6 @@ __all__ = [
     "file_name",
     "fsync_dir",
     "quarantine",
-    "replace_ref",
     "scan_directory",
 ]
 
@@ -81,26 +80,6 @@ class WalRecord(NamedTuple):
     entry_bytes: int = 0
     bind: BindBody | None = None
     drop: DropBody | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LostRegion:
-    """Bytes of one file that held no verifiable record."""
-
-    file: str
-    start: int
-    end: int
-    after_seq: int | None
-    """The last good record before the damage, if known."""
-    before_seq: int | None
-    """The first good record after it, if known."""
-
-    @property
-    def lost_seqs(self) -> range | None:
-        """The record sequence numbers destroyed, when both neighbours are known."""
-        if self.after_seq is None or self.before_seq is None:
-            return None
-        return range(self.after_seq + 1, self.before_seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +263,7 @@ def _scan_mapped(
     damaged = scan.corrupt
     if damaged:
         outcome.corrupt.append(path)
-        outcome.lost.extend(_lost_region(path.name, r) for r in scan.bad_regions)
+        outcome.lost.extend(scan.bad_regions)
         if scan.header_problem and not scan.bad_regions:
             logger.warning("WAL %s: %s", path, scan.header_problem)
     index = FileIndex(file_no, path, scan.good_end if scan.torn_tail else len(raw))
@@ -352,24 +331,6 @@ def _to_wal_record(record: ScannedRecord, ref: WalRef) -> WalRecord:
             data.entry_bytes,
         )
     return WalRecord(record.seq, record.type, ref, bind=record.bind, drop=record.drop)
-
-
-def replace_ref(record: WalRecord, ref: WalRef) -> WalRecord:
-    return WalRecord(
-        record.seq,
-        record.type,
-        ref,
-        record.ingestion_time_ms,
-        record.metadata,
-        record.entry_count,
-        record.entry_bytes,
-        record.bind,
-        record.drop,
-    )
-
-
-def _lost_region(name: str, region: BadRegion) -> LostRegion:
-    return LostRegion(name, region.start, region.end, region.after_seq, region.before_seq)
 
 
 def _fill_unknown_neighbours(

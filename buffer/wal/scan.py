@@ -41,7 +41,7 @@ from millpond.formats.wal import (
     record_type_markers,
 )
 
-__all__ = ["BadRegion", "DataSummary", "FileScan", "ScannedRecord", "scan_file"]
+__all__ = ["DataSummary", "FileScan", "LostRegion", "ScannedRecord", "scan_file"]
 
 _MARKERS = record_type_markers()
 _TYPES = {int(t): t for t in RecordType}  # a dict lookup is cheaper than RecordType(n)
@@ -77,15 +77,23 @@ class ScannedRecord(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class BadRegion:
-    """Bytes that held no verifiable record, and the good records on either side."""
+class LostRegion:
+    """Bytes of one file that held no verifiable record."""
 
+    file: str
     start: int
     end: int
     after_seq: int | None
-    """Sequence of the last good record before the region (None: none in this file)."""
+    """The last good record before the damage, if known (a scan of one file: in that file)."""
     before_seq: int | None
-    """Sequence of the first good record after it (None: none in this file)."""
+    """The first good record after it, if known (a scan of one file: in that file)."""
+
+    @property
+    def lost_seqs(self) -> range | None:
+        """The record sequence numbers destroyed, when both neighbours are known."""
+        if self.after_seq is None or self.before_seq is None:
+            return None
+        return range(self.after_seq + 1, self.before_seq)
 
 
 @dataclass(slots=True)
@@ -95,7 +103,7 @@ class FileScan:
     file_no: int | None
     """From the header; None when the header is unreadable."""
     records: list[ScannedRecord] = field(default_factory=list)
-    bad_regions: list[BadRegion] = field(default_factory=list)
+    bad_regions: list[LostRegion] = field(default_factory=list)
     good_end: int = FILE_HEADER_SIZE
     """End of the last good record: where a torn tail is cut."""
     torn_tail: int = 0
@@ -188,11 +196,11 @@ def _scan_records(
             if newest and scan.header_problem is None:
                 scan.torn_tail = end - pos
             else:
-                scan.bad_regions.append(BadRegion(pos, end, last_good, None))
+                scan.bad_regions.append(LostRegion(name, pos, end, last_good, None))
             break
         next_record = _read_record(raw, resume, name)
         assert next_record is not None  # _resync verified it
-        scan.bad_regions.append(BadRegion(pos, resume, last_good, next_record.seq))
+        scan.bad_regions.append(LostRegion(name, pos, resume, last_good, next_record.seq))
         pos = resume
 
 
