@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Callable
+from functools import partial
 
 from millpond.cli.common import (
     add_metrics_arguments,
@@ -66,26 +66,17 @@ def run(args: argparse.Namespace) -> int:
     collector = GarbageCollector(config)
     if args.interval is None:  # one pass (a dry run too) on a mistyped root: say so, create nothing
         require_queue(collector.store, args.manifest_path)
-
-    def report(result: GcReport) -> None:
-        _print(args, result)
-
+    report = partial(_print, args)
     with serving_metrics(args, [metrics_collector(collector)]):
-        return _passes(args, collector, report)
-
-
-def _passes(
-    args: argparse.Namespace, collector: GarbageCollector, report: Callable[[GcReport], None]
-) -> int:
-    if args.interval is None:
-        report(collector.run_once())
-        return 0
-    stop = threading.Event()
-    try:
-        with stop_on_signals(stop):
-            collector.run_forever(stop, on_report=report)
-    finally:
-        collector.close()
+        if args.interval is None:
+            report(collector.run_once())
+            return 0
+        stop = threading.Event()
+        try:
+            with stop_on_signals(stop):
+                collector.run_forever(stop, on_report=report)
+        finally:
+            collector.close()
     return 0
 
 
