@@ -332,7 +332,7 @@ def find_locations(
     """
     return {
         location: sequence
-        for sequence, location in _locations(raw, from_sequence, resume)
+        for sequence, location in iter_locations(raw, from_sequence, resume=resume)
         if location in locations
     }
 
@@ -346,13 +346,19 @@ def locations_from(raw: bytes, from_sequence: int, *, resume: Resume | None = No
     Raises:
         FormatError: the entry framing is inconsistent.
     """
-    return [location for _sequence, location in _locations(raw, from_sequence, resume)]
+    return [location for _sequence, location in iter_locations(raw, from_sequence, resume=resume)]
 
 
-def _locations(
-    raw: bytes, from_sequence: int, resume: Resume | None = None
+def iter_locations(
+    raw: bytes, from_sequence: int = 0, *, resume: Resume | None = None
 ) -> Iterator[tuple[int, str]]:
-    """``(sequence, location)`` of each entry at ``sequence >= from_sequence``."""
+    """``(sequence, location)`` of each entry at ``sequence >= from_sequence``, one at a time
+    (only the location field is decoded; nothing is kept). ``resume`` as in
+    :func:`find_locations`.
+
+    Raises:
+        FormatError: the footer or the entry framing is invalid (while iterating).
+    """
     footer = decode_footer(raw)
     view = memoryview(raw)
     if resume is not None and resume.next_sequence > from_sequence:
@@ -602,13 +608,3 @@ def view_manifest(raw: bytes, *, name: str = "manifest") -> ManifestView:
     offsets = array("Q", (start for start, _end, _seq in _contiguous_spans(raw, footer, name)))
     offsets.append(len(raw) - FOOTER_SIZE)
     return ManifestView(raw, footer, offsets, name)
-
-
-def iter_locations(raw: bytes, from_sequence: int = 0) -> Iterator[tuple[int, str]]:
-    """``(sequence, location)`` of each entry at ``sequence >= from_sequence``, one at a time
-    (only the location field is decoded; nothing is kept).
-
-    Raises:
-        FormatError: the footer or the entry framing is invalid (while iterating).
-    """
-    return _locations(raw, from_sequence)
