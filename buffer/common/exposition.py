@@ -317,17 +317,13 @@ class MetricsCollector:
             values = [*self._const.values(), *(given.get(label, "") for label in spec.labels)]
             value = sample.value
             if isinstance(value, HistogramSnapshot):
-                buckets = [(_le(bound), float(n)) for bound, n in value.buckets]
+                buckets = [(repr(float(bound)), float(n)) for bound, n in value.buckets]
                 buckets.append(("+Inf", float(value.count)))
                 family.add_metric(values, buckets, value.total)
             else:
                 family.add_metric(values, float(value))
         result: PrometheusMetric = family
         return result
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 class MetricsServer:
