@@ -41,7 +41,7 @@ from millpond.queue.cas import CasLoop, RawManifest
 from millpond.queue.fenced import Version, fenced_manifest
 from millpond.queue.landed import Landings, LandingStatus, resolve_landing
 from millpond.queue.peek import Peek
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = ["QueueProducer"]
 
@@ -105,10 +105,8 @@ class QueueProducer:
         """One read of the manifest (none: empty) to look in for appends in doubt; ``recovered``:
         a run that died may have a write in flight on it, landing at its next sequence. Raises
         ``FormatError`` (a corrupt manifest) or ``StorageError`` (the read failed)."""
-        try:
-            found = Landings(self._cas.store.get(self.path).data, self.path)
-        except NotFoundError:
-            found = Landings(empty_manifest(), self.path)
+        got = get_or_none(self._cas.store, self.path)
+        found = Landings(empty_manifest() if got is None else got.data, self.path)
         if recovered:
             self.in_doubt_from(found.next_sequence)
         return found

@@ -20,7 +20,6 @@ from millpond.common.metrics import Counters
 from millpond.common.retry import Backoff, RetryPolicy
 from millpond.errors import (
     ConflictError,
-    NotFoundError,
     StorageError,
 )
 from millpond.formats.manifest import (
@@ -29,7 +28,7 @@ from millpond.formats.manifest import (
     decode_manifest,
 )
 from millpond.queue.landed import Landings
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = ["Appender", "CasLoop", "ManifestSnapshot", "RawManifest", "read_manifest"]
 
@@ -119,11 +118,8 @@ class CasLoop:
 
     def read(self) -> RawManifest | None:
         self.counters.add(f"{self._kind}_reads")
-        try:
-            got = self.store.get(self.path)
-        except NotFoundError:
-            return None
-        return RawManifest(got.data, got.etag)
+        got = get_or_none(self.store, self.path)
+        return None if got is None else RawManifest(got.data, got.etag)
 
     def write(self, current: Tagged | None, data: bytes) -> str | None:
         """One CAS attempt over ``current`` (``None``: there is no object). Raises

@@ -32,8 +32,8 @@ import logging
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from millpond.errors import ConfigError, ConflictError, FormatError, NotFoundError
-from millpond.storage.store import ObjectStore
+from millpond.errors import ConfigError, ConflictError, FormatError
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = [
     "CLAIM_NAME",
@@ -253,7 +253,7 @@ def open_claim(
             store.put_if_absent(path, create.encode())
         except ConflictError:
             # Another role claimed it first (or our own earlier attempt landed): read it.
-            claim = _read(store, path)
+            claim = _read(store, path) or create
         else:
             # Created, so ours is the claim: no need to read it back.
             logger.info(
@@ -263,19 +263,14 @@ def open_claim(
                 create.gc_grace_period,
             )
             claim = create
-        if claim is None:
-            claim = create
     if claim is not None:
         claim.check_manifest(manifest_path, store_url=store.url, data_path_prefix=data_path_prefix)
     return claim
 
 
 def _read(store: ObjectStore, path: str) -> QueueClaim | None:
-    try:
-        got = store.get(path)
-    except NotFoundError:
-        return None
-    return QueueClaim.decode(got.data, name=f"{store.url}/{path}")
+    got = get_or_none(store, path)
+    return None if got is None else QueueClaim.decode(got.data, name=f"{store.url}/{path}")
 
 
 def _clean(path: str) -> str:

@@ -30,13 +30,12 @@ from millpond.errors import (
     FencedError,
     FormatError,
     InvalidInputError,
-    NotFoundError,
     StorageError,
     StoreAccessError,
 )
 from millpond.queue.claim import internal_path
 from millpond.queue.fenced import FencedObject
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = [
     "EPOCH_MARK_NAME",
@@ -69,11 +68,8 @@ def read_epoch_mark(store: ObjectStore, data_path_prefix: str) -> int | None:
         StorageError: the store failed.
     """
     path = epoch_mark_path(data_path_prefix)
-    try:
-        data = store.get(path).data
-    except NotFoundError:
-        return None
-    return _decode(data, f"{store.url}/{path}")
+    got = get_or_none(store, path)
+    return None if got is None else _decode(got.data, f"{store.url}/{path}")
 
 
 def _decode(data: bytes, where: str) -> int:

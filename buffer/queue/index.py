@@ -75,7 +75,7 @@ from millpond.formats.manifest import (
 )
 from millpond.queue.claim import internal_path
 from millpond.queue.fenced import FencedObject, Version
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = [
     "NO_BATCH_TIME",
@@ -313,11 +313,8 @@ def read_head(store: ObjectStore, data_path_prefix: str) -> IndexHead | None:
         StorageError: the store failed.
     """
     path = head_path(data_path_prefix)
-    try:
-        got = store.get(path)
-    except NotFoundError:
-        return None
-    return decode_head(got.data, name=f"{store.url}/{path}")
+    got = get_or_none(store, path)
+    return None if got is None else decode_head(got.data, name=f"{store.url}/{path}")
 
 
 def read_indexed(
@@ -331,11 +328,9 @@ def read_indexed(
     """
     path = head_path(data_path_prefix)
     for _ in range(_READ_ATTEMPTS):
-        try:
-            got = store.get(path)
-        except NotFoundError:
+        head = read_head(store, data_path_prefix)
+        if head is None:
             return None, []
-        head = decode_head(got.data, name=f"{store.url}/{path}")
         try:
             return head, _load(store, head)
         except NotFoundError:

@@ -19,7 +19,7 @@ from millpond.common.ulids import parse_batch_name, ulid_time_ms, ulid_time_pref
 from millpond.errors import NotFoundError, StorageError
 from millpond.formats.manifest import ManifestEntry, ManifestView, Metadata, view_manifest
 from millpond.queue.index import IndexHead, decode_head, head_path, queue_extent, read_segment
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = [
     "EntryReader",
@@ -109,12 +109,8 @@ def look_at_queue(store: ObjectStore, manifest_path: str, data_path_prefix: str)
     got = store.get(manifest_path)
     manifest = view_manifest(got.data, name=manifest_path)
     path = head_path(data_path_prefix)
-    try:
-        read = store.get(path)
-    except NotFoundError:
-        head, head_etag = None, None
-    else:
-        head, head_etag = decode_head(read.data, name=f"{store.url}/{path}"), read.etag
+    read = get_or_none(store, path)
+    head = None if read is None else decode_head(read.data, name=f"{store.url}/{path}")
     first, next_sequence = queue_extent(manifest, head)
     return QueueLook(
         manifest=manifest,
@@ -122,7 +118,7 @@ def look_at_queue(store: ObjectStore, manifest_path: str, data_path_prefix: str)
         first=first,
         next_sequence=next_sequence,
         manifest_etag=got.etag,
-        head_etag=head_etag,
+        head_etag=None if read is None else read.etag,
     )
 
 

@@ -30,10 +30,10 @@ from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.retry import RetryPolicy
-from millpond.errors import FencedError, FormatError, NotFoundError
+from millpond.errors import FencedError, FormatError
 from millpond.queue.claim import internal_path
 from millpond.queue.fenced import FencedObject
-from millpond.storage.store import ObjectStore
+from millpond.storage.store import ObjectStore, get_or_none
 
 __all__ = [
     "CONSUMER_STATES",
@@ -143,11 +143,8 @@ def read_written(store: ObjectStore, data_path_prefix: str) -> WrittenMark | Non
         StorageError: the store failed.
     """
     path = written_path(data_path_prefix)
-    try:
-        got = store.get(path)
-    except NotFoundError:
-        return None
-    return WrittenMark.from_json(got.data, name=path)
+    got = get_or_none(store, path)
+    return None if got is None else WrittenMark.from_json(got.data, name=path)
 
 
 def written_object(

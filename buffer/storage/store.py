@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from urllib.parse import urlsplit
 
-from millpond.errors import ConfigError
+from millpond.errors import ConfigError, NotFoundError
 from millpond.storage._backends import BACKENDS, check_bucket_name
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "check_store_url",
+    "get_or_none",
 ]
 
 
@@ -218,6 +219,18 @@ class ObjectStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def get_or_none(store: ObjectStore, path: str) -> GetResult | None:
+    """``store.get(path)``, or ``None`` when there is no object at ``path``.
+
+    Raises:
+        StorageError: the store failed.
+    """
+    try:
+        return store.get(path)
+    except NotFoundError:
+        return None
 
 
 class ForwardingStore(ObjectStore):
