@@ -44,7 +44,7 @@ from millpond.errors import (
 )
 from millpond.storage.store import DeleteFailure, GetResult, ObjectInfo, ObjectStore
 
-__all__ = ["FileStore"]
+__all__ = ["FileStore", "fsync_dir", "write_all"]
 
 # Lock and temp files start with a dot and are never listed as objects.
 _HIDDEN = "."
@@ -125,7 +125,7 @@ class FileStore(ObjectStore):
             stat = target.stat()
         except FileNotFoundError as err:
             raise NotFoundError(f"{path}: not found") from err
-        return ObjectInfo(path=path, size=stat.st_size, last_modified=_mtime(stat.st_mtime))
+        return _info(path, stat)
 
     def put(self, path: str, data: bytes) -> str | None:
         target = self._path(path)
@@ -166,12 +166,7 @@ class FileStore(ObjectStore):
                     stat = full.stat()
                 except FileNotFoundError:
                     continue  # deleted while we listed
-                relative = full.relative_to(self._root).as_posix()
-                found.append(
-                    ObjectInfo(
-                        path=relative, size=stat.st_size, last_modified=_mtime(stat.st_mtime)
-                    )
-                )
+                found.append(_info(full.relative_to(self._root).as_posix(), stat))
         return found
 
     def list_range(
@@ -200,9 +195,7 @@ class FileStore(ObjectStore):
                 stat = os.stat(base / name)
             except FileNotFoundError:
                 continue  # deleted while we listed
-            yield ObjectInfo(
-                path=lead + name, size=stat.st_size, last_modified=_mtime(stat.st_mtime)
-            )
+            yield _info(lead + name, stat)
 
     def delete_many(self, paths: Iterable[str]) -> builtins.list[DeleteFailure]:
         failures: builtins.list[DeleteFailure] = []
@@ -220,7 +213,7 @@ class FileStore(ObjectStore):
             except (OSError, ConfigError) as err:
                 failures.append(DeleteFailure(path=path, reason=str(err)))
         for directory in touched:
-            _fsync_dir(directory)
+            fsync_dir(directory)
         return failures
 
     @contextlib.contextmanager
@@ -300,10 +293,7 @@ class FileStore(ObjectStore):
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
+                write_all(fd, data)
                 _record_etag(fd, etag)
                 # The data must be on disk before the rename publishes it.
                 os.fsync(fd)
@@ -316,7 +306,7 @@ class FileStore(ObjectStore):
             raise StorageError(f"{target}: write failed: {err}") from err
         # fsync the directory too, or the rename can be lost on power failure.
         try:
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
         except OSError as err:
             raise CommitStateUnknownError(f"{target}: directory fsync failed: {err}") from err
         return etag
@@ -374,11 +364,21 @@ def _pread_all(fd: int, length: int, offset: int, path: str) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _mtime(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=UTC)
+def _info(path: str, stat: os.stat_result) -> ObjectInfo:
+    mtime = datetime.fromtimestamp(stat.st_mtime, tz=UTC)
+    return ObjectInfo(path=path, size=stat.st_size, last_modified=mtime)
 
 
-def _fsync_dir(directory: Path) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte of ``data`` is written."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory: a rename or delete in it is not durable until then."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -62,6 +62,7 @@ from millpond.formats.wal import (
     encode_file_header,
     encode_sidecar,
 )
+from millpond.storage.file_store import fsync_dir, write_all
 from millpond.wal.recovery import (
     SIDECAR_NAME,
     FileIndex,
@@ -70,7 +71,6 @@ from millpond.wal.recovery import (
     WalRecord,
     WalRef,
     file_name,
-    fsync_dir,
     quarantine,
     scan_directory,
 )
@@ -341,7 +341,7 @@ class Wal:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         header = encode_file_header(FileHeader(file_no=file_no))
         try:
-            _write_all(fd, header)
+            write_all(fd, header)
             _fdatasync(fd)
         except OSError:
             os.close(fd)
@@ -533,16 +533,9 @@ def _write_parts(fd: int, parts: list[bytes], total: int) -> None:
         expected = sum(map(len, chunk))
         done = os.writev(fd, chunk)
         if done != expected:
-            _write_all(fd, b"".join(chunk)[done:])
+            write_all(fd, b"".join(chunk)[done:])
         written += expected
     assert written == total
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 def _replace_file(directory: Path, name: str, data: bytes) -> None:
@@ -550,7 +543,7 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
     temp = directory / f"{name}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -7,7 +7,7 @@ record, and collects mid-file corruption. :class:`~millpond.wal.Wal` then copies
 files still hold into a fresh file and moves them into ``quarantine/`` (:func:`quarantine`).
 
 Also here: the types replay hands out (:class:`WalRef`, :class:`WalRecord`), the report
-(:class:`RecoveryReport`, :class:`LostRegion`), and the naming and fsync helpers the WAL shares.
+(:class:`RecoveryReport`, :class:`LostRegion`), and the file naming the WAL shares.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from millpond.formats.wal import (
     Sidecar,
     decode_sidecar,
 )
+from millpond.storage.file_store import fsync_dir
 from millpond.wal.scan import LostRegion, ScannedRecord, scan_file
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "WalRecord",
     "WalRef",
     "file_name",
-    "fsync_dir",
     "quarantine",
     "scan_directory",
 ]
@@ -357,14 +357,6 @@ def _truncate(path: Path, size: int) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
         os.fsync(fd)
     finally:
         os.close(fd)
