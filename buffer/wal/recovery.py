@@ -320,16 +320,8 @@ def _read_sidecar(path: Path) -> tuple[Sidecar | None, str | None]:
 
 def _to_wal_record(record: ScannedRecord, ref: WalRef) -> WalRecord:
     if record.data is not None:
-        data = record.data
-        return WalRecord(
-            record.seq,
-            record.type,
-            ref,
-            data.ingestion_time_ms,
-            data.metadata,
-            data.entry_count,
-            data.entry_bytes,
-        )
+        # DataSummary's fields are WalRecord's from ingestion_time_ms on, in the same order.
+        return WalRecord(record.seq, record.type, ref, *record.data)
     return WalRecord(record.seq, record.type, ref, bind=record.bind, drop=record.drop)
 
 
