@@ -30,7 +30,7 @@ from millpond.formats.manifest import (
 from millpond.queue.landed import Landings
 from millpond.storage.store import ObjectStore, get_or_none
 
-__all__ = ["Appender", "CasLoop", "ManifestSnapshot", "RawManifest", "read_manifest"]
+__all__ = ["Appender", "CasLoop", "ManifestSnapshot", "RawManifest", "Tagged", "read_manifest"]
 
 logger = logging.getLogger(__name__)
 

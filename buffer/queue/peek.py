@@ -36,21 +36,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from millpond.errors import ConflictError, StorageError
+from millpond.queue.cas import Tagged
 
 __all__ = ["Peek"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Tagged(Protocol):
-    @property
-    def etag(self) -> str | None: ...
-
-
-_T = TypeVar("_T", bound=_Tagged)
+_T = TypeVar("_T", bound=Tagged)
 _R = TypeVar("_R")
 
 _MIN_WAIT = 0.05  # seconds
