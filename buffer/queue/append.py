@@ -492,7 +492,8 @@ class _Append:
         writer, cas, current = self.writer, self.cas, self.current
         base = current.data if current is not None else empty_manifest()
         data, sequences = append_entries(base, [self.entries[i] for i in self.todo])
-        _check_deadline(cas, self.deadline)
+        if self.deadline is not None and cas.clock.monotonic() >= self.deadline:
+            raise StorageError(f"{cas.path}: append deadline passed before the write")
         peek = writer._peek(current)  # None without a current state carrying an ETag
         read_etag = current.etag if current is not None else None
         try:
@@ -580,12 +581,6 @@ def _oldest(locations: Iterable[str]) -> str | None:
         if (ulid := parse_batch_name(location.rsplit("/", 1)[-1])) is not None
     ]
     return min(ulids) if ulids else None
-
-
-def _check_deadline(cas: CasLoop, deadline: float | None) -> None:
-    """Raise ``StorageError`` once ``deadline`` (on the queue's clock) has passed."""
-    if deadline is not None and cas.clock.monotonic() >= deadline:
-        raise StorageError(f"{cas.path}: append deadline passed before the write")
 
 
 def _filled(result: list[int | None]) -> list[int]:
