@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from millpond.errors import FormatError, InvalidInputError
 
@@ -232,10 +232,8 @@ def append_entries(raw: bytes, entries: Sequence[PendingEntry]) -> tuple[bytes, 
     first = footer.next_sequence
     _check_range("next_sequence", first + len(entries), 0, _U64_MAX)
     encoded = [encode_entry(first + i, entry) for i, entry in enumerate(entries)]
-    new_footer = Footer(
-        entry_count=footer.entry_count + len(entries),
-        next_sequence=first + len(entries),
-        epoch=footer.epoch,
+    new_footer = replace(
+        footer, entry_count=footer.entry_count + len(entries), next_sequence=first + len(entries)
     )
     _check_range("entry_count", new_footer.entry_count, 0, _U32_MAX)
     body = memoryview(raw)[: len(raw) - FOOTER_SIZE]
@@ -250,10 +248,7 @@ def with_epoch(raw: bytes, epoch: int) -> bytes:
     """
     footer = decode_footer(raw)
     _check_range("epoch", epoch, 0, _U64_MAX)
-    new_footer = Footer(
-        entry_count=footer.entry_count, next_sequence=footer.next_sequence, epoch=epoch
-    )
-    return raw[: len(raw) - FOOTER_SIZE] + new_footer.encode()
+    return raw[: len(raw) - FOOTER_SIZE] + replace(footer, epoch=epoch).encode()
 
 
 def remove_through(raw: bytes, through: int) -> tuple[bytes, int]:
@@ -275,11 +270,7 @@ def remove_through(raw: bytes, through: int) -> tuple[bytes, int]:
         removed += 1
     if removed == 0:
         return raw, 0
-    new_footer = Footer(
-        entry_count=footer.entry_count - removed,
-        next_sequence=footer.next_sequence,
-        epoch=footer.epoch,
-    )
+    new_footer = replace(footer, entry_count=footer.entry_count - removed)
     return raw[cut : len(raw) - FOOTER_SIZE] + new_footer.encode(), removed
 
 
