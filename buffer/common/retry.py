@@ -323,9 +323,9 @@ class _AgingBackoff(Backoff):
     """Lost races wait less the longer the loop has waited; store failures back off."""
 
     def __init__(self, pacer: AgingPacer, *, cached: bool) -> None:
-        super().__init__(pacer.policy, pacer.clock)
+        super().__init__(pacer._policy, pacer._clock)
         self._pacer = pacer
-        self.started = pacer.clock.monotonic()
+        self.started = self._clock.monotonic()
         self.attempt_started = self.started
         self.attempt_requests = 1 if cached else 2
 
@@ -396,14 +396,6 @@ class AgingPacer(Pacer):
         self._last_win = float("-inf")
         self._last_loss = float("-inf")
         self._at_once = 0  # turns taken at once since the last lost race or yield
-
-    @property
-    def policy(self) -> RetryPolicy:
-        return self._policy
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
 
     def take_turn(self) -> bool:
         now = self._clock.monotonic()
