@@ -12,7 +12,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Self
 
 from millpond.common.clock import Clock, SystemClock
@@ -172,10 +171,5 @@ class GarbageCollector:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
