@@ -152,11 +152,9 @@ class QueueConsumer:
             raise MillpondError("consumer is not initialized: call initialize() first")
         got = self._cas.store.get_tail(self._cas.path, FOOTER_SIZE, self._fence_etag)
         self._cas.counters.add("fence_checks")
-        if got is None:
-            self._confirmations += 1
-            return
-        self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
-        self._fence_etag = got.etag
+        if got is not None:  # None: unchanged since this consumer last saw its epoch there
+            self._check_epoch(decode_tail(got.data, name=self._cas.path).epoch)
+            self._fence_etag = got.etag
         self._confirmations += 1
 
     def read(self, *, reuse: bool = False) -> ManifestSnapshot:
