@@ -497,8 +497,6 @@ class _Pass:
         """
         if self.dry_run:
             return list(paths), []
-        if not paths:
-            return [], []
         window = (
             claim.delete_window if claim is not None else default_delete_window(self.grace_period)
         )
