@@ -236,7 +236,7 @@ class Committer:
                 batch.state is not BatchState.UPLOADED
                 or len(group) == _MAX_GROUP
                 or batch.settle_until is not None
-                or self._needs_refresh(batch)
+                or self._stale_by(batch, self._clock.monotonic())
                 or (
                     uploaded_since is not None
                     and (batch.uploaded_at is None or batch.uploaded_at < uploaded_since)
@@ -265,10 +265,6 @@ class Committer:
             return [batch.pending_entry() for batch in taken]
 
         return more
-
-    def _needs_refresh(self, batch: Batch) -> bool:
-        """Whether the batch's object may be too old to be safe from GC until its append."""
-        return self._stale_by(batch, self._clock.monotonic())
 
     def _stale_by(self, batch: Batch, moment: float) -> bool:
         """Whether the batch's object may have been written more than ``reupload_after``
@@ -406,7 +402,7 @@ class Committer:
         """
         for batch in group:
             for written_back in range(_WRITE_BACKS + 1):
-                if self._present(batch.location):
+                if self._retrying(f"HEAD {batch.location}", partial(self._head, batch.location)):
                     break
                 if written_back == _WRITE_BACKS or not batch.complete:
                     logger.error(
@@ -426,16 +422,6 @@ class Committer:
                     f"PUT {batch.location}", partial(self._store.put, batch.location, payload)
                 )
                 self._clock.sleep(self._session.delete_window)
-
-    def _present(self, location: str) -> bool:
-        def head() -> bool:
-            try:
-                self._store.head(location)
-            except NotFoundError:
-                return False
-            return True
-
-        return self._retrying(f"HEAD {location}", head)
 
     def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """``call()``, retried on store errors for as long as it fails (the data is kept)."""
@@ -502,11 +488,16 @@ class Committer:
     def _look(self, batch: Batch) -> bool | StorageError:
         """Whether the batch's object is there (the store's error when it did not answer)."""
         try:
-            self._store.head(batch.location)
-        except NotFoundError:
-            return False
+            return self._head(batch.location)
         except StorageError as err:
             return err
+
+    def _head(self, location: str) -> bool:
+        """Whether the object is there (``StorageError`` when the store did not answer)."""
+        try:
+            self._store.head(location)
+        except NotFoundError:
+            return False
         return True
 
     def _verify(self, batches: list[Batch]) -> None:
