@@ -73,6 +73,8 @@ _WRITE_BACKS = 3
 _T = TypeVar("_T")
 _I = TypeVar("_I")
 _IN_FLIGHT = (BatchState.BINDING, BatchState.SEALED, BatchState.UPLOADING)
+_Work = tuple[Callable[[list[Batch]], None], list[Batch]]
+"""What the committer does next (verify, confirm or append) and the batches it does it to."""
 
 
 class Committer:
@@ -102,19 +104,11 @@ class Committer:
         # The queue's claim and timing contract come first: staleness is measured against
         # them, and a queue that refuses this producer must stop it before anything moves.
         self._session.ensure()
-        while True:
-            work = self._next_work()
-            if work is None:
-                return
-            kind, batches = work
-            if kind == "verify":
-                self._verify(batches)
-            elif kind == "confirm":
-                self._confirm(batches)
-            else:
-                self._append(batches)
+        while (work := self._next_work()) is not None:
+            do, batches = work
+            do(batches)
 
-    def _next_work(self) -> tuple[str, list[Batch]] | None:
+    def _next_work(self) -> _Work | None:
         state = self._state
         with state.cond:
             while True:
@@ -126,7 +120,7 @@ class Committer:
                         group = list(
                             takewhile(lambda b: b.state is BatchState.UNCERTAIN, state.batches)
                         )
-                        return "verify", group + state.unsettled
+                        return self._verify, group + state.unsettled
                     if head.state is BatchState.UPLOADED:
                         work = self._uploaded_head(head)
                         if isinstance(work, tuple):
@@ -135,10 +129,10 @@ class Committer:
                             state.wait(state.committer_wake, work)
                         continue
                 if state.unsettled:
-                    return "verify", list(state.unsettled)
+                    return self._verify, list(state.unsettled)
                 state.committer_wake.wait()
 
-    def _uploaded_head(self, head: Batch) -> tuple[str, list[Batch]] | float:
+    def _uploaded_head(self, head: Batch) -> _Work | float:
         """What to do about an uploaded head of the line: work, or seconds to wait first
         (0: look again at once). Holds ``state.cond``."""
         now = self._clock.monotonic()
@@ -154,10 +148,10 @@ class Committer:
             if late:
                 self._refresh(late)
             wait = self._settle_wait(head, now)
-            return ("confirm", self._settled(now)) if wait <= 0 else wait
+            return (self._confirm, self._settled(now)) if wait <= 0 else wait
         linger = self._linger(head)
         # More uploads may land meanwhile and share this append's CAS.
-        return ("append", self._append_group()) if linger <= 0 else linger
+        return (self._append, self._append_group()) if linger <= 0 else linger
 
     def _linger(self, head: Batch) -> float:
         """Seconds to hold the uploaded head back so more batches share its CAS (0: now).
