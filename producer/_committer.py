@@ -47,7 +47,6 @@ from millpond.common.clock import Clock
 from millpond.common.retry import Backoff
 from millpond.common.tasks import BackgroundTask
 from millpond.errors import (
-    BackpressureError,
     CommitStateUnknownError,
     NotFoundError,
     StorageError,
@@ -383,8 +382,7 @@ class Committer:
         with state.cond:
             state.counters.add("manifest_appends")
             for batch, sequence in zip(group, sequences, strict=True):
-                state.batches.remove(batch)
-                self._settle_committed(batch, sequence)
+                self._settle_landed(batch, sequence)
         self._release()
 
     def _write_back(self, group: list[Batch]) -> None:
@@ -434,8 +432,7 @@ class Committer:
             rest: list[Batch] = []
             for batch, sequence in zip(group, known, strict=True):
                 if sequence is not None:
-                    state.batches.remove(batch)
-                    self._settle_committed(batch, sequence)
+                    self._settle_landed(batch, sequence)
                 else:
                     rest.append(batch)
             self._mark_uncertain(rest, err.maybe_landed_from or 0)
@@ -522,6 +519,7 @@ class Committer:
         self._release()
 
     def _settle_landed(self, batch: Batch, sequence: int) -> None:
+        """Settle a batch the manifest holds at ``sequence`` (holding ``state.cond``)."""
         state = self._state
         if batch.dropped:
             state.unsettled.remove(batch)
@@ -529,7 +527,9 @@ class Committer:
         else:
             state.batches.remove(batch)
         batch.append_group = None
-        self._settle_committed(batch, sequence)
+        state.counters.add("batches_committed")
+        state.counters.add("entries_committed", batch.entry_count)
+        state.settle_durable(batch, sequence)
 
     def _not_landed(self, batch: Batch, status: LandingStatus) -> None:
         state = self._state
@@ -537,7 +537,15 @@ class Committer:
         batch.append_from = 0
         if batch.dropped:
             state.unsettled.remove(batch)
-            self._count_unsettled_drop(batch, status)
+            logger.warning(
+                "drop_oldest: batch %s (%s entries) was dropped and is not in the manifest%s",
+                batch.location,
+                batch.entry_count,
+                " (it may have been appended and consumed)"
+                if status is LandingStatus.UNKNOWN
+                else "",
+            )
+            state.fail_dropped(batch.records, batches=1)
         elif batch.uploaded_at is not None:
             batch.state = BatchState.UPLOADED  # the committer refreshes it if it waited long
         else:
@@ -554,32 +562,6 @@ class Committer:
                 state.upload_queue.append(batch)
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _settle_committed(self, batch: Batch, sequence: int) -> None:
-        state = self._state
-        state.counters.add("batches_committed")
-        state.counters.add("entries_committed", batch.entry_count)
-        state.settle_durable(batch, sequence, batch.location)
-
-    def _count_unsettled_drop(self, batch: Batch, status: LandingStatus) -> None:
-        state = self._state
-        entries = batch.entry_count
-        state.counters.add("batches_dropped")
-        state.counters.add("records_dropped", len(batch.records))
-        state.counters.add("entries_dropped", entries)
-        logger.warning(
-            "drop_oldest: batch %s (%s entries) was dropped and is not in the manifest%s",
-            batch.location,
-            entries,
-            " (it may have been appended and consumed)" if status is LandingStatus.UNKNOWN else "",
-        )
-        state.settle_failed(
-            batch.records,
-            BackpressureError(
-                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
-                "before these entries were published"
-            ),
-        )
 
     def _release(self) -> None:
         """Have the WAL releaser free what is settled (:mod:`millpond.producer._releaser`)."""

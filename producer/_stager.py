@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from millpond.errors import BackpressureError, ClosedError
+from millpond.errors import ClosedError
 from millpond.formats.wal import DropBody
 from millpond.producer._state import (
     Batch,
@@ -327,19 +327,9 @@ class WalWriter:
 
     def _count_drop(self, records: list[Staged], *, batches: int) -> None:
         state = self._state
-        entries = sum(r.entry_count for r in records)
-        state.counters.add("batches_dropped", batches)
-        state.counters.add("records_dropped", len(records))
-        state.counters.add("entries_dropped", entries)
         logger.warning(
             "drop_oldest: the WAL is full; dropped %s entries of %s produce() calls",
-            entries,
+            sum(r.entry_count for r in records),
             len(records),
         )
-        state.settle_failed(
-            records,
-            BackpressureError(
-                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
-                "before these entries were published"
-            ),
-        )
+        state.fail_dropped(records, batches=batches)

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from millpond.common.clock import Clock, SystemClock
 from millpond.common.metrics import Counters, LatencySummary
+from millpond.errors import BackpressureError
 from millpond.formats.manifest import Metadata, PendingEntry
 from millpond.producer.handle import WriteHandle
 from millpond.wal import WalRef
@@ -342,10 +343,10 @@ class State:
             self._resolved_ahead.add(ordinal)
         self.cond.notify_all()
 
-    def settle_durable(self, batch: Batch, sequence: int, location: str) -> None:
+    def settle_durable(self, batch: Batch, sequence: int) -> None:
         for record in batch.records:
             if record.handle is not None:
-                record.handle._set_durable(location, sequence)
+                record.handle._set_durable(batch.location, sequence)
             self.release_memory(record)
             self.resolve(record.ordinal)
 
@@ -355,6 +356,19 @@ class State:
                 record.handle._set_failed(error)
             self.release_memory(record)
             self.resolve(record.ordinal)
+
+    def fail_dropped(self, records: list[Staged], *, batches: int) -> None:
+        """Count calls ``drop_oldest`` dropped (in ``batches`` batches) and fail them."""
+        self.counters.add("batches_dropped", batches)
+        self.counters.add("records_dropped", len(records))
+        self.counters.add("entries_dropped", sum(r.entry_count for r in records))
+        self.settle_failed(
+            records,
+            BackpressureError(
+                "dropped by size_cap_policy='drop_oldest': the WAL reached wal_max_bytes "
+                "before these entries were published"
+            ),
+        )
 
     def release_memory(self, record: Staged) -> None:
         if record.entries is not None:
