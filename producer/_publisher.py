@@ -46,8 +46,6 @@ __all__ = ["Sealer", "Uploader", "fail_fatal", "named_at", "pause"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_GROUP = 256  # batches per manifest append
-
 
 class _Binder:
     """Mints a ULID and writes the binding to the WAL. The uploader makes it durable before

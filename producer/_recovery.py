@@ -37,10 +37,6 @@ class RecoveredBatch:
     """Whether every record the BIND counted survived: only then may the same location be
     written again (its object, if it landed, holds exactly these records)."""
 
-    @property
-    def locations(self) -> list[str]:
-        return [*self.prior_locations, self.location]
-
 
 @dataclass(slots=True)
 class RecoveredState:

@@ -51,11 +51,6 @@ class QueueSession:
         """Seconds an uploaded batch may wait for its append before it is written again."""
         self.delete_window = 0.0
         """Seconds to wait after writing an object again before appending it."""
-        self.clock_offset_ms: float | None = None
-
-    @property
-    def open(self) -> bool:
-        return self.claim is not None
 
     def try_open(self, store_time: StoreTime | None = None) -> bool:
         """One attempt; ``False`` when the store did not answer (try again later).
@@ -86,7 +81,7 @@ class QueueSession:
             ConfigError, FormatError: as :meth:`try_open`.
         """
         backoff = self._config.retry.start(self._clock)
-        while not self.open:
+        while self.claim is None:
             try:
                 self._open_once()
             except StorageError as err:
@@ -140,5 +135,4 @@ class QueueSession:
             )
         self.reupload_after = reupload
         self.delete_window = claim.delete_window
-        self.clock_offset_ms = probe.offset_ms
         self.claim = claim

@@ -207,10 +207,6 @@ class Batch:
         return sum(r.entry_count for r in self.records)
 
     @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
-
-    @property
     def locations(self) -> list[str]:
         return [*self.prior_locations, self.location]
 
