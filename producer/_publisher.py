@@ -47,25 +47,6 @@ __all__ = ["Sealer", "Uploader", "fail_fatal", "named_at", "pause"]
 logger = logging.getLogger(__name__)
 
 
-class _Binder:
-    """Mints a ULID and writes the binding to the WAL. The uploader makes it durable before
-    the PUT."""
-
-    def __init__(self, wal: Wal, config: ProducerConfig, minter: UlidMinter) -> None:
-        self._wal = wal
-        self._config = config
-        self._minter = minter
-
-    def bind(self, batch: Batch) -> tuple[str, int]:
-        ulid = self._minter.mint()
-        location = batch_location(self._config.data_path_prefix, ulid)
-        body = BindBody(batch.first_seq, batch.last_seq, len(batch.records), location)
-        # Not synced here: the uploader syncs before its PUT (see Uploader.run), so sealing
-        # never waits behind a large data sync.
-        self._wal.append_bind(body)
-        return location, ulid_time_ms(ulid)
-
-
 def encode_records(wal: Wal, config: ProducerConfig, records: list[Staged]) -> bytes:
     """The v1 batch of ``records``; entries no longer held in memory are read from the WAL."""
     entries: list[bytes | memoryview] = []
@@ -93,10 +74,10 @@ def fail_fatal(state: State, who: str) -> Callable[[BaseException], None]:
 class Sealer:
     """The body of the ``millpond-sealer`` thread."""
 
-    def __init__(self, state: State, wal: Wal, config: ProducerConfig, binder: _Binder) -> None:
+    def __init__(self, state: State, wal: Wal, config: ProducerConfig, minter: UlidMinter) -> None:
         self._state = state
         self._config = config
-        self._binder = binder
+        self._minter = minter
         # Every uploader busy plus two batches encoded and ready: an uploader that finishes a
         # PUT starts the next one at once (double buffering), and memory stays bounded.
         self._max_inflight = config.upload_concurrency + 2
@@ -107,7 +88,7 @@ class Sealer:
             batch = self._next_batch()
             if batch is None:
                 return
-            location, minted_ms = self._binder.bind(batch)
+            location, minted_ms = self._bind(batch)
             # Encoded here, off the uploaders' path, so a PUT follows a PUT without a gap.
             try:
                 payload = encode_records(self._wal, self._config, batch.records)
@@ -128,6 +109,16 @@ class Sealer:
                 state.upload_queue.append(batch)
                 state.counters.add("batches_sealed")
                 state.upload_wake.notify()
+
+    def _bind(self, batch: Batch) -> tuple[str, int]:
+        """Mint the batch's ULID and write its BIND record; its location and ULID time."""
+        ulid = self._minter.mint()
+        location = batch_location(self._config.data_path_prefix, ulid)
+        body = BindBody(batch.first_seq, batch.last_seq, len(batch.records), location)
+        # Not synced here: the uploader syncs before its PUT (see Uploader.run), so sealing
+        # never waits behind a large data sync.
+        self._wal.append_bind(body)
+        return location, ulid_time_ms(ulid)
 
     def _next_batch(self) -> Batch | None:
         state = self._state

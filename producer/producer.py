@@ -41,7 +41,7 @@ from millpond.formats.routing import with_table
 from millpond.formats.wal import MAX_ENTRY_LEN, data_record_size
 from millpond.producer._committer import Committer
 from millpond.producer._metrics import producer_collector, producer_samples
-from millpond.producer._publisher import Sealer, Uploader, _Binder, fail_fatal
+from millpond.producer._publisher import Sealer, Uploader, fail_fatal
 from millpond.producer._recovery import fold_records
 from millpond.producer._releaser import Releaser
 from millpond.producer._session import QueueSession
@@ -174,14 +174,13 @@ class Producer:
         """Start the background threads (module docstring); the committer appends through
         ``queue``."""
         config, state, wal = self._config, self._state, self._wal
-        binder = _Binder(wal, config, UlidMinter(config.clock))
         writer = WalWriter(state, wal, config)
         committer = Committer(state, wal, config, self._store, queue, self._session, self._clock)
         bodies: list[tuple[str, Any, str | None]] = [
             # The WAL writer and syncer fail the calls they hold themselves (_stager).
             ("millpond-wal-writer", writer.run, None),
             ("millpond-wal-syncer", writer.run_syncer, None),
-            ("millpond-sealer", Sealer(state, wal, config, binder).run, "sealer"),
+            ("millpond-sealer", Sealer(state, wal, config, UlidMinter(config.clock)).run, "sealer"),
             ("millpond-committer", committer.run, "committer"),
             ("millpond-wal-releaser", self._releaser.run, "WAL releaser"),
         ]
