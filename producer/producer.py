@@ -115,7 +115,6 @@ class Producer:
         self._wal = Wal.open(
             config.wal_dir, rotate_bytes=config.rotate_bytes, fsync_latency=state.fsync_latency
         )
-        self._closed = False
         self._close_report: CloseReport | None = None
         self._registered: tuple[CollectorRegistry, MetricsCollector] | None = None
         self._handle_lock = threading.Lock()  # shared by this producer's handles
@@ -207,17 +206,11 @@ class Producer:
         folded = fold_records(wal.records)
         state = self._state
         now = state.clock.monotonic()
-        entries = 0
-        records = 0
 
         def staged(record: WalRecord) -> Staged:
-            nonlocal entries, records
-            ordinal = state.next_ordinal
             state.next_ordinal += 1
-            entries += record.entry_count
-            records += 1
             return Staged(
-                ordinal=ordinal,
+                ordinal=state.next_ordinal - 1,
                 seq=record.seq,
                 ref=record.ref,
                 ingestion_time_ms=record.ingestion_time_ms,
@@ -247,6 +240,9 @@ class Producer:
                 item = staged(record)
                 state.pending.append(item)
                 state.pending_bytes += item.nbytes
+            replayed = state.staged_only()
+        records = len(replayed)
+        entries = sum(r.entry_count for r in replayed)
         state.counters.add("records_recovered", records)
         state.counters.add("entries_recovered", entries)
         if records:
@@ -337,14 +333,10 @@ class Producer:
                 Input(ordinal, items, meta, ingestion_time_ms, nbytes, record_size, handle)
             )
             state.writer_wake.notify()
-        self._count_call(len(items), nbytes)
+        state.counters.add("produce_calls")
+        state.counters.add("entries_produced", len(items))
+        state.counters.add("bytes_produced", nbytes)
         return handle
-
-    def _count_call(self, entries: int, nbytes: int) -> None:
-        counters = self._state.counters
-        counters.add("produce_calls")
-        counters.add("entries_produced", entries)
-        counters.add("bytes_produced", nbytes)
 
     def produce_arrow(
         self,
@@ -434,7 +426,6 @@ class Producer:
             self._coordinated.close()
         report = dataclasses.replace(self._settle_leftovers(), waiting_for=waiting_for)
         self._wal.close()
-        self._closed = True
         self._close_report = report
         if self._registered is not None:
             registry, collector = self._registered
@@ -551,7 +542,7 @@ class Producer:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "open" if self._close_report is None else "closed"
         return f"Producer({self._store.url!r}, wal_dir={str(self._wal.directory)!r}, {state})"
 
     # -- internals ------------------------------------------------------------------------
@@ -587,11 +578,10 @@ class Producer:
                 f"entries: expected at most {MAX_RECORD_BYTES} entries, found {len(items)}"
             )
         # Sizes first, copies after: an oversized entry is rejected without touching its bytes.
+        sizes: list[int] | None = None
         if all(type(item) is bytes for item in items):  # the common case, checked in C
             sizes = list(map(len, items))
-            if max(sizes) > MAX_RECORD_BYTES:
-                sizes = [_byte_size(f"entries[{i}]", item) for i, item in enumerate(items)]
-        else:
+        if sizes is None or max(sizes) > MAX_RECORD_BYTES:
             sizes = [_byte_size(f"entries[{i}]", item) for i, item in enumerate(items)]
         meta_size = _byte_size("metadata", metadata)
         if table is not None:  # a millpond.table line in front of the application's metadata
