@@ -9,7 +9,6 @@ unit (``"0.1"``, ``"100ms"``, ``"5s"``, ``"2m"``), sizes as bytes or with a unit
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from millpond.common.clock import Clock, SystemClock
+from millpond.common.durations import check_duration
 from millpond.common.retry import RetryPolicy
 from millpond.coordinator.wire import parse_coordinator_urls
 from millpond.errors import ConfigError, InvalidInputError
@@ -127,7 +127,7 @@ class ProducerConfig(QueueLocation):
         QueueLocation.__post_init__(self)
         if not str(self.wal_dir):
             raise ConfigError("wal_dir", "expected a directory path, found ''")
-        _check_positive_float("flush_interval", self.flush_interval)
+        check_duration("flush_interval", self.flush_interval, allow_zero=False)
         _check_int("flush_size_bytes", self.flush_size_bytes, 1)
         _check_int("max_buffered_inputs", self.max_buffered_inputs, 1)
         try:
@@ -139,7 +139,7 @@ class ProducerConfig(QueueLocation):
             ) from err
         object.__setattr__(self, "batch_compression", compression)
         _check_choice("wal_sync", self.wal_sync, _WAL_SYNC)
-        _check_positive_float("wal_sync_interval", self.wal_sync_interval)
+        check_duration("wal_sync_interval", self.wal_sync_interval, allow_zero=False)
         _check_int("wal_max_bytes", self.wal_max_bytes, 64 * 1024)
         rotate = self.wal_rotate_bytes
         if rotate is None:
@@ -157,7 +157,7 @@ class ProducerConfig(QueueLocation):
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError("retry", f"expected a RetryPolicy, found {type(self.retry).__name__}")
         if self.reupload_after is not None:
-            _check_positive_float("reupload_after", self.reupload_after)
+            check_duration("reupload_after", self.reupload_after, allow_zero=False)
         interval = self.commit_interval
         if not (isinstance(interval, (int, float)) and 0 <= interval < 3600):
             raise ConfigError(
@@ -299,10 +299,6 @@ def _parse_int(text: str) -> int:
         raise ValueError(f"expected an integer, found {text!r}") from None
 
 
-def _parse_str(text: str) -> str:
-    return text
-
-
 def _parse_lower(text: str) -> str:
     return text.strip().lower()
 
@@ -323,10 +319,10 @@ def parse_bool(text: str) -> bool:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "store": _parse_str,
-    "wal_dir": _parse_str,
-    "data_path_prefix": _parse_str,
-    "manifest_path": _parse_str,
+    "store": str,
+    "wal_dir": str,
+    "data_path_prefix": str,
+    "manifest_path": str,
     "flush_interval": parse_duration,
     "flush_size_bytes": parse_size,
     "max_buffered_inputs": _parse_int,
@@ -339,7 +335,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upload_concurrency": _parse_int,
     "reupload_after": parse_duration,
     "commit_interval": parse_duration,
-    "coordinator": _parse_str,
+    "coordinator": str,
     "host_coordinator": parse_bool,
 }
 _RETRY_PARSERS: dict[str, Callable[[str], Any]] = {
@@ -359,13 +355,6 @@ def _parse(key: str, value: str, parser: Callable[[str], Any]) -> Any:
 
 
 # -- checks ---------------------------------------------------------------------------------
-
-
-def _check_positive_float(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(key, f"expected seconds as a number, found {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(key, f"expected > 0 seconds, found {value}")
 
 
 def _check_int(key: str, value: object, low: int) -> None:
