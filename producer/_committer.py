@@ -102,7 +102,8 @@ class Committer:
     def run(self) -> None:
         # The queue's claim and timing contract come first: staleness is measured against
         # them, and a queue that refuses this producer must stop it before anything moves.
-        self._session.ensure()
+        if self._session.claim is None:
+            self._retrying(f"opening queue {self._config.manifest_path}", self._session.open)
         while (work := self._next_work()) is not None:
             do, batches = work
             do(batches)

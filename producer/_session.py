@@ -52,49 +52,30 @@ class QueueSession:
         self.delete_window = 0.0
         """Seconds to wait after writing an object again before appending it."""
 
-    def try_open(self, store_time: StoreTime | None = None) -> bool:
-        """One attempt; ``False`` when the store did not answer (try again later).
-
-        Args:
-            store_time: the store's clock, measured just now by the caller (the start-up
-                check); ``None`` probes it.
-
-        Raises:
-            ConfigError: the queue refuses this producer (named).
-            FormatError: the claim object is corrupt.
-        """
+    def try_open(self, store_time: StoreTime | None = None) -> None:
+        """:meth:`open`, logging a store that did not answer (the committer opens it before
+        the first append, waiting the store out)."""
         try:
-            self._open_once(store_time)
+            self.open(store_time)
         except StorageError as err:
             logger.info(
                 "queue %s not reachable yet (%s); checking again before publishing",
                 self._config.manifest_path,
                 err,
             )
-            return False
-        return True
 
-    def ensure(self) -> None:
-        """Open, retrying with backoff for as long as the store is unreachable.
+    def open(self, store_time: StoreTime | None = None) -> None:
+        """One attempt to read (or create) the claim and take the timing contract.
+
+        Args:
+            store_time: the store's clock, measured just now by the caller (the start-up
+                check); ``None`` probes it.
 
         Raises:
-            ConfigError, FormatError: as :meth:`try_open`.
+            StorageError: the store did not answer (try again later).
+            ConfigError: the queue refuses this producer (named).
+            FormatError: the claim object is corrupt.
         """
-        backoff = self._config.retry.start(self._clock)
-        while self.claim is None:
-            try:
-                self._open_once()
-            except StorageError as err:
-                if not backoff.sleep():
-                    logger.warning(
-                        "queue %s still unreachable (%s); staged data is kept and retried",
-                        self._config.manifest_path,
-                        err,
-                    )
-                    backoff = self._config.retry.start(self._clock)
-                    backoff.sleep()
-
-    def _open_once(self, store_time: StoreTime | None = None) -> None:
         config = self._config
         store = self._store
         prefix = config.data_path_prefix
