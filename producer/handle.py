@@ -78,8 +78,6 @@ class WriteHandle:
                 first); the exception says why. ``ClosedError`` also when called in a process
                 forked from the producer's.
         """
-        if self._process is not None:
-            self._process.check()
         if not self._reach(_STAGED, timeout):
             raise TimeoutError(f"entries not staged within {timeout} s")
         if not self._staged_ok and self._error is not None:
@@ -106,8 +104,6 @@ class WriteHandle:
             MillpondError: a permanent failure (corrupt manifest, bad configuration); as
                 above, what was staged stays in the WAL for the next producer.
         """
-        if self._process is not None:
-            self._process.check()
         if not self._reach(_DURABLE, timeout):
             raise TimeoutError(f"entries not durable within {timeout} s")
         if self._error is not None:
@@ -136,8 +132,6 @@ class WriteHandle:
             MillpondError: as :meth:`wait`, when the entries never reached the queue.
         """
         started = time.monotonic()
-        if self._process is not None:
-            self._process.check()
         if self._watch is None:
             raise InvalidInputError("wait_written(): this handle belongs to no producer")
         if not self._reach(_DURABLE, timeout):
@@ -184,6 +178,10 @@ class WriteHandle:
         return f"WriteHandle({self.entry_count} entries, {state})"
 
     def _reach(self, milestone: int, timeout: float | None) -> bool:
+        """Wait for ``milestone``; False on timeout. In a process forked from the producer's,
+        where no thread settles the handle, ``ClosedError`` instead."""
+        if self._process is not None:
+            self._process.check()
         if self._progress >= milestone:
             return True
         with self._lock:
