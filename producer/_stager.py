@@ -72,7 +72,11 @@ class WalWriter:
                     break
                 needed = sum(i.record_size for i in group)
                 if not self._make_room(needed):
-                    self._fail_unstaged(group)
+                    error = ClosedError(
+                        "producer closed while the WAL was full; these entries were never staged"
+                    )
+                    with state.cond:
+                        self._fail_group(group, self._floor, error)
                     group = None
                     continue
                 placed = self._wal.append_data(
@@ -115,7 +119,9 @@ class WalWriter:
                     self._sync()
                 elif self._config.wal_sync == "interval":
                     self._dirty = self._dirty or bool(written)
-                    self._sync_if_due()
+                    elapsed = state.clock.monotonic() - self._last_sync
+                    if self._dirty and elapsed >= self._config.wal_sync_interval:
+                        self._sync()
                 if written:
                     self._stage(written)
                 written = None
@@ -218,18 +224,6 @@ class WalWriter:
         self._dirty = False
         self._last_sync = self._state.clock.monotonic()
         self._state.counters.add("wal_syncs")
-
-    def _sync_if_due(self) -> None:
-        due = self._state.clock.monotonic() - self._last_sync >= self._config.wal_sync_interval
-        if self._dirty and due:
-            self._sync()
-
-    def _fail_unstaged(self, group: list[Input]) -> None:
-        error = ClosedError(
-            "producer closed while the WAL was full; these entries were never staged"
-        )
-        with self._state.cond:
-            self._fail_group(group, self._floor, error)
 
     def _fail_group(
         self, group: list[Input], floor: int, error: BaseException, *, staged: bool = False
