@@ -150,8 +150,9 @@ class Committer:
             wait = self._settle_wait(head, now)
             return (self._confirm, self._settled(now)) if wait <= 0 else wait
         linger = self._linger(head)
-        # More uploads may land meanwhile and share this append's CAS.
-        return (self._append, self._append_group()) if linger <= 0 else linger
+        if linger > 0:
+            return linger  # more uploads may land meanwhile and share this append's CAS
+        return self._append, self._extend_group([], self._state.batches)
 
     def _linger(self, head: Batch) -> float:
         """Seconds to hold the uploaded head back so more batches share its CAS (0: now).
@@ -209,11 +210,6 @@ class Committer:
             for batch in state.batches
         )
 
-    def _append_group(self) -> list[Batch]:
-        group: list[Batch] = []
-        self._extend_group(group, self._state.batches)
-        return group
-
     def _extend_group(
         self,
         group: list[Batch],
@@ -224,7 +220,7 @@ class Committer:
         """Take the uploaded batches of ``candidates`` into ``group`` until one is not ready
         (or, with ``uploaded_since``, was uploaded before it); returns those taken (holding
         ``state.cond``)."""
-        taken: list[Batch] = []
+        start = len(group)
         for batch in candidates:
             if (
                 batch.state is not BatchState.UPLOADED
@@ -239,8 +235,7 @@ class Committer:
                 break
             batch.state = BatchState.APPENDING
             group.append(batch)
-            taken.append(batch)
-        return taken
+        return group[start:]
 
     def _more(self, group: list[Batch], oldest: float) -> Callable[[], list[PendingEntry]]:
         """What a lost race adds to the append: the batches uploaded meanwhile right behind
