@@ -22,6 +22,7 @@ ambiguous append and a long wait are recovered without ever changing it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -179,13 +180,8 @@ class Sealer:
         """Whether calls accepted but not yet staged would fill the pending batch."""
         state = self._state
         missing = self._config.flush_size_bytes - state.pending_bytes - state.staging_bytes
-        if missing <= 0:
-            return True
-        for item in state.inbox:
-            missing -= item.nbytes
-            if missing <= 0:
-                return True
-        return False
+        inbox = itertools.accumulate((item.nbytes for item in state.inbox), initial=0)
+        return any(nbytes >= missing for nbytes in inbox)
 
 
 class Uploader:
@@ -253,9 +249,7 @@ class Uploader:
                     batch.overwrite = False
                     batch.settle_until = landed_at + self._session.delete_window
                 batch.state = BatchState.UPLOADED
-                batch.payload = None
-                for record in records:
-                    state.release_memory(record)
+                batch.payload = None  # its records hold no entries since sealing (or replay)
                 state.committer_wake.notify()
                 state.sealer_wake.notify()  # one fewer batch in flight
 
