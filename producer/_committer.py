@@ -184,7 +184,7 @@ class Committer:
         linger = 0.0
         if self._config.commit_interval > 0:
             linger = self._last_append + self._config.commit_interval - now
-        if self._uploads_in_flight() and not self._config.coordinator:
+        if any(b.state in _IN_FLIGHT for b in state.batches) and not self._config.coordinator:
             linger = max(linger, ready_at + self._config.flush_interval - now)
         return linger
 
@@ -192,9 +192,6 @@ class Committer:
         """Uploaded batches at the head of the line (what one append would take)."""
         ready = takewhile(lambda b: b.state is BatchState.UPLOADED, self._state.batches)
         return sum(1 for _ in ready)
-
-    def _uploads_in_flight(self) -> bool:
-        return any(batch.state in _IN_FLIGHT for batch in self._state.batches)
 
     def _flush_uploads_pending(self) -> bool:
         """Whether some of what ``flush()`` waits for is not uploaded yet (staged, pending,

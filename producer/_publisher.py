@@ -54,8 +54,7 @@ def encode_records(wal: Wal, config: ProducerConfig, records: list[Staged]) -> b
     for record in records:
         held = record.entries
         entries.extend(held if held is not None else wal.read_entries(record.ref))
-    payload: bytes = encode_batch(entries, config.compression)
-    return payload
+    return encode_batch(entries, config.compression)
 
 
 def fail_fatal(state: State, who: str) -> Callable[[BaseException], None]:

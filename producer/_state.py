@@ -283,10 +283,10 @@ class State:
         """Groups in the WAL but not yet synced and staged (the syncer takes them)."""
         self.writer_done = False
         self.writer_waiting_for_space = False
-        self.staging_bytes = 0
-        """Bytes of the calls the WAL writer took from the inbox and has not staged yet."""
         """The WAL writer waits for a release (``wal_max_bytes``): the sealer must not wait for
         more staged data to fill a batch."""
+        self.staging_bytes = 0
+        """Bytes of the calls the WAL writer took from the inbox and has not staged yet."""
         self.unstaged_floors: list[int] = []
         """For each group taken from the inbox and not yet staged, the lowest sequence its
         records can have: a release must not pass them before they are in ``pending``."""
