@@ -84,10 +84,7 @@ class Sealer:
         self._wal = wal
 
     def run(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
+        while (batch := self._next_batch()) is not None:
             location, minted_ms = self._bind(batch)
             # Encoded here, off the uploaders' path, so a PUT follows a PUT without a gap.
             try:
@@ -265,9 +262,7 @@ class Uploader:
         backoff = self._config.retry.start(clock)
         started = clock.monotonic()
         existed = False
-        while True:
-            if batch.dropped:
-                return None
+        while not batch.dropped:
             try:
                 if overwrite:
                     self._store.put(location, payload)
@@ -283,6 +278,7 @@ class Uploader:
             state.counters.add("bytes_uploaded", len(payload))
             uploaded_at = min(started, named_at(batch, clock)) if existed else started
             return uploaded_at, clock.monotonic()
+        return None
 
     def _existing(self, batch: Batch, location: str) -> bytes | None:
         """The object's bytes if it is there (read with retries), else ``None``."""

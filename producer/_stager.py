@@ -66,10 +66,7 @@ class WalWriter:
         # calls are in neither place, and only this thread can fail them.
         group: list[Input] | None = None
         try:
-            while True:
-                group = self._take_group()
-                if group is None:
-                    break
+            while (group := self._take_group()) is not None:
                 needed = sum(i.record_size for i in group)
                 if not self._make_room(needed):
                     error = ClosedError(
@@ -111,10 +108,7 @@ class WalWriter:
         # Groups taken from ``state.written`` and not yet staged: as in :meth:`run`.
         written: list[Written] | None = None
         try:
-            while True:
-                written = self._take_written()
-                if written is None:
-                    break
+            while (written := self._take_written()) is not None:
                 if self._config.wal_sync == "always":
                     self._sync()
                 elif self._config.wal_sync == "interval":
