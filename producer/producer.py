@@ -333,10 +333,14 @@ class Producer:
                 Input(ordinal, items, meta, ingestion_time_ms, nbytes, record_size, handle)
             )
             state.writer_wake.notify()
-        state.counters.add("produce_calls")
-        state.counters.add("entries_produced", len(items))
-        state.counters.add("bytes_produced", nbytes)
+        self._count_call(len(items), nbytes)
         return handle
+
+    def _count_call(self, entries: int, nbytes: int) -> None:
+        counters = self._state.counters
+        counters.add("produce_calls")
+        counters.add("entries_produced", entries)
+        counters.add("bytes_produced", nbytes)
 
     def produce_arrow(
         self,
