@@ -1,6 +1,6 @@
 """Publishing staged data: seal batches and upload them (the committer appends them).
 
-Three kinds of thread share :class:`~millpond.producer._state.State`:
+Four kinds of thread share :class:`~millpond.producer._state.State`:
 
 * the **sealer** (``millpond-sealer``) cuts pending records into a batch when they exceed
   ``flush_size_bytes``, when the oldest waited ``flush_interval``, or on ``flush()``; it mints
