@@ -24,11 +24,11 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from types import TracebackType
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from millpond.localstack._process import (
     LOOPBACK,
+    Closing,
     LocalServiceError,
     close_at_exit,
     forget_at_exit,
@@ -49,7 +49,7 @@ _PORT_TAKEN = ("address already in use", "eaddrinuse")
 _PORT_TAKEN_TAIL_LINES = 200
 
 
-class ChildProcess(ABC):
+class ChildProcess(Closing, ABC):
     """One server process listening on 127.0.0.1, in its own process group."""
 
     name: ClassVar[str] = "server"
@@ -70,8 +70,6 @@ class ChildProcess(ABC):
         self._binary = binary
         self._ports: dict[str, int] = {}
         self._process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None
-        """How long the last :meth:`start` took, until the server was ready for use."""
 
     @property
     def port(self) -> int:
@@ -154,30 +152,14 @@ class ChildProcess(ABC):
                 if fixed_ports or not taken or attempt == _BIND_RETRIES:
                     raise
                 logger.info("%s: a port was taken meanwhile; retrying with new ports", self.name)
-        self.startup_seconds = time.monotonic() - began
         logger.info(
             "%s (pid %s) on %s:%s, ready in %.1f s",
             self.name,
             self.pid,
             LOOPBACK,
             self.port,
-            self.startup_seconds,
+            time.monotonic() - began,
         )
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = f"pid {self.pid}" if self.running else "stopped"
-        return f"{type(self).__name__}(port={self.port}, {state})"
 
     @property
     def _log_file(self) -> Path:
@@ -240,11 +222,6 @@ class ChildServer(ChildProcess):
     def root(self) -> Path:
         """The directory holding ``data/`` and the log."""
         return self._root
-
-    @property
-    def log_path(self) -> Path:
-        """The server's combined stdout/stderr log."""
-        return self._log_file
 
     @property
     def _workdir(self) -> Path:

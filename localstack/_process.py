@@ -17,10 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 
 __all__ = [
     "LOOPBACK",
+    "Closing",
     "LocalServiceError",
     "close_at_exit",
     "forget_at_exit",
@@ -41,6 +42,19 @@ _T = TypeVar("_T")
 
 class LocalServiceError(RuntimeError):
     """A local service (S3 server, PostgreSQL) failed to start, answer or stop."""
+
+
+class Closing:
+    """``with``-block use: leaving the block calls :meth:`close`."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def free_ports(count: int) -> list[int]:

@@ -44,11 +44,16 @@ import threading
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from millpond.localstack._process import LOOPBACK, LocalServiceError, close_at_exit, forget_at_exit
+from millpond.localstack._process import (
+    LOOPBACK,
+    Closing,
+    LocalServiceError,
+    close_at_exit,
+    forget_at_exit,
+)
 from millpond.localstack.s3 import S3Endpoint
 
 __all__ = ["DelayModel", "LatencyProxy", "ProxyStats", "start_latency_proxy"]
@@ -122,7 +127,7 @@ class _Pair:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
-class LatencyProxy:
+class LatencyProxy(Closing):
     """A latency-injecting HTTP proxy on 127.0.0.1 in front of one object store.
 
     Use :func:`start_latency_proxy` rather than constructing one directly. Thread-safe: every
@@ -337,17 +342,6 @@ class LatencyProxy:
         self._thread = None
         self._loop = None
         forget_at_exit(self)
-
-    def __enter__(self) -> LatencyProxy:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         where = f"{LOOPBACK}:{self._port}" if self._port else "not started"
