@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Self, TypeVar
@@ -23,6 +24,7 @@ __all__ = [
     "LOOPBACK",
     "Closing",
     "LocalServiceError",
+    "StoreEndpoint",
     "close_at_exit",
     "forget_at_exit",
     "free_ports",
@@ -55,6 +57,29 @@ class Closing:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class StoreEndpoint(ABC):
+    """The store URLs of an endpoint's bucket or container (S3, Azure and GCS endpoints)."""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The bucket or container as a store URL."""
+
+    def url_for(self, root: str) -> str:
+        """Return the store URL of a root (object name prefix) in the bucket or container.
+
+        Args:
+            root: prefix such as ``t-1234``; leading and trailing slashes are dropped.
+
+        Returns:
+            ``{url}/{root}``, e.g. ``s3://{bucket}/{root}``.
+        """
+        root = root.strip("/")
+        return f"{self.url}/{root}" if root else self.url
 
 
 def free_ports(count: int) -> list[int]:

@@ -27,7 +27,7 @@ from email.utils import formatdate
 from pathlib import Path
 
 from millpond.localstack._child import ChildServer, start_or_close
-from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
+from millpond.localstack._process import LOOPBACK, LocalServiceError, StoreEndpoint, wait_for
 
 __all__ = [
     "AZURITE_ACCOUNT",
@@ -51,7 +51,7 @@ _BINARY_ENV = "MILLPOND_AZURITE_BLOB"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AzureEndpoint:
+class AzureEndpoint(StoreEndpoint):
     """An Azure Blob endpoint, a container on it and the Shared Key to sign with."""
 
     endpoint: str
@@ -67,18 +67,6 @@ class AzureEndpoint:
         """The container as a store URL, ``az://{container}``."""
         return f"az://{self.container}"
 
-    def url_for(self, root: str) -> str:
-        """Return the store URL of a root (blob name prefix) in the container.
-
-        Args:
-            root: prefix such as ``t-1234``; leading and trailing slashes are dropped.
-
-        Returns:
-            ``az://{container}/{root}``.
-        """
-        root = root.strip("/")
-        return f"{self.url}/{root}" if root else self.url
-
     def store_options(self) -> dict[str, str]:
         """Return obstore Azure options for this endpoint.
 
@@ -93,17 +81,14 @@ class AzureEndpoint:
         }
 
     def env(self) -> dict[str, str]:
-        """Return the standard environment variables for this endpoint (for child processes).
+        """Return the standard environment variables for this endpoint (for child processes):
+        :meth:`store_options` in upper case.
 
         Returns:
             ``AZURE_STORAGE_ACCOUNT_NAME``, ``AZURE_STORAGE_ACCOUNT_KEY`` and
             ``AZURE_STORAGE_ENDPOINT``.
         """
-        return {
-            "AZURE_STORAGE_ACCOUNT_NAME": self.account_name,
-            "AZURE_STORAGE_ACCOUNT_KEY": self.account_key,
-            "AZURE_STORAGE_ENDPOINT": self.endpoint,
-        }
+        return {key.upper(): value for key, value in self.store_options().items()}
 
     def emulator_env(self) -> dict[str, str]:
         """Return the emulator switch obstore knows: the well-known account at this URL.

@@ -39,7 +39,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from millpond.localstack._child import ChildServer, start_or_close
-from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
+from millpond.localstack._process import LOOPBACK, LocalServiceError, StoreEndpoint, wait_for
 
 __all__ = ["FakeGcs", "GcsEndpoint", "find_fake_gcs_binary", "start_fake_gcs"]
 
@@ -59,7 +59,7 @@ _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GcsEndpoint:
+class GcsEndpoint(StoreEndpoint):
     """A GCS endpoint (the XML/JSON API base URL) and a bucket on it; no credentials needed."""
 
     endpoint: str
@@ -74,23 +74,11 @@ class GcsEndpoint:
         """The bucket as a store URL, ``gs://{bucket}``."""
         return f"gs://{self.bucket}"
 
-    def url_for(self, root: str) -> str:
-        """Return the store URL of a root (object name prefix) in the bucket.
-
-        Args:
-            root: prefix such as ``t-1234``; leading and trailing slashes are dropped.
-
-        Returns:
-            ``gs://{bucket}/{root}``.
-        """
-        root = root.strip("/")
-        return f"{self.url}/{root}" if root else self.url
-
-    def service_account_key(self, base_url: str | None = None) -> str:
+    def service_account_key(self) -> str:
         """A service-account key for an emulator: its base URL, and no OAuth."""
         return json.dumps(
             {
-                "gcs_base_url": base_url or self.endpoint,
+                "gcs_base_url": self.endpoint,
                 "disable_oauth": True,
                 "client_email": "",
                 "private_key": "",
@@ -111,15 +99,13 @@ class GcsEndpoint:
         }
 
     def env(self) -> dict[str, str]:
-        """Return the standard environment variables for this endpoint (for child processes).
+        """Return the standard environment variables for this endpoint (for child processes):
+        :meth:`store_options` in upper case.
 
         Returns:
             ``GOOGLE_SERVICE_ACCOUNT_KEY`` and ``GOOGLE_BASE_URL``.
         """
-        return {
-            "GOOGLE_SERVICE_ACCOUNT_KEY": self.service_account_key(),
-            "GOOGLE_BASE_URL": self.endpoint,
-        }
+        return {key.upper(): value for key, value in self.store_options().items()}
 
 
 def find_fake_gcs_binary() -> Path:

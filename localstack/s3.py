@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from millpond.localstack._process import LocalServiceError, wait_for
+from millpond.localstack._process import LocalServiceError, StoreEndpoint, wait_for
 
 __all__ = [
     "S3Endpoint",
@@ -30,7 +30,7 @@ _ENV_PREFIX = "MILLPOND_TEST_S3_"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class S3Endpoint:
+class S3Endpoint(StoreEndpoint):
     """An S3-compatible endpoint, a bucket on it and the credentials to use it."""
 
     endpoint: str
@@ -57,18 +57,6 @@ class S3Endpoint:
     def url(self) -> str:
         """The bucket as a store URL, ``s3://{bucket}``."""
         return f"s3://{self.bucket}"
-
-    def url_for(self, root: str) -> str:
-        """Return the store URL of a root (key prefix) in the bucket.
-
-        Args:
-            root: key prefix such as ``t-1234``; leading and trailing slashes are dropped.
-
-        Returns:
-            ``s3://{bucket}/{root}``.
-        """
-        root = root.strip("/")
-        return f"{self.url}/{root}" if root else self.url
 
     def store_options(self) -> dict[str, str]:
         """Return obstore ``S3Config`` options for this endpoint.
