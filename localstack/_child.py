@@ -22,9 +22,10 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from millpond.localstack._process import (
     LOOPBACK,
@@ -35,7 +36,12 @@ from millpond.localstack._process import (
     free_ports,
     log_tail,
     stop_process_group,
+    wait_for,
 )
+
+if TYPE_CHECKING:
+    from millpond.localstack.azurite import AzureEndpoint
+    from millpond.localstack.fake_gcs import GcsEndpoint
 
 __all__ = ["ChildProcess", "ChildServer", "start_or_close"]
 
@@ -229,6 +235,30 @@ class ChildServer(ChildProcess):
 
     def _prepare(self) -> None:
         (self._root / "data").mkdir(parents=True, exist_ok=True)
+
+    def _wait_writable(
+        self, endpoint: AzureEndpoint | GcsEndpoint, *, timeout: float, what: str
+    ) -> None:
+        """Wait until the endpoint takes a write, a read and a delete through millpond's store.
+
+        Raises:
+            LocalServiceError: it did not in time, or the process died.
+        """
+        from millpond.storage import open_store
+
+        store = open_store(
+            endpoint.url_for(f".localstack-probe-{uuid.uuid4().hex}"), endpoint.store_options()
+        )
+
+        def probe() -> bool:
+            store.put("probe", b"probe")
+            body = store.get("probe").data
+            store.delete_many(["probe"])
+            if body != b"probe":
+                raise LocalServiceError(f"{self.name}: read back {body!r}, expected b'probe'")
+            return True
+
+        wait_for(probe, timeout=timeout, what=what, alive=self._exit_reason)
 
     def stop(self, *, timeout: float = 5.0) -> None:
         """Stop the process group and keep the data: SIGTERM, SIGKILL after ``timeout``.

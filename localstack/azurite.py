@@ -21,7 +21,6 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-import uuid
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from pathlib import Path
@@ -193,7 +192,9 @@ class Azurite(ChildServer):
             what="Azurite container",
             alive=self._exit_reason,
         )
-        wait_until_writable(endpoint, timeout=timeout, alive=self._exit_reason)
+        self._wait_writable(
+            endpoint, timeout=timeout, what=f"Azurite container {endpoint.container}"
+        )
 
 
 def create_container(endpoint: AzureEndpoint) -> bool:
@@ -240,34 +241,6 @@ def create_container(endpoint: AzureEndpoint) -> bool:
         if err.code != 409:  # ContainerAlreadyExists
             raise
     return True
-
-
-def wait_until_writable(endpoint: AzureEndpoint, *, timeout: float, alive: object = None) -> None:
-    """Wait until the container takes a write, a read and a delete through millpond's store.
-
-    Raises:
-        LocalServiceError: it did not in time.
-    """
-    from millpond.storage import open_store
-
-    store = open_store(
-        endpoint.url_for(f".localstack-probe-{uuid.uuid4().hex}"), endpoint.store_options()
-    )
-
-    def probe() -> bool:
-        store.put("probe", b"probe")
-        body = store.get("probe").data
-        store.delete_many(["probe"])
-        if body != b"probe":
-            raise LocalServiceError(f"Azurite: read back {body!r}, expected b'probe'")
-        return True
-
-    wait_for(
-        probe,
-        timeout=timeout,
-        what=f"Azurite container {endpoint.container}",
-        alive=alive if callable(alive) else None,
-    )
 
 
 def start_azurite(

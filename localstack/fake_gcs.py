@@ -217,22 +217,7 @@ class FakeGcs(ChildServer):
             what="fake-gcs-server bucket",
             alive=self._exit_reason,
         )
-        from millpond.storage import open_store
-
-        endpoint = self.endpoint
-        store = open_store(
-            endpoint.url_for(f".localstack-probe-{uuid.uuid4().hex}"), endpoint.store_options()
-        )
-
-        def probe() -> bool:
-            store.put("probe", b"probe")
-            body = store.get("probe").data
-            store.delete_many(["probe"])
-            if body != b"probe":
-                raise LocalServiceError(f"fake-gcs-server: read back {body!r}, expected b'probe'")
-            return True
-
-        wait_for(probe, timeout=timeout, what="fake-gcs-server writes", alive=self._exit_reason)
+        self._wait_writable(self.endpoint, timeout=timeout, what="fake-gcs-server writes")
 
 
 def _create_bucket(base_url: str, bucket: str) -> bool:
