@@ -42,13 +42,6 @@ _PORT_NAMES = (
     "filer",
     "filer.grpc",
 )
-# weed always adds a gRPC unix socket at these fixed paths (not configurable); removed on stop.
-_GRPC_UNIX_SOCKETS = {
-    "master.grpc": "/tmp/seaweedfs-master-grpc-{port}.sock",
-    "volume.grpc": "/tmp/seaweedfs-volume-grpc-{port}.sock",
-    "filer.grpc": "/tmp/seaweedfs-filer-grpc-{port}.sock",
-    "s3.grpc": "/tmp/seaweedfs-s3-grpc-{port}.sock",
-}
 
 
 def find_weed_binary() -> Path:
@@ -224,8 +217,10 @@ class SeaweedFS(ChildServer):
         if self._process is None:
             return
         super()._terminate(timeout=timeout)
-        for name, pattern in _GRPC_UNIX_SOCKETS.items():
-            path = Path(pattern.format(port=self._ports[name]))
+        # weed always adds a gRPC unix socket at a fixed path (not configurable) per service.
+        for service in ("s3", "master", "volume", "filer"):
+            port = self._ports[f"{service}.grpc"]
+            path = Path(f"/tmp/seaweedfs-{service}-grpc-{port}.sock")
             # Only a socket file can be ours; never remove anything else that has this name.
             with contextlib.suppress(OSError):
                 if stat.S_ISSOCK(path.lstat().st_mode):
