@@ -114,11 +114,6 @@ class PostgresServer(ChildProcess):
         self._run_as: dict[str, Any] = {}
 
     @property
-    def database(self) -> str:
-        """The database created on start."""
-        return self._database
-
-    @property
     def url(self) -> str:
         """Connection URL, ``postgresql://postgres@127.0.0.1:PORT/millpond`` (trust auth)."""
         return f"postgresql://{_SUPERUSER}@{LOOPBACK}:{self.port}/{self._database}"
@@ -218,9 +213,6 @@ class PostgresServer(ChildProcess):
                 # server below keeps fsync on.
                 "--no-sync",
             ],
-            cwd=root,
-            env=self._env,
-            log_path=root / "initdb.log",
             run_as=self._run_as,
         )
 
@@ -228,9 +220,9 @@ class PostgresServer(ChildProcess):
         return {"env": self._env, **self._run_as}
 
     def _wait_ready(self, timeout: float) -> None:
-        root = self._workdir
+        data = self._workdir / "data"
         wait_for(
-            lambda: True if _pidfile_status(root / "data") == "ready" else None,
+            lambda: True if _pidfile_status(data) == "ready" else None,
             timeout=timeout,
             what=f"PostgreSQL on port {self.port}",
             alive=self._exit_reason,
@@ -243,26 +235,22 @@ class PostgresServer(ChildProcess):
                 f"--username={_SUPERUSER}",
                 self._database,
             ],
-            cwd=root,
-            env=self._env,
-            log_path=root / "createdb.log",
             run_as={},
         )
 
-    @staticmethod
-    def _run(
-        argv: list[str],
-        *,
-        cwd: Path,
-        env: dict[str, str],
-        log_path: Path,
-        run_as: dict[str, Any],
-    ) -> None:
+    def _run(self, argv: list[str], *, run_as: dict[str, Any]) -> None:
+        """Run one of the server's tools in the cluster's directory; its output goes to
+        ``<tool>.log`` there.
+
+        Raises:
+            LocalServiceError: it failed (the log tail included).
+        """
+        log_path = self._workdir / f"{Path(argv[0]).name}.log"
         with log_path.open("ab") as log:
             result = subprocess.run(
                 argv,
-                cwd=cwd,
-                env=env,
+                cwd=self._workdir,
+                env=self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
