@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -131,26 +131,13 @@ class DemoReport:
 
     def to_json(self) -> dict[str, Any]:
         pipeline = self.seconds.get("spark_write", 0.0) + self.seconds.get("consume", 0.0)
-        return {
-            "ok": self.ok,
-            "problems": self.problems,
-            "run_id": self.run_id,
-            "store": self.store,
-            "sink": self.sink,
-            "table": self.table,
-            "rows_requested": self.rows_requested,
-            "rows_written": self.rows_written,
-            "rows_in_database": self.rows_in_database,
-            "distinct_ids": self.distinct_ids,
-            "batches_enqueued": self.batches_enqueued,
-            "batches_consumed": self.batches_consumed,
-            "bytes_enqueued": self.bytes_enqueued,
-            "gc_deleted": self.gc_deleted,
-            "objects_left": self.objects_left,
-            "requests": self.requests,
-            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-            "rows_per_second": round(self.rows_in_database / pipeline) if pipeline else None,
-        }
+        first = ("ok", "problems", "run_id", "store", "sink", "table")
+        # Every field: these first, then the others in the order they are declared.
+        names = [*first, *(f.name for f in fields(self) if f.name not in first)]
+        record = {name: getattr(self, name) for name in names}
+        record["seconds"] = {k: round(v, 3) for k, v in self.seconds.items()}
+        record["rows_per_second"] = round(self.rows_in_database / pipeline) if pipeline else None
+        return record
 
     def text(self) -> str:
         record = self.to_json()
