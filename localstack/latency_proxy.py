@@ -42,9 +42,8 @@ import struct
 import sys
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 from millpond.localstack._process import (
@@ -247,7 +246,10 @@ class LatencyProxy(Closing):
             LocalServiceError: not started.
         """
         self._reachable = False
-        self._call(self._reset_all())
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            raise LocalServiceError("latency proxy: not running")
+        asyncio.run_coroutine_threadsafe(self._reset_all(), loop).result(timeout=10)
 
     def restore(self) -> None:
         """Make the store reachable again (undo :meth:`cut`). Idempotent."""
@@ -360,13 +362,6 @@ class LatencyProxy(Closing):
         self._reset = 0
         self._peak_held = 0
         self._delay_seconds = 0.0
-
-    def _call(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            coroutine.close()
-            raise LocalServiceError("latency proxy: not running")
-        asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=10)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # A handler cancelled at shutdown ends quietly: asyncio's stream protocol logs the
