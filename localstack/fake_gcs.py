@@ -74,18 +74,6 @@ class GcsEndpoint(StoreEndpoint):
         """The bucket as a store URL, ``gs://{bucket}``."""
         return f"gs://{self.bucket}"
 
-    def service_account_key(self) -> str:
-        """A service-account key for an emulator: its base URL, and no OAuth."""
-        return json.dumps(
-            {
-                "gcs_base_url": self.endpoint,
-                "disable_oauth": True,
-                "client_email": "",
-                "private_key": "",
-                "private_key_id": "",
-            }
-        )
-
     def store_options(self) -> dict[str, str]:
         """Return obstore GCS options for this endpoint.
 
@@ -93,10 +81,15 @@ class GcsEndpoint(StoreEndpoint):
             ``google_service_account_key`` (naming the base URL, OAuth off) and
             ``google_base_url`` (plain HTTP on loopback is allowed for it).
         """
-        return {
-            "google_service_account_key": self.service_account_key(),
-            "google_base_url": self.endpoint,
+        # A service-account key for an emulator: its base URL, and no OAuth.
+        key = {
+            "gcs_base_url": self.endpoint,
+            "disable_oauth": True,
+            "client_email": "",
+            "private_key": "",
+            "private_key_id": "",
         }
+        return {"google_service_account_key": json.dumps(key), "google_base_url": self.endpoint}
 
     def env(self) -> dict[str, str]:
         """Return the standard environment variables for this endpoint (for child processes):
@@ -198,8 +191,7 @@ class FakeGcs(ChildServer):
     def start(self, *, timeout: float = 60.0) -> None:
         if self._proxy is None:
             self._proxy = _XmlUploadProxy()
-        super().start(timeout=timeout)
-        self._proxy.upstream = (LOOPBACK, self.port)
+        super().start(timeout=timeout)  # _wait_ready points the proxy at the port
 
     def close(self, *, timeout: float | None = None) -> None:
         super().close(timeout=timeout)
