@@ -23,10 +23,9 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from types import TracebackType
 from typing import Any
 
-from millpond.localstack._process import LOOPBACK, LocalServiceError, wait_for
+from millpond.localstack._process import LOOPBACK, Closing, LocalServiceError, wait_for
 from millpond.localstack.s3 import S3Endpoint, ensure_bucket, s3_client
 
 __all__ = ["MotoS3Server", "start_moto"]
@@ -37,7 +36,7 @@ _StartResponse = Callable[..., Any]
 _WsgiApp = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
 
 
-class MotoS3Server:
+class MotoS3Server(Closing):
     """A moto S3 server in a background thread, bound to 127.0.0.1.
 
     Use :func:`start_moto` rather than constructing one directly.
@@ -149,16 +148,7 @@ class MotoS3Server:
             self._thread = None
         logger.info("moto S3 server on port %s stopped", self._port)
 
-    def __enter__(self) -> MotoS3Server:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    close = stop  # what the end of a ``with`` block calls
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
