@@ -130,11 +130,6 @@ class PostgresServer(ChildProcess):
         return self._root
 
     def command(self) -> list[str]:
-        """Return the ``postgres`` command line (the cluster and port must exist).
-
-        Returns:
-            argv, ready for :class:`subprocess.Popen`.
-        """
         root = self._workdir
         return [
             str(self._binary),

@@ -135,13 +135,12 @@ def external_s3_from_env(environ: Mapping[str, str] | None = None) -> S3Endpoint
     )
 
 
-def s3_client(endpoint: S3Endpoint, *, timeout: float = 10.0, retries: int = 0) -> Any:
-    """Return a boto3 S3 client for the endpoint (path-style, signed with its keys).
+def s3_client(endpoint: S3Endpoint, *, timeout: float = 10.0) -> Any:
+    """Return a boto3 S3 client for the endpoint (path-style, signed with its keys, no retries).
 
     Args:
         endpoint: where and as whom.
         timeout: connect and read timeout in seconds.
-        retries: botocore retry attempts after the first try.
 
     Returns:
         A ``botocore`` S3 client.
@@ -159,7 +158,7 @@ def s3_client(endpoint: S3Endpoint, *, timeout: float = 10.0, retries: int = 0) 
             s3={"addressing_style": "path"},
             connect_timeout=timeout,
             read_timeout=timeout,
-            retries={"max_attempts": retries + 1, "mode": "standard"},
+            retries={"max_attempts": 1, "mode": "standard"},
         ),
     )
 

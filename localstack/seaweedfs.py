@@ -141,11 +141,6 @@ class SeaweedFS(ChildServer):
         )
 
     def command(self) -> list[str]:
-        """Return the ``weed`` command line (ports must have been chosen).
-
-        Returns:
-            argv, ready for :class:`subprocess.Popen`.
-        """
         p = self._ports
         return [
             str(self._binary),
