@@ -229,9 +229,7 @@ class ChildServer(ChildProcess):
         """The directory holding ``data/`` and the log."""
         return self._root
 
-    @property
-    def _workdir(self) -> Path:
-        return self._root
+    _workdir = root  # the server runs in it
 
     def _prepare(self) -> None:
         (self._root / "data").mkdir(parents=True, exist_ok=True)
