@@ -401,10 +401,7 @@ def _spark_phase(
     report.rows_written = int(receipt["rows"])
     report.batches_enqueued = int(receipt["batches"])
     report.bytes_enqueued = int(receipt["bytes"])
-    report.requests["spark"] = {
-        "put": int(receipt["requests"]["put"]),
-        "get": int(receipt["requests"]["get"]),
-    }
+    report.requests["spark"] = {kind: int(receipt["requests"][kind]) for kind in ("put", "get")}
     progress.done(
         f"[2/4] Spark wrote {report.rows_written:,} rows as {report.batches_enqueued} batch "
         f"objects ({report.bytes_enqueued / 2**20:.1f} MiB), enqueued in one append at "
