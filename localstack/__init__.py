@@ -65,15 +65,10 @@ __all__ = [
 ]
 
 
-_LAZY = {
-    "LatencyProxy": "millpond.localstack.latency_proxy",
-    "ProxyStats": "millpond.localstack.latency_proxy",
-    "start_latency_proxy": "millpond.localstack.latency_proxy",
-}
+_LAZY = ("LatencyProxy", "ProxyStats", "start_latency_proxy")  # the latency proxy's
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module("millpond.localstack.latency_proxy"), name)
