@@ -29,19 +29,10 @@ __all__ = ["SeaweedFS", "find_weed_binary", "start_seaweedfs"]
 
 logger = logging.getLogger(__name__)
 
-# The listeners of one `weed server`, each given an explicit port so none falls back to a
-# default (and `http port + 10000` for gRPC never collides with anything). The S3 gateway's
-# comes first: it is the server's `port`.
-_PORT_NAMES = (
-    "s3",
-    "s3.grpc",
-    "master",
-    "master.grpc",
-    "volume",
-    "volume.grpc",
-    "filer",
-    "filer.grpc",
-)
+# The services of one `weed server`, each listening on an HTTP port and a gRPC port
+# ("{service}.grpc"), each given explicitly so none falls back to a default (and `http port +
+# 10000` for gRPC never collides with anything). The S3 gateway's comes first: it is `port`.
+_SERVICES = ("s3", "master", "volume", "filer")
 
 
 def find_weed_binary() -> Path:
@@ -88,7 +79,7 @@ class SeaweedFS(ChildServer):
 
     name = "SeaweedFS"
     log_name = "weed.log"
-    port_names = _PORT_NAMES
+    port_names = tuple(name for service in _SERVICES for name in (service, f"{service}.grpc"))
 
     def __init__(
         self,
@@ -213,7 +204,7 @@ class SeaweedFS(ChildServer):
             return
         super()._terminate(timeout=timeout)
         # weed always adds a gRPC unix socket at a fixed path (not configurable) per service.
-        for service in ("s3", "master", "volume", "filer"):
+        for service in _SERVICES:
             port = self._ports[f"{service}.grpc"]
             path = Path(f"/tmp/seaweedfs-{service}-grpc-{port}.sock")
             # Only a socket file can be ours; never remove anything else that has this name.
