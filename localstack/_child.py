@@ -25,12 +25,13 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from millpond.localstack._process import (
     LOOPBACK,
     Closing,
     LocalServiceError,
+    StoreEndpoint,
     close_at_exit,
     forget_at_exit,
     free_ports,
@@ -38,10 +39,6 @@ from millpond.localstack._process import (
     stop_process_group,
     wait_for,
 )
-
-if TYPE_CHECKING:
-    from millpond.localstack.azurite import AzureEndpoint
-    from millpond.localstack.fake_gcs import GcsEndpoint
 
 __all__ = ["ChildProcess", "ChildServer", "start_or_close"]
 
@@ -234,9 +231,7 @@ class ChildServer(ChildProcess):
     def _prepare(self) -> None:
         (self._root / "data").mkdir(parents=True, exist_ok=True)
 
-    def _wait_writable(
-        self, endpoint: AzureEndpoint | GcsEndpoint, *, timeout: float, what: str
-    ) -> None:
+    def _wait_writable(self, endpoint: StoreEndpoint, *, timeout: float, what: str) -> None:
         """Wait until the endpoint takes a write, a read and a delete through millpond's store.
 
         Raises:

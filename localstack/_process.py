@@ -60,7 +60,8 @@ class Closing:
 
 
 class StoreEndpoint(ABC):
-    """The store URLs of an endpoint's bucket or container (S3, Azure and GCS endpoints)."""
+    """What the S3, Azure and GCS endpoints share: their bucket or container as store URLs,
+    and the store options that reach it."""
 
     __slots__ = ()
 
@@ -80,6 +81,10 @@ class StoreEndpoint(ABC):
         """
         root = root.strip("/")
         return f"{self.url}/{root}" if root else self.url
+
+    @abstractmethod
+    def store_options(self) -> dict[str, str]:
+        """Return the options that reach the endpoint through ``millpond.storage.open_store``."""
 
 
 def free_ports(count: int) -> list[int]:
