@@ -312,11 +312,3 @@ def run(quick: bool) -> dict[str, Any]:
             "commit_per_table_rows_per_s commits after each table"
         ),
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

@@ -475,10 +475,3 @@ def run(quick: bool) -> dict[str, Any]:
             "bound, to within the time to send a query)."
         ),
     )
-
-
-if __name__ == "__main__":
-    import json
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

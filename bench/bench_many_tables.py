@@ -203,11 +203,3 @@ def run(quick: bool) -> dict[str, Any]:
             "both sides' tables made before the timing"
         ),
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

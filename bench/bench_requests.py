@@ -470,11 +470,3 @@ def run(quick: bool) -> dict[str, Any]:
             "consumer, GC and total are reported beside it (reading back needs >= 1x floor)."
         ),
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

@@ -257,11 +257,3 @@ def run(quick: bool) -> dict[str, Any]:
         f"(tuned; {statistics.median(mine_rate) / (rows / plain):.2f}x its defaults); the Spark "
         f"job alone {statistics.median(base) / job:.1f}x faster",
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

@@ -462,10 +462,3 @@ def _result(
             }
         ],
     )
-
-
-if __name__ == "__main__":
-    import json
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

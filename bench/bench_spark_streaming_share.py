@@ -228,11 +228,3 @@ def _result(durations: dict[str, list[dict[str, int]]], *, rows: int, files: int
             }
         ],
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))

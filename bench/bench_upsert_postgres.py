@@ -282,11 +282,3 @@ def _result(
             "ratio at append_s / (append_s + insert_floor_s)"
         ),
     )
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=str))
