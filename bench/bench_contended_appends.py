@@ -38,7 +38,7 @@ import uuid
 from typing import Any
 
 from bench.bench_manifest_appends import _collect, _entry
-from bench.common import latency_ms, make_result, plot_spec, seaweedfs_endpoints
+from bench.common import latency_ms, make_result, plot_spec, report_to, seaweedfs_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +84,6 @@ def policy(name: str) -> Any:
 def available_policies() -> tuple[str, ...]:
     """The default (aging) and the strategy it replaced, measured side by side."""
     return ("default", "exponential")
-
-
-def _worker(
-    url: str, options: dict[str, str], seconds: float, policy_name: str, barrier: Any, out: Any
-) -> None:
-    try:
-        out.put(_append_loop(url, options, seconds, policy_name, barrier))
-    except BaseException as err:
-        out.put({"error": f"{type(err).__name__}: {err}"})
-        raise
 
 
 def _append_loop(
@@ -155,8 +145,8 @@ def _run(ctx: Any, endpoint: Any, n: int, seconds: float, policy_name: str) -> d
     out = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_worker,
-            args=(url, options, seconds, policy_name, barrier, out),
+            target=report_to,
+            args=(out, _append_loop, url, options, seconds, policy_name, barrier),
             name=f"bench-writer-{i}",
         )
         for i in range(n)

@@ -37,7 +37,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import make_result, plot_spec, seaweedfs_endpoint
+from bench.common import make_result, plot_spec, report_to, seaweedfs_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +71,10 @@ def _retry_policy() -> Any:
     return RetryPolicy(base_delay=base, max_delay=cap)
 
 
-def _producer_worker(
-    url: str,
-    options: dict[str, str],
-    seconds: float,
-    rate: float,
-    barrier: Any,
-    results: Any,
-) -> None:
-    """One producer process: group-commit appends for ``seconds`` after the barrier."""
-    try:
-        results.put(_produce(url, options, seconds, rate, barrier))
-    except BaseException as err:
-        results.put({"error": f"{type(err).__name__}: {err}"})
-        raise
-
-
 def _produce(
     url: str, options: dict[str, str], seconds: float, rate: float, barrier: Any
 ) -> dict[str, Any]:
+    """One producer process: group-commit appends for ``seconds`` after the barrier."""
     from millpond.common.ulids import UlidMinter, batch_location
     from millpond.queue import QueueProducer
     from millpond.storage import open_store
@@ -122,20 +107,10 @@ def _produce(
     }
 
 
-def _baseline_worker(
-    url: str, options: dict[str, str], seconds: float, group: int, results: Any
-) -> None:
-    """One writer doing back-to-back CAS on one key, growing it like the manifest grows."""
-    try:
-        results.put(_cas_back_to_back(url, options, seconds, group))
-    except BaseException as err:
-        results.put({"error": f"{type(err).__name__}: {err}"})
-        raise
-
-
 def _cas_back_to_back(
     url: str, options: dict[str, str], seconds: float, group: int
 ) -> dict[str, Any]:
+    """One writer doing back-to-back CAS on one key, growing it like the manifest grows."""
     from millpond.common.ulids import UlidMinter, batch_location
     from millpond.formats.manifest import append_entries, empty_manifest
     from millpond.storage import open_store
@@ -165,8 +140,8 @@ def _run_producers(ctx: Any, endpoint: Any, n: int, seconds: float, rate: float)
     results = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_producer_worker,
-            args=(url, options, seconds, rate, barrier, results),
+            target=report_to,
+            args=(results, _produce, url, options, seconds, rate, barrier),
             name=f"bench-producer-{i}",
         )
         for i in range(n)
@@ -285,8 +260,8 @@ def _run_baseline(ctx: Any, endpoint: Any, seconds: float, group: int) -> dict[s
     url = endpoint.url_for(f"bench-baseline-{uuid.uuid4().hex[:8]}")
     results = ctx.Queue()
     proc = ctx.Process(
-        target=_baseline_worker,
-        args=(url, endpoint.store_options(), seconds, group, results),
+        target=report_to,
+        args=(results, _cas_back_to_back, url, endpoint.store_options(), seconds, group),
         name="bench-baseline",
     )
     proc.start()

@@ -76,7 +76,7 @@ from typing import Any
 
 from bench.bench_contended_appends import policy
 from bench.bench_manifest_appends import _collect
-from bench.common import latency_ms, make_result, plot_spec, seaweedfs_endpoints
+from bench.common import latency_ms, make_result, plot_spec, report_to, seaweedfs_endpoints
 from bench.draining_consumer import draining_consumer
 
 logger = logging.getLogger(__name__)
@@ -126,23 +126,6 @@ class _Warnings(logging.Handler):
             self.gave_up += 1
         if len(self.samples) < 3:
             self.samples.append(message[:300])
-
-
-def _worker(
-    url: str,
-    options: dict[str, str],
-    wal_dir: str,
-    seconds: float,
-    policy_name: str,
-    barrier: Any,
-    out: Any,
-    coordinator: str | None = None,
-) -> None:
-    try:
-        out.put(_produce(url, options, wal_dir, seconds, policy_name, barrier, coordinator))
-    except BaseException as err:
-        out.put({"error": f"{type(err).__name__}: {err}"})
-        raise
 
 
 def _produce(
@@ -314,15 +297,16 @@ def _measure(
     out = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_worker,
+            target=report_to,
             args=(
+                out,
+                _produce,
                 url,
                 endpoint.store_options(),
                 str(workdir / root / f"wal-{i}"),
                 seconds,
                 policy_name,
                 barrier,
-                out,
                 coordinator,
             ),
             name=f"bench-producer-{i}",

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "make_result",
     "passed",
     "plot_spec",
+    "report_to",
     "seaweedfs_endpoint",
     "seaweedfs_endpoints",
     "stopwatch",
@@ -66,6 +67,16 @@ def stop_child(child: subprocess.Popen[Any], timeout: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()
+
+
+def report_to(out: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """A worker process's target: put ``fn(*args)`` on the queue ``out``, or, when it raises,
+    ``{"error": ...}`` (so the parent fails fast instead of waiting out its timeout)."""
+    try:
+        out.put(fn(*args))
+    except BaseException as err:
+        out.put({"error": f"{type(err).__name__}: {err}"})
+        raise
 
 
 def latency_ms(default: float = 0.0) -> float:

@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench.common import report_to
+
 __all__ = ["draining_consumer"]
 
 _START_TIMEOUT = 120.0
@@ -34,8 +36,8 @@ def draining_consumer(
     stop = ctx.Event()
     out = ctx.Queue()
     proc = ctx.Process(
-        target=_worker,
-        args=(url, options, coordinator, stop, out),
+        target=report_to,
+        args=(out, _drain, url, options, coordinator, stop),
         name="bench-consumer",
         daemon=True,
     )
@@ -54,16 +56,6 @@ def draining_consumer(
                 proc.join()
     if "error" in figures:
         raise RuntimeError(f"the draining consumer failed: {figures['error']}")
-
-
-def _worker(
-    url: str, options: dict[str, str], coordinator: str | None, stop: Any, out: Any
-) -> None:
-    try:
-        out.put(_drain(url, options, coordinator, stop))
-    except BaseException as err:
-        out.put({"error": f"{type(err).__name__}: {err}"})
-        raise
 
 
 def _drain(url: str, options: dict[str, str], coordinator: str | None, stop: Any) -> dict[str, Any]:
