@@ -37,7 +37,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.bench_manifest_appends import _collect, _entry
+from bench.bench_manifest_appends import _collect, _entry, _percentile
 from bench.common import latency_ms, make_result, plot_spec, report_to, seaweedfs_endpoints
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ RATE_PER_PRODUCER = 20.0  # one batch every 50 ms
 FULL_SECONDS = 15.0
 QUICK_SECONDS = 5.0
 START_TIMEOUT = 120.0
+POLICIES = ("default", "exponential")  # the default (aging) and the strategy it replaced
 
 
 def policy(name: str) -> Any:
@@ -79,11 +80,6 @@ def policy(name: str) -> Any:
         if key
     }
     return dataclasses.replace(default, strategy=name, **tuning)
-
-
-def available_policies() -> tuple[str, ...]:
-    """The default (aging) and the strategy it replaced, measured side by side."""
-    return ("default", "exponential")
 
 
 def _append_loop(
@@ -129,10 +125,6 @@ def _append_loop(
         "gave_up": gave_up,
         "counters": producer.counters.snapshot(),
     }
-
-
-def _percentile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _run(ctx: Any, endpoint: Any, n: int, seconds: float, policy_name: str) -> dict[str, Any]:
@@ -200,8 +192,7 @@ def run(quick: bool) -> dict[str, Any]:
     if os.environ.get("MILLPOND_BENCH_SECONDS"):
         seconds = float(os.environ["MILLPOND_BENCH_SECONDS"])
     policies = (
-        tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p)
-        or available_policies()
+        tuple(p for p in os.environ.get("MILLPOND_BENCH_POLICIES", "").split(",") if p) or POLICIES
     )
     delay = latency_ms(DEFAULT_LATENCY_MS)
     ctx = mp.get_context("spawn")

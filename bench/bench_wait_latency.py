@@ -62,7 +62,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -75,8 +74,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_contended_appends import policy
+from bench.bench_latency import _percentile
 from bench.bench_manifest_appends import _collect
-from bench.common import latency_ms, make_result, plot_spec, report_to, seaweedfs_endpoints
+from bench.common import (
+    latency_ms,
+    make_result,
+    plot_spec,
+    report_to,
+    seaweedfs_endpoints,
+    stop_child,
+)
 from bench.draining_consumer import draining_consumer
 
 logger = logging.getLogger(__name__)
@@ -234,12 +241,7 @@ def start_coordinator(url: str, options: dict[str, str]) -> Iterator[str]:
             raise RuntimeError(f"coordinator did not start: {line!r}")
         yield line.rsplit(" on ", 1)[1].strip()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_child(proc, 30)
 
 
 def _coordinator_stats(coordinator: str | None) -> dict[str, Any] | None:
@@ -251,12 +253,6 @@ def _coordinator_stats(coordinator: str | None) -> dict[str, Any] | None:
             return stats
     except OSError:
         return None
-
-
-def _percentile(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(pct / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def _run(
