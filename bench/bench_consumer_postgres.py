@@ -95,18 +95,16 @@ def _upload(store: Any, tables: list[pa.Table]) -> list[str]:
     return locations
 
 
-def _enqueue(store: Any, locations: list[str]) -> None:
+def _enqueue(store: Any, locations: list[str], payloads: list[bytes]) -> None:
     from millpond.formats.manifest import Metadata, PendingEntry
     from millpond.queue import QueueProducer
 
     now = int(time.time() * 1000)
     producer = QueueProducer(store, MANIFEST)
-    for start in range(0, len(locations), 50):
+    pairs = list(zip(locations, payloads, strict=True))
+    for start in range(0, len(pairs), 50):
         producer.append(
-            [
-                PendingEntry(loc, (Metadata(0, now, b"bench"),))
-                for loc in locations[start : start + 50]
-            ]
+            [PendingEntry(loc, (Metadata(0, now, p),)) for loc, p in pairs[start : start + 50]]
         )
 
 
@@ -240,7 +238,7 @@ def run(quick: bool) -> dict[str, Any]:
         _run_baseline(server.url, tables[:5], commit_each=True)
         for round_ in range(rounds):
             baseline_runs.append(_run_baseline(server.url, tables, commit_each=True))
-            _enqueue(store, locations)
+            _enqueue(store, locations, [b"bench"] * len(locations))
             consumer_runs.append(_run_consumer(store, server.url, total))
             single_commit_runs.append(_run_baseline(server.url, tables, commit_each=False))
             logger.info(

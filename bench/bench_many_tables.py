@@ -37,8 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.bench_consumer_postgres import _tables, _upload, _write_timer
-from bench.bench_upsert_postgres import _enqueue
+from bench.bench_consumer_postgres import _enqueue, _tables, _upload, _write_timer
 from bench.common import make_result, plot_spec, seaweedfs_endpoint
 
 logger = logging.getLogger(__name__)

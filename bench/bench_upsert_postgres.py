@@ -30,27 +30,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.bench_consumer_postgres import _tables, _upload
+from bench.bench_consumer_postgres import _enqueue, _tables, _upload, _write_timer
 from bench.common import make_result, plot_spec, seaweedfs_endpoint
 
 logger = logging.getLogger(__name__)
 
 NAME = "upsert_postgres"
 TARGET = 0.5
-MANIFEST = "ingest/manifest"
-
-
-def _enqueue(store: Any, locations: list[str], payloads: list[bytes]) -> None:
-    from millpond.formats.manifest import Metadata, PendingEntry
-    from millpond.queue import QueueProducer
-
-    now = int(time.time() * 1000)
-    producer = QueueProducer(store, MANIFEST)
-    pairs = list(zip(locations, payloads, strict=True))
-    for start in range(0, len(pairs), 50):
-        producer.append(
-            [PendingEntry(loc, (Metadata(0, now, p),)) for loc, p in pairs[start : start + 50]]
-        )
 
 
 def _prefill(pg_url: str, table: str, tables: list[pa.Table], *, keyed: bool) -> int:
@@ -125,17 +111,7 @@ def _run(store: Any, pg_url: str, tables: list[pa.Table], *, upsert: bool) -> di
     )
     consumer = Consumer(ConsumerConfig(store=store, gc_enabled=False))
     sink.last_sequence(consumer.queue)  # connect outside the timing
-    spans: list[tuple[float, float]] = []
-    inner = sink.write_many
-
-    def timed(batches: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return inner(batches)
-        finally:
-            spans.append((start, time.perf_counter()))
-
-    sink.write_many = timed  # type: ignore[method-assign]
+    spans = _write_timer(sink)
     started = time.perf_counter()
     ConsumerService(consumer, sink).run(threading.Event(), until_idle=True)
     seconds = time.perf_counter() - started
