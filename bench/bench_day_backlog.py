@@ -46,7 +46,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -57,7 +56,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import make_result, plot_spec
+from bench.common import make_result, plot_spec, stop_child
 from millpond.errors import MillpondError
 
 logger = logging.getLogger(__name__)
@@ -265,13 +264,7 @@ def _service(root: Path, db: Path, log: Path, flags: tuple[str, ...]) -> Iterato
         try:
             yield child
         finally:
-            if child.poll() is None:
-                os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait()
+            stop_child(child)
 
 
 def drain(root: Path, n: int, window: float, flags: tuple[str, ...] = ()) -> dict[str, Any]:

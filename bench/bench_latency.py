@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import make_result, plot_spec, seaweedfs_endpoint
+from bench.common import make_result, plot_spec, seaweedfs_endpoint, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -206,13 +206,7 @@ def _consumer_service(
     try:
         yield child
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_child(child, 15)
         if child.returncode not in (0, -signal.SIGTERM):
             logger.warning("consumer exited with %s; log %s", child.returncode, log)
 

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -197,13 +196,7 @@ def latency_proxy(endpoint: Any, delay_ms: float) -> Iterator[Any]:
         logger.info("latency proxy %s -> %s, %s ms", first[1], endpoint.endpoint, delay_ms)
         yield dataclasses.replace(endpoint, endpoint=first[1])
     finally:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_child(child, 15)
 
 
 @contextlib.contextmanager
