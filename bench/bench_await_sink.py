@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sqlite3
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import make_result, plot_spec, seaweedfs_endpoint, stop_child
+from bench.common import latency_ms, make_result, plot_spec, seaweedfs_endpoint, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +250,7 @@ def _result(
             "drain_report_only": drains["report_only"],
             "drain_ratio": round(marked / bare, 3),
             "mark_puts_per_group": round(puts / groups, 3),
-            "latency_ms": float(os.environ.get("MILLPOND_BENCH_LATENCY_MS", "0") or 0),
+            "latency_ms": latency_ms(),
         },
         baseline={
             "what": "the same job without await_sink, in the same rounds; the consumer's "

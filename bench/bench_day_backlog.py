@@ -382,8 +382,9 @@ def paired_appends(base: Path, root: Path, now_ms: int) -> tuple[list[float], li
     """Cold appends on ``root``'s queue and on an empty queue, one each in turn (the machine is
     shared: what slows one slows its pair); seconds each, the queue's then the empty one's."""
     empty = base / f"empty-{root.name}"
-    FileStore = _file_store()
-    FileStore(empty).put(MANIFEST, _empty_manifest())
+    from millpond.formats.manifest import empty_manifest
+
+    _file_store()(empty).put(MANIFEST, empty_manifest(epoch=1))
     on_queue: list[float] = []
     on_empty: list[float] = []
     try:
@@ -399,12 +400,6 @@ def _file_store() -> Any:
     from millpond.storage.file_store import FileStore
 
     return FileStore
-
-
-def _empty_manifest() -> bytes:
-    from millpond.formats.manifest import empty_manifest
-
-    return empty_manifest(epoch=1)
 
 
 def delete_cost(root: Path, now_ms: int, count: int = DELETES) -> float:
@@ -592,29 +587,23 @@ def _series(rows: list[dict[str, Any]], window: float) -> list[Any]:
                 RATE_TARGET * _baseline(rows)["service"]["rows_per_s"],
             ),
         ),
-        plot_spec(
-            "status and one GC pass: seconds",
-            "entries waiting",
-            "s",
-            xs,
-            {
-                "millpond status": [r["status"]["seconds"] for r in rows],
-                "millpond gc --once": [r["gc"]["seconds"] for r in rows],
-            },
-            log_x=True,
-            hline=("limit", STATUS_LIMIT_S),
-        ),
-        plot_spec(
-            "status and one GC pass: peak RSS",
-            "entries waiting",
-            "MB",
-            xs,
-            {
-                "millpond status": [r["status"]["peak_mb"] for r in rows],
-                "millpond gc --once": [r["gc"]["peak_mb"] for r in rows],
-            },
-            log_x=True,
-            hline=("limit", STATUS_LIMIT_MB),
+        *(
+            plot_spec(
+                f"status and one GC pass: {what}",
+                "entries waiting",
+                unit,
+                xs,
+                {
+                    "millpond status": [r["status"][key] for r in rows],
+                    "millpond gc --once": [r["gc"][key] for r in rows],
+                },
+                log_x=True,
+                hline=("limit", limit),
+            )
+            for what, unit, key, limit in (
+                ("seconds", "s", "seconds", STATUS_LIMIT_S),
+                ("peak RSS", "MB", "peak_mb", STATUS_LIMIT_MB),
+            )
         ),
         plot_spec(
             "cold producer append (median)",

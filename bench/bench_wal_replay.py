@@ -240,21 +240,16 @@ def run(quick: bool) -> dict[str, Any]:
             "chunk_bytes": CHUNK,
         },
         series=[
-            plot_spec(
-                "page cache warm: replay vs raw read",
-                "round",
-                "MB/s (WAL bytes)",
-                xs,
-                {f"{label} replay": results[label]["warm"]["replay_mb_s"] for label in results}
-                | {f"{label} raw read": results[label]["warm"]["raw_mb_s"] for label in results},
-            ),
-            plot_spec(
-                "page cache dropped (fadvise): replay vs raw read",
-                "round",
-                "MB/s (WAL bytes)",
-                xs,
-                {f"{label} replay": results[label]["cold"]["replay_mb_s"] for label in results}
-                | {f"{label} raw read": results[label]["cold"]["raw_mb_s"] for label in results},
+            *(
+                plot_spec(
+                    f"page cache {state}: replay vs raw read",
+                    "round",
+                    "MB/s (WAL bytes)",
+                    xs,
+                    {f"{label} replay": results[label][cache]["replay_mb_s"] for label in results}
+                    | {f"{label} raw read": results[label][cache]["raw_mb_s"] for label in results},
+                )
+                for cache, state in (("warm", "warm"), ("cold", "dropped (fadvise)"))
             ),
             plot_spec(
                 "replay / raw read per round",
