@@ -343,6 +343,13 @@ def _measure(
     }
 
 
+def _worst(rows: list[dict[str, Any]]) -> float:
+    """The worst over ``rows`` of ``max(p50 / (3 x lone p50), p99 / (6 x lone p50))``."""
+    return max(
+        max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT) for r in rows
+    )
+
+
 def run(quick: bool) -> dict[str, Any]:
     counts: tuple[int, ...] = QUICK_COUNTS if quick else COUNTS
     seconds = QUICK_SECONDS if quick else FULL_SECONDS
@@ -394,19 +401,10 @@ def run(quick: bool) -> dict[str, Any]:
         r["passed"] = r["p99_over_lone_p50"] <= COORDINATOR_P99_LIMIT and r["gave_up_warnings"] == 0
     direct = by_policy.get(DIRECT) or []
     # Direct runs, beside the default, are held to the same targets.
-    direct_ratio = (
-        max(
-            max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT)
-            for r in direct
-        )
-        if direct
-        else None
-    )
+    direct_ratio = _worst(direct) if direct else None
     judged_policy = DEFAULT if DEFAULT in by_policy else policies[0]
     judged = by_policy[judged_policy]
-    ratio = max(
-        max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT) for r in judged
-    )
+    ratio = _worst(judged)
     grows = all(b["locations_per_s"] >= a["locations_per_s"] for a, b in itertools.pairwise(judged))
     xs = list(counts)
 
