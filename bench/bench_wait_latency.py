@@ -345,9 +345,10 @@ def _measure(
 
 def _worst(rows: list[dict[str, Any]]) -> float:
     """The worst over ``rows`` of ``max(p50 / (3 x lone p50), p99 / (6 x lone p50))``."""
-    return max(
+    worst: float = max(
         max(r["p50_over_lone_p50"] / P50_LIMIT, r["p99_over_lone_p50"] / P99_LIMIT) for r in rows
     )
+    return worst
 
 
 def run(quick: bool) -> dict[str, Any]:
