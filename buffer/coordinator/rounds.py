@@ -213,20 +213,19 @@ def write_dequeues(queue: QueueProducer, tickets: Sequence[DequeueTicket]) -> No
         for ticket in tickets:
             ticket.answer(REFUSED, f"the dequeue was not written: {err}")
         return
+    # Each ticket is answered from the manifest its dequeue was written on (or found done on).
+    found, next_sequence = seen["epoch"], seen["next"]
     for ticket in tickets:
-        _answer(ticket, queue.path, epoch=seen["epoch"], next_sequence=seen["next"])
-
-
-def _answer(ticket: DequeueTicket, path: str, *, epoch: int, next_sequence: int) -> None:
-    """Answer ``ticket`` from the manifest its dequeue was written on (or found done on)."""
-    if ticket.epoch != epoch:
-        ticket.answer(FENCED, f"{path} has epoch {epoch}, the consumer holds {ticket.epoch}")
-    elif ticket.through >= next_sequence:
-        ticket.answer(
-            REFUSED, f"through {ticket.through} is not below next_sequence {next_sequence}"
-        )
-    else:
-        ticket.answer(DEQUEUED)
+        if ticket.epoch != found:
+            ticket.answer(
+                FENCED, f"{queue.path} has epoch {found}, the consumer holds {ticket.epoch}"
+            )
+        elif ticket.through >= next_sequence:
+            ticket.answer(
+                REFUSED, f"through {ticket.through} is not below next_sequence {next_sequence}"
+            )
+        else:
+            ticket.answer(DEQUEUED)
 
 
 @dataclass(eq=False)
@@ -271,10 +270,8 @@ class _Pauses:
         now = self.clock.monotonic()
         idle = now - self._last_round_end
         if idle >= gap:  # the manifest was left alone anyway, until now
-            self._back_to_back = 0
-            self._manifest_free_at = now
-            return None
-        if now - self._foreign_write_at < self.busy_seconds:
+            due = True
+        elif now - self._foreign_write_at < self.busy_seconds:
             due = self._back_to_back >= self.yield_every
         else:
             known = now - self.consumer_seen_at < _CONSUMER_KNOWN
@@ -284,7 +281,7 @@ class _Pauses:
             return None
         self._back_to_back = 0
         self._manifest_free_at = now
-        return gap - idle
+        return gap - idle if idle < gap else None
 
     def made_way(self) -> float:
         """Note a pause made on request (:meth:`AppendCoordinator.make_way`), and its seconds:
@@ -599,10 +596,7 @@ class AppendCoordinator:
     # -- rounds ---------------------------------------------------------------------------
 
     def _rounds(self) -> None:
-        while True:
-            round_ = self._next_round()
-            if round_ is None:
-                return
+        while (round_ := self._next_round()) is not None:
             self._write_dequeues()
             self._append(round_)
 
