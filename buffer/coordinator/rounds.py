@@ -295,11 +295,9 @@ class _Pauses:
     def wrote(self, lost: int) -> None:
         """After a write of the round thread: ``lost`` races mean someone else wrote meanwhile,
         except the one write a pause was made for (:meth:`AppendCoordinator.make_way`)."""
-        if self._way_made and lost > 0:
-            lost -= 1
-        self._way_made = False
-        if lost > 0:
+        if lost > (1 if self._way_made else 0):
             self._foreign_write_at = self.clock.monotonic()
+        self._way_made = False
         self._back_to_back += 1
         self._last_round_end = self.clock.monotonic()
 
