@@ -50,7 +50,7 @@ import itertools
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from millpond.common.clock import Clock, SystemClock
@@ -280,29 +280,12 @@ def segment_oldest_ms(store: ObjectStore, segment: Segment) -> int:
 def oldest_batch_ms(locations: Iterable[str]) -> int:
     """The oldest ULID time among ``locations``' batch names; :data:`NO_BATCH_TIME` when none
     is a ULID (nothing can then be older: a collector keeps everything)."""
-    oldest: int | None = None
-    for location in locations:
-        ulid = parse_batch_name(location.rpartition("/")[2])
-        if ulid is not None:
-            time_ms = ulid_time_ms(ulid)
-            if oldest is None or time_ms < oldest:
-                oldest = time_ms
-    return NO_BATCH_TIME if oldest is None else oldest
+    ulids = (parse_batch_name(location.rpartition("/")[2]) for location in locations)
+    return min((ulid_time_ms(ulid) for ulid in ulids if ulid is not None), default=NO_BATCH_TIME)
 
 
 NO_BATCH_TIME = -(1 << 63)
 """The oldest batch time of entries none of whose names is a ULID: nothing is older."""
-
-
-def _load(store: ObjectStore, head: IndexHead) -> list[ManifestEntry]:
-    """The entries past ``dequeued_through``, in order, every segment decoded (tests and
-    tools; the consumer, GC and status read one segment at a time, or none). Raises
-    NotFoundError for a segment drained since the head was read."""
-    out: list[ManifestEntry] = []
-    for segment in head.segments:
-        view = read_segment(store, segment)
-        out.extend(view.entries_from(head.dequeued_through + 1))
-    return out
 
 
 def read_head(store: ObjectStore, data_path_prefix: str) -> IndexHead | None:
@@ -320,7 +303,8 @@ def read_head(store: ObjectStore, data_path_prefix: str) -> IndexHead | None:
 def read_indexed(
     store: ObjectStore, data_path_prefix: str
 ) -> tuple[IndexHead | None, list[ManifestEntry]]:
-    """The head and the live indexed entries (for GC and status; no fencing).
+    """The head and the live indexed entries, every segment decoded (for tests and tools: the
+    consumer, GC and status read one segment at a time, or none; no fencing).
 
     Raises:
         FormatError: the head or a segment is corrupt.
@@ -331,8 +315,11 @@ def read_indexed(
         head = read_head(store, data_path_prefix)
         if head is None:
             return None, []
+        past = head.dequeued_through + 1
         try:
-            return head, _load(store, head)
+            return head, [
+                e for s in head.segments for e in read_segment(store, s).entries_from(past)
+            ]
         except NotFoundError:
             continue  # the consumer drained a segment meanwhile: read the newer head
     raise StorageError(f"{store.url}/{path}: segments kept vanishing while reading the index")
@@ -357,17 +344,16 @@ def queue_extent(manifest: ManifestView | Manifest, head: IndexHead | None) -> t
     """The queue's first sequence (its ``next_sequence`` when it is empty) and its
     ``next_sequence``, from the index head and the manifest (read after it) alone: the index's
     entries past ``dequeued_through``, then the manifest's past the index's end."""
-    index_first = head.first if head is not None else None
-    index_end = head.end if head is not None else -1
-    last_indexed = head.segments[-1].last if head is not None and head.segments else -1
+    head = IndexHead(epoch=0) if head is None else head  # no head: as good as a blank one
+    last_indexed = head.segments[-1].last if head.segments else -1
     # A reader that read the manifest before a move of entries appended since sees them in
     # the index only: the queue then reaches past the manifest it read.
     next_sequence = max(manifest.next_sequence, last_indexed + 1)
-    if index_first is not None:
-        return index_first, next_sequence
+    if head.first is not None:
+        return head.first, next_sequence
     manifest_first = manifest.first_sequence
-    if manifest_first is not None and manifest.next_sequence - 1 > index_end:
-        return max(manifest_first, index_end + 1), next_sequence
+    if manifest_first is not None and manifest.next_sequence - 1 > head.end:
+        return max(manifest_first, head.end + 1), next_sequence
     return next_sequence, next_sequence
 
 
@@ -439,16 +425,8 @@ class BacklogIndex:
             FormatError: the head is corrupt.
             StorageError: the store failed past the retry budget.
         """
-        self._update(
-            lambda head: IndexHead(
-                epoch=self._epoch,
-                dequeued_through=head.dequeued_through,
-                segments=head.segments,
-            ),
-            create=True,
-            read_first=True,
-        )
-        if self._head is not None and not self._head.blank:
+        self._update(lambda head: replace(head, epoch=self._epoch), create=True, read_first=True)
+        if self.holds_anything:
             self._delete_orphans()
 
     def add(
@@ -494,11 +472,7 @@ class BacklogIndex:
                         f"(it ends at {head.end}, dequeued through {through})"
                     )
                 segments = (*segments, *written)
-            return IndexHead(
-                epoch=self._epoch,
-                dequeued_through=through,
-                segments=tuple(s for s in segments if s.last > through),
-            )
+            return self._drained_head(segments, through)
 
         self._update(transform, create=True)
 
@@ -536,11 +510,8 @@ class BacklogIndex:
             return
 
         def transform(head: IndexHead) -> IndexHead:
-            d = max(head.dequeued_through, min(through, head.end))
-            return IndexHead(
-                epoch=self._epoch,
-                dequeued_through=d,
-                segments=tuple(s for s in head.segments if s.last > d),
+            return self._drained_head(
+                head.segments, max(head.dequeued_through, min(through, head.end))
             )
 
         self._update(transform, create=False, later=True)
@@ -551,6 +522,10 @@ class BacklogIndex:
         self._delete(paths)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _drained_head(self, segments: Iterable[Segment], through: int) -> IndexHead:
+        """A head of this epoch dequeued through ``through``, naming the segments past it."""
+        return IndexHead(self._epoch, through, tuple(s for s in segments if s.last > through))
 
     def _update(
         self,
