@@ -158,15 +158,14 @@ class QueueProducer:
         self.in_doubt_from(in_doubt_from)
         if not entries:
             raise InvalidInputError("entries: expected at least one entry, found none")
-        attempt = _Append(
+        return _Append(
             self,
             entries,
             maybe_landed_from=maybe_landed_from,
             deadline=deadline,
             present_from=present_from,
             more=more,
-        )
-        return attempt.run()
+        ).run()
 
     def rewrite(
         self,
@@ -222,22 +221,6 @@ class QueueProducer:
                 self._seen_next,
             )
         self._seen_next = found
-
-    def _read_again(self, current: RawManifest) -> RawManifest:
-        """The manifest as it is now, for a loop sitting a race out; ``current`` itself when
-        the read fails or finds none (the loop then writes on ``current``, as it would have).
-
-        What it finds is looked at as after a lost race: a write of ours in doubt (this
-        call's or an earlier one's, held back in the network) may have landed since
-        ``current`` was read (whole-system checker, seeds 510106 and 510858 before that look)."""
-        try:
-            found = self._cas.read()
-        except StorageError as err:
-            logger.debug(
-                "append to %s: reading again after a lost race failed: %s", self._cas.path, err
-            )
-            return current
-        return current if found is None else found
 
     def _peek(self, current: RawManifest | None) -> Peek[RawManifest] | None:
         """Under contention, a read of the manifest sent just behind the write (and, when the
@@ -318,7 +301,9 @@ class _Append:
                     raise
                 raise unknown from err
             if step is _Step.DONE:
-                return tuple(_filled(self.result))
+                done = [sequence for sequence in self.result if sequence is not None]
+                assert len(done) == len(self.result)
+                return tuple(done)
 
     # -- look --------------------------------------------------------------------------------
 
@@ -333,7 +318,7 @@ class _Append:
             if self.present_from is not None:
                 # Written on as this writer kept it: entries another writer appended are in
                 # it since it was read, maybe before this call (checker, seed 550989).
-                self._drop_present(self.present_from)
+                self.todo = self._drop_present(self.present_from, self.todo)
                 if not self.todo:
                     return _Step.DONE
             return _Step.ON
@@ -347,7 +332,7 @@ class _Append:
                 low = self.present_from
                 if self.maybe_landed_from is not None:
                     low = min(low, self.maybe_landed_from)
-                self._drop_present(low)
+                self.todo = self._drop_present(low, self.todo)
                 if not self.todo:
                     writer._cached = current
                     return _Step.DONE
@@ -393,10 +378,19 @@ class _Append:
         if turn.pause > 0:
             self.cas.clock.sleep(turn.pause)
         if turn.sit_out:
-            found = self.writer._read_again(current)
-            if found is not current:
-                # Looked at as after a lost race (a write of ours in doubt may have landed
-                # since), then written on at once.
+            # Sitting the race out: the manifest as it is now is looked at as after a lost race
+            # (a write of ours in doubt, this call's or an earlier one's held back in the
+            # network, may have landed since ``current`` was read: whole-system checker, seeds
+            # 510106 and 510858 before that look), then written on at once. A read that fails
+            # or finds none leaves ``current`` to write on, as it would have been.
+            try:
+                found = self.cas.read()
+            except StorageError as err:
+                logger.debug(
+                    "append to %s: reading again after a lost race failed: %s", self.cas.path, err
+                )
+                found = None
+            if found is not None:
                 self.peeked, self.maybe_landed_from = found, lost_from
                 self.sat_out, self.lost = True, False
                 return _Step.AGAIN
@@ -435,12 +429,10 @@ class _Append:
                 self.result[todo[position]] = sequence
         return [todo[position] for position in landing.missing]
 
-    def _drop_present(self, from_sequence: int, todo: list[int] | None = None) -> list[int]:
-        """Drop from ``todo`` (default: all still to append) what ``self.current`` holds
-        from ``from_sequence`` on; returns what is left (also kept when ``todo`` is the
-        default)."""
+    def _drop_present(self, from_sequence: int, looked: list[int]) -> list[int]:
+        """Record which of ``looked`` ``self.current`` holds from ``from_sequence`` on; return
+        the rest."""
         assert self.current is not None
-        looked = self.todo if todo is None else todo
         entries = self.entries
         found = find_locations(
             self.current.data, {entries[i].location for i in looked}, from_sequence=from_sequence
@@ -457,10 +449,7 @@ class _Append:
             sequence = found.get(entries[index].location)
             if sequence is not None:
                 self.result[index] = sequence
-        kept = [index for index in looked if entries[index].location not in found]
-        if todo is None:
-            self.todo = kept
-        return kept
+        return [index for index in looked if entries[index].location not in found]
 
     # -- grow --------------------------------------------------------------------------------
 
@@ -581,9 +570,3 @@ def _oldest(locations: Iterable[str]) -> str | None:
         if (ulid := parse_batch_name(location.rsplit("/", 1)[-1])) is not None
     ]
     return min(ulids) if ulids else None
-
-
-def _filled(result: list[int | None]) -> list[int]:
-    out = [sequence for sequence in result if sequence is not None]
-    assert len(out) == len(result)
-    return out
