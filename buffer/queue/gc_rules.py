@@ -53,7 +53,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -191,11 +191,15 @@ def plan_collection(
     Returns:
         The objects to delete and the count of kept objects per reason.
     """
+    locations = [entry.location for entry in manifest.entries]
     rules = _Rules(
         prefix=data_path_prefix.strip("/"),
-        referenced=frozenset(entry.location for entry in manifest.entries),
+        referenced=frozenset(locations),
         held=held,
-        queue_floor_ms=_queue_floor_ms(manifest),
+        # Entries are in append order, but producers mint names before their CAS wins, so the
+        # first entry is not always the oldest name: the minimum, which can only keep more
+        # (no entry named by a ULID: nothing can be compared and nothing is deleted).
+        queue_floor_ms=oldest_batch_ms(locations) if locations else None,
         now_ms=now_ms,
         grace_period_ms=grace_period_ms,
         store_now_ms=store_now_ms,
@@ -215,19 +219,6 @@ def _plan(objects: Iterable[ObjectInfo], rules: _Rules) -> GcPlan:
     return GcPlan(delete=tuple(delete), kept=dict(kept))
 
 
-def _queue_floor_ms(manifest: Manifest) -> int | None:
-    """The oldest ULID time among the manifest's entries; ``None`` with no entries.
-
-    Entries are in append order, but producers mint names before their CAS wins, so the first
-    entry is not always the oldest name: take the minimum, which can only keep more. An entry
-    without a ULID name is ignored here; if no entry has one, nothing can be compared and
-    nothing is deleted.
-    """
-    if not manifest.entries:
-        return None
-    return oldest_batch_ms(entry.location for entry in manifest.entries)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Rules:
     """The deletion rules as one pass applies them: what each listed object is judged against."""
@@ -236,7 +227,7 @@ class _Rules:
     referenced: frozenset[str]
     held: frozenset[str] | set[str]
     queue_floor_ms: int | None
-    """The oldest entry's ULID time (:func:`_queue_floor_ms`); ``None``: the rule is off."""
+    """The oldest entry's ULID time; ``None``: the rule is off (an empty queue)."""
     now_ms: int
     grace_period_ms: int
     store_now_ms: int | None
@@ -344,8 +335,11 @@ class _Pass:
         claim = self._checked_claim()
         store_now_ms, offset_ms = self._store_now()
         # Only objects directly under the prefix (nested prefixes may hold other queues), and
-        # only below the queue's floor as read just before: nothing at or past it can go.
-        listing = list(self._list(self._listing_bound()))
+        # only below the queue's floor as read just before: nothing at or past it can go; at
+        # most _MOST_LISTED, in name order (the next pass goes on where this one's deletes
+        # left off).
+        below = self.store.list_range(self.prefix, end_before=self._listing_bound())
+        listing = list(itertools.islice(below, _MOST_LISTED))
         held = held_locations(self.store, self.prefix)
         queue = self._read_queue()
         if queue is None:
@@ -393,13 +387,6 @@ class _Pass:
             return None
         lead = f"{self.prefix}/" if self.prefix else ""
         return lead + ulid_time_prefix(floor_ms)
-
-    def _list(self, end_before: str | None) -> Iterator[ObjectInfo]:
-        """The listing below ``end_before``, in name order, at most :data:`_MOST_LISTED`
-        objects (the next pass goes on where this one's deletes left off)."""
-        return itertools.islice(
-            self.store.list_range(self.prefix, end_before=end_before), _MOST_LISTED
-        )
 
     def _floor(self, manifest: bytes) -> tuple[Footer, int | None]:
         """The manifest's footer and the queue's floor: the oldest batch time among the
