@@ -97,13 +97,13 @@ def take_over_queue(
         FencedError: another consumer took over meanwhile, or this one lost the queue before.
         FormatError, StorageError, StoreAccessError: the store's.
     """
-    state = _look(
+    next_sequence, found_epoch, recorded = _look(
         queue, store, manifest_path, data_path_prefix, gc_grace_period=gc_grace_period, clock=clock
     )
-    check_not_ahead(last_acked, state.next_sequence, identity)
+    check_not_ahead(last_acked, next_sequence, identity)
     check_not_replaced(
-        state.recorded,
-        state.epoch,
+        recorded,
+        found_epoch,
         queue=identity,
         store_url=store.url,
         data_path_prefix=data_path_prefix,
@@ -144,16 +144,6 @@ def _first_read(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Before:
-    """What the queue looked like before the bump."""
-
-    next_sequence: int
-    epoch: int
-    recorded: int | None
-    """The epoch a consumer last recorded, if any."""
-
-
 def _look(
     queue: QueueConsumer,
     store: ObjectStore,
@@ -162,9 +152,10 @@ def _look(
     *,
     gc_grace_period: float | None,
     clock: Clock,
-) -> _Before:
+) -> tuple[int, int, int | None]:
     """Read the claim (checking this consumer against it), the manifest and the epoch mark
-    side by side: one round trip, not three."""
+    side by side: one round trip, not three. Returns the queue before the bump: the manifest's
+    ``next_sequence`` and epoch, and the epoch a consumer last recorded, if any."""
     create = None
     if gc_grace_period is not None:
         create = QueueClaim(
@@ -187,7 +178,7 @@ def _look(
         # Another consumer may have taken over between the two reads (its record is written
         # after its bump lands): a manifest read after the record tells.
         next_sequence, epoch = queue.peek()
-    return _Before(next_sequence=next_sequence, epoch=epoch, recorded=recorded)
+    return next_sequence, epoch, recorded
 
 
 def _check_progress(last_acked: int | None, first: int, next_sequence: int, identity: str) -> int:
