@@ -73,8 +73,6 @@ class FencedObject(Generic[T]):
         given, counts ``{kind}_reads``, ``{kind}_writes``, ``cas_conflicts`` and
         ``cas_retries``."""
         self._cas = CasLoop(store, path, retry=retry, clock=clock, counters=counters, kind=kind)
-        self.store = store
-        self.path = path
         self._decode = decode
         self._encode = encode
         self._check = check
