@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import NoReturn, Self, TypeVar
@@ -240,8 +241,7 @@ class Consumer:
                 f"last_acked_sequence: expected None or an integer >= 0, "
                 f"found {last_acked_sequence!r}"
             )
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_open()
             if self._fenced is not None:
                 # A consumer that lost the queue never takes it back (it would fence the one
@@ -355,8 +355,7 @@ class Consumer:
             FormatError, NotFoundError: as :meth:`next_batch`; the ack is kept.
             ClosedError: the consumer was closed.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_ready()
             if ack_through is not None:
                 self._check_ack_through(ack_through)
@@ -417,8 +416,7 @@ class Consumer:
                 it is not acknowledged.
             FencedError, StorageError, ClosedError: as :meth:`ack`.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_ready()
             head = self._ahead.head()
             if head is None or head.sequence != sequence or sequence != self._next:
@@ -443,8 +441,7 @@ class Consumer:
         a caller with a backlog uses it to gather several batches into one database
         transaction without waiting for more.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             if self._closed or self._fenced is not None:
                 return False
             return self._ahead.has_ready()
@@ -465,8 +462,7 @@ class Consumer:
                 the next ack, ``flush()`` or ``close()`` dequeues again).
             ClosedError: the consumer was closed.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_ready()
             expected = self._acked + 1
             if isinstance(sequence, bool) or sequence != expected:
@@ -484,8 +480,7 @@ class Consumer:
             InvalidInputError: ``sequence`` is not past the last acked, or was not delivered.
             FencedError, StorageError, ClosedError: as :meth:`ack`.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_ready()
             self._check_ack_through(sequence)
             self._guard(self._queue.check_fence)
@@ -556,8 +551,7 @@ class Consumer:
                 call found this consumer's epoch: ``acked_sequence`` tells).
             ClosedError: the consumer was closed.
         """
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             self._check_ready()
             if ack_through is not None:
                 self._check_ack_through(ack_through)
@@ -590,8 +584,7 @@ class Consumer:
             FencedError: the final dequeue found another consumer in charge.
             StorageError: the final dequeue ran out of retries.
         """
-        self._process.check()
-        with self._lock:
+        with self._locked():
             if self._closed:
                 return
             try:
@@ -606,14 +599,12 @@ class Consumer:
     def next_entry(self) -> ManifestEntry | None:
         """The entry :meth:`next_batch` delivers next (the one it failed on, after a failure),
         or ``None`` when none is read yet; from the manifest or the backlog index."""
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             return self._ahead.head()
 
     def backlog(self) -> Backlog:
         """Undelivered entries as of the last manifest read (for lag reporting)."""
-        self._process.check()  # before the lock (_check_open)
-        with self._lock:
+        with self._locked():
             head = self._ahead.head()
             oldest = (
                 min(item.ingestion_time_ms for item in head.metadata)
@@ -664,10 +655,15 @@ class Consumer:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        # Every public call also checks the process before taking the lock: in a child forked
-        # while one of the parent's threads (the backlog mover) held it, nothing releases it.
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The consumer's lock, taken after the process check: in a child forked while one of
+        the parent's threads (the backlog mover) held it, nothing releases it."""
         self._process.check()
+        with self._lock:
+            yield
+
+    def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("consumer is closed")
 
