@@ -291,28 +291,24 @@ class Consumer:
         if self._acked > self._dequeued:
             self._dequeue()
         self._maybe_move()
-        if self._config.gc_enabled:
-            self._start_collector(taken.epoch)
-        if self._config.backlog_index:
+        config = self._config
+        if config.gc_enabled:
+            self._gc = BackgroundCollector(
+                self._store,
+                manifest_path=config.manifest_path,
+                data_path_prefix=config.data_path_prefix.strip("/"),
+                interval=config.gc_interval,
+                grace_period=config.gc_grace_period,
+                clock=self._clock,
+                epoch=taken.epoch,
+                counters=self.gc_counters,
+                latency=self.gc_latency,
+            ).start()
+        if config.backlog_index:
             self._start_mover()
         # Fetching is not delivering: the first objects are on their way before the first
         # next_batches() call, which checks the epoch while they arrive.
         self._ahead.top_up()
-
-    def _start_collector(self, epoch: int) -> None:
-        config = self._config
-        self._gc = BackgroundCollector(
-            self._store,
-            manifest_path=config.manifest_path,
-            data_path_prefix=config.data_path_prefix.strip("/"),
-            interval=config.gc_interval,
-            grace_period=config.gc_grace_period,
-            clock=self._clock,
-            epoch=epoch,
-            counters=self.gc_counters,
-            latency=self.gc_latency,
-        )
-        self._gc.start()
 
     def next_batch(self) -> ConsumedBatch | None:
         """The next batch in sequence order, or ``None`` when the queue holds nothing new.
@@ -644,13 +640,12 @@ class Consumer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        # Already failing: clean up, but let the original error be the one that surfaces.
         try:
             self.close()
         except MillpondError as err:
+            if exc is None:
+                raise
+            # Already failing: clean up, but let the original error be the one that surfaces.
             logger.warning("close after %s failed: %s", type(exc).__name__, err)
 
     # -- internals -------------------------------------------------------------------------
@@ -752,7 +747,6 @@ class Consumer:
         self._ack_waiting_since = None
         self._mover.unfinished = False
         self._initialized = False
-        self._fenced = None
 
     def _start_mover(self) -> None:
         """A thread that keeps moving the backlog into the index while nothing is delivered
