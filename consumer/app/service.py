@@ -45,7 +45,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -222,7 +222,8 @@ class ConsumerService:
     def _init_run_state(self) -> None:
         """What a run counts and carries from one group to the next."""
         self.stats = ServiceStats()
-        self._window = ServiceStats()
+        # The totals at the last progress line: the next one tells what was done since.
+        self._logged = ServiceStats()
         # The next group, being delivered while the current one is written.
         self._ahead: Future[list[ConsumedBatch]] | None = None
         # The last sequence written into the sink (acked with the next delivery).
@@ -526,7 +527,7 @@ class ConsumerService:
         self._written_through = group[-1].sequence
         for batch, written in zip(group, results, strict=True):
             self._count(batch, written, 0)
-        self._count_rows(self._sink.rows_written - rows_before)
+        self.stats.rows += self._sink.rows_written - rows_before
         return True
 
     def _write(self, group: list[ConsumedBatch], stop: threading.Event) -> list[bool] | None:
@@ -585,21 +586,16 @@ class ConsumerService:
         return acked is not None
 
     def _count(self, batch: ConsumedBatch, written: bool, rows: int) -> None:
-        for stats in (self.stats, self._window):
-            stats.last_sequence = batch.sequence
-            stats.rows += rows
-            if written:
-                stats.batches += 1
-            else:
-                stats.skipped += 1
+        stats = self.stats
+        stats.last_sequence = batch.sequence
+        stats.rows += rows
         if written:
+            stats.batches += 1
             self._bad_in_a_row = 0
+        else:
+            stats.skipped += 1
         if self._reporter is not None:  # committed in the sink: producers may be waiting
             self._reporter.written_through(batch.sequence)
-
-    def _count_rows(self, rows: int) -> None:
-        self.stats.rows += rows
-        self._window.rows += rows
 
     # -- bad batches -----------------------------------------------------------------------
 
@@ -726,12 +722,12 @@ class ConsumerService:
         """Count ``sequence`` as skipped or quarantined and go on after it; ``False`` when
         stopped meanwhile."""
         consumer = self._consumer
-        for stats in (self.stats, self._window):
-            stats.last_sequence = sequence
-            if skipped:
-                stats.skipped += 1
-            else:
-                stats.quarantined += 1
+        stats = self.stats
+        stats.last_sequence = sequence
+        if skipped:
+            stats.skipped += 1
+        else:
+            stats.quarantined += 1
         if batch is not None:
             if not self._ack(batch, stop):
                 return False
@@ -869,22 +865,24 @@ class ConsumerService:
 
     def _log_progress(self, *, final: bool) -> None:
         now = self._clock.monotonic()
-        stats = self.stats if final else self._window
+        stats = self.stats
+        since = ServiceStats() if final else self._logged
         elapsed = max(now - (self._started if final else self._window_start), 1e-9)
+        batches, rows = stats.batches - since.batches, stats.rows - since.rows
         backlog = self._consumer.backlog()
         logger.info(
             "%s%s batches (%.1f/s), %s rows (%.0f/s), %s skipped, last sequence %s, "
             "lag %.1f s, %s entries waiting",
             f"stopped after {elapsed:.1f} s: " if final else "",
-            stats.batches,
-            stats.batches / elapsed,
-            stats.rows,
-            stats.rows / elapsed,
-            stats.skipped,
-            self.stats.last_sequence,
+            batches,
+            batches / elapsed,
+            rows,
+            rows / elapsed,
+            stats.skipped - since.skipped,
+            stats.last_sequence,
             self._lag(backlog),
             backlog.entries,
         )
         if not final:
             self._window_start = now
-            self._window = ServiceStats()
+            self._logged = replace(stats)
