@@ -45,7 +45,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -791,17 +791,9 @@ class ConsumerService:
             ) from err
 
     def _report_progress(self) -> None:
-        if self._reporter is None:
-            return
-        stats = self.stats
-        self._reporter.progress(
-            rows=stats.rows,
-            batches=stats.batches,
-            skipped=stats.skipped,
-            quarantined=stats.quarantined,
-            last_sequence=stats.last_sequence,
-            lag_seconds=round(self._lag(self._consumer.backlog()), 3),
-        )
+        if self._reporter is not None:  # the report's totals are the run's, by the same names
+            lag = round(self._lag(self._consumer.backlog()), 3)
+            self._reporter.progress(**asdict(self.stats), lag_seconds=lag)
 
     def _lag(self, backlog: Backlog) -> float:
         """Seconds since the oldest record of the next undelivered entry (0: none known)."""
