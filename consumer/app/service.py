@@ -312,12 +312,7 @@ class ConsumerService:
                 reads_manifest=True,
             )
         elif (sequence := self._to_ack()) is not None:
-            self._with_retry(
-                stop,
-                f"ack sequence {sequence}",
-                functools.partial(self._consumer.ack_through, sequence),
-                reads_manifest=True,
-            )
+            self._ack(sequence, stop)
 
     def _stopped_by(self, err: BaseException) -> None:
         """The run stops on ``err`` (not a fencing): log why, dequeue what was written, and
@@ -562,15 +557,15 @@ class ConsumerService:
                 continue
             if results is None:
                 return False
-            if not self._ack(batch, stop):
+            if not self._ack(batch.sequence, stop):
                 return False
             self._count(batch, results[0], self._sink.rows_written - rows_before)
         return True
 
-    def _ack(self, batch: ConsumedBatch, stop: threading.Event) -> bool:
-        """Ack a written batch and every delivered one before it (one fencing check), retrying
-        for as long as the store is down; ``False`` when stopped first (the batches are in the
-        sink, so nothing is lost).
+    def _ack(self, sequence: int, stop: threading.Event) -> bool:
+        """Ack the written ``sequence`` and every delivered one before it (one fencing check),
+        retrying for as long as the store is down; ``False`` when stopped first (the batches are
+        in the sink, so nothing is lost).
 
         An ack that was recorded but whose dequeue failed is not repeated: the next ack (or the
         final ``close()``) dequeues it with the rest.
@@ -578,11 +573,11 @@ class ConsumerService:
 
         def ack() -> bool:
             acked = self._consumer.acked_sequence
-            if acked is None or acked < batch.sequence:
-                self._consumer.ack_through(batch.sequence)
+            if acked is None or acked < sequence:
+                self._consumer.ack_through(sequence)
             return True
 
-        acked = self._with_retry(stop, f"ack sequence {batch.sequence}", ack, reads_manifest=True)
+        acked = self._with_retry(stop, f"ack sequence {sequence}", ack, reads_manifest=True)
         return acked is not None
 
     def _count(self, batch: ConsumedBatch, written: bool, rows: int) -> None:
@@ -729,7 +724,7 @@ class ConsumerService:
         else:
             stats.quarantined += 1
         if batch is not None:
-            if not self._ack(batch, stop):
+            if not self._ack(batch.sequence, stop):
                 return False
         else:
             # Never delivered: the consumer would fetch it again. Acknowledged without being
