@@ -316,4 +316,5 @@ def test_an_object_whose_name_only_looks_like_a_segment_is_left_alone(
     successor.initialize()  # takes the index over: looks for orphans
     assert _drain(successor) == _expected(0, 11)
     successor.close()
+    first.close()  # fenced: closes without a dequeue
     assert _segments(store) == [stray]
