@@ -221,26 +221,14 @@ class Consumer:
             ConfigError: the queue's claim refuses this consumer (another manifest on the
                 data prefix, a longer grace period), naming the setting.
             ProgressBehindError: ``last_acked_sequence`` is below the queue's first entry
-                minus one (:func:`millpond.consumer.takeover.take_over` reads progress
-                again, for an older consumer that wrote meanwhile).
+                minus one, read again (an older consumer may have written meanwhile).
             InvalidInputError: ``last_acked_sequence`` is negative or not below the
-                manifest's ``next_sequence`` (the sink is ahead of this queue); or the
-                manifest was replaced (its epoch below one a consumer held).
+                manifest's ``next_sequence``; or the manifest was replaced.
             FencedError: another consumer initialized meanwhile, or took over from this one.
-            FormatError: the manifest is corrupt.
-            StorageError: the store failed past the retry budget.
-            StoreAccessError: the store refuses for good.
-            ClosedError: the consumer was closed.
+            FormatError, StorageError, StoreAccessError, ClosedError: a corrupt manifest;
+                the store failing past the retry budget, or refusing for good; closed.
         """
-        if last_acked_sequence is not None and (
-            isinstance(last_acked_sequence, bool)
-            or not isinstance(last_acked_sequence, int)
-            or last_acked_sequence < 0
-        ):
-            raise InvalidInputError(
-                f"last_acked_sequence: expected None or an integer >= 0, "
-                f"found {last_acked_sequence!r}"
-            )
+        _check_resume_point(last_acked_sequence)
         with self._locked():
             self._check_open()
             if self._fenced is not None:
@@ -253,14 +241,7 @@ class Consumer:
                 # Its rounds would keep the epoch bump out: the read and the bump on what it
                 # read both go in the pause asked for here.
                 self._coordinator.make_way()
-            taken = self._guard(lambda: self._take_over(last_acked_sequence))
-            self._start_after(taken)
-            logger.info(
-                "consumer at epoch %s starts after sequence %s (%s entries queued)",
-                taken.epoch,
-                taken.acked,
-                self._ahead.waiting,
-            )
+            self._start_after(self._guard(lambda: self._take_over(last_acked_sequence)))
 
     def _take_over(self, last_acked: int | None) -> Takeover:
         config = self._config
@@ -309,6 +290,12 @@ class Consumer:
         # Fetching is not delivering: the first objects are on their way before the first
         # next_batches() call, which checks the epoch while they arrive.
         self._ahead.top_up()
+        logger.info(
+            "consumer at epoch %s starts after sequence %s (%s entries queued)",
+            taken.epoch,
+            taken.acked,
+            self._ahead.waiting,
+        )
 
     def next_batch(self) -> ConsumedBatch | None:
         """The next batch in sequence order, or ``None`` when the queue holds nothing new.
@@ -778,3 +765,15 @@ class Consumer:
             self._gc.stop()
             self._gc = None
         self._ahead.close()
+
+
+def _check_resume_point(last_acked_sequence: object) -> None:
+    """``initialize``'s argument: ``None`` or an integer >= 0 (never a bool)."""
+    if last_acked_sequence is not None and (
+        isinstance(last_acked_sequence, bool)
+        or not isinstance(last_acked_sequence, int)
+        or last_acked_sequence < 0
+    ):
+        raise InvalidInputError(
+            f"last_acked_sequence: expected None or an integer >= 0, found {last_acked_sequence!r}"
+        )
